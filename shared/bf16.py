@@ -1,0 +1,22 @@
+"""bf16 bit patterns: the unit everything in this project compares, hashes and encodes."""
+
+from __future__ import annotations
+
+import torch
+
+
+def as_bf16(t: torch.Tensor) -> torch.Tensor:
+    """`t` rounded to bf16 (round-to-nearest-even, what `.to(bfloat16)` does), flat and contiguous."""
+    return t.detach().to(torch.bfloat16).contiguous().reshape(-1)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The int16 bit patterns of a bf16 tensor, flat. Comparing these is exact for NaN payloads and -0.0."""
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"expected a bfloat16 tensor, got {t.dtype}")
+    return t.contiguous().reshape(-1).view(torch.int16)
+
+
+def exponents(b: torch.Tensor) -> torch.Tensor:
+    """The 8-bit biased exponent of each bf16 bit pattern (sign dropped), as int32."""
+    return (b.to(torch.int32) >> 7) & 0xFF

@@ -1,0 +1,79 @@
+"""Change detection: exactly which bf16 elements differ between the last published state and now."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from shared.bf16 import as_bf16, bits
+
+
+@dataclass(frozen=True)
+class TensorChanges:
+    """The changed elements of one tensor: flat positions (int64, strictly increasing) and new bf16 values."""
+
+    indices: torch.Tensor
+    values: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.indices.numel()
+
+
+class SchemaError(ValueError):
+    """Two states do not hold the same tensors with the same shapes."""
+
+
+def check_schema(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> None:
+    missing, extra = sorted(set(old) - set(new)), sorted(set(new) - set(old))
+    if missing or extra:
+        raise SchemaError(f"tensor sets differ: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, t in old.items():
+        if tuple(t.shape) != tuple(new[name].shape):
+            raise SchemaError(f"{name}: shape {tuple(new[name].shape)} != {tuple(t.shape)}")
+
+
+def diff(
+    old: Mapping[str, torch.Tensor], new: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+) -> dict[str, TensorChanges]:
+    """Elements of `new` (any float dtype, cast to bf16) whose bf16 bit pattern differs from `old` (bf16).
+
+    Bitwise comparison, so NaN payloads and -0.0 count. On CUDA this syncs with the host once for all
+    tensors (to size the outputs), not once per tensor.
+    """
+    new = dict(new.items() if isinstance(new, Mapping) else new)
+    check_schema(old, new)
+    masks, new_bits = {}, {}
+    for name, t in new.items():
+        new_bits[name] = bits(as_bf16(t))
+        masks[name] = new_bits[name] != bits(old[name])
+    if not masks:
+        return {}
+    counts = torch.stack([m.sum() for m in masks.values()]).tolist()  # the one host sync
+    out = {}
+    for (name, mask), count in zip(masks.items(), counts, strict=True):
+        if count:
+            idx = torch.nonzero_static(mask, size=count).squeeze(1)
+            out[name] = TensorChanges(idx, new_bits[name][idx].view(torch.bfloat16))
+    return out
+
+
+def apply_changes(state: Mapping[str, torch.Tensor], changes: Mapping[str, TensorChanges]) -> None:
+    """Write `changes` into the bf16 tensors of `state` in place."""
+    for name, ch in changes.items():
+        state[name].view(-1)[ch.indices.to(state[name].device)] = ch.values.to(state[name].device)
+
+
+class Snapshot:
+    """The bf16 state last published, on the device of the weights it was taken from."""
+
+    def __init__(self, params: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]):
+        items = params.items() if isinstance(params, Mapping) else params
+        self.tensors = {name: as_bf16(t).clone().view(t.shape) for name, t in items}
+
+    def update(self, params: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> dict:
+        """Changes from the snapshot to `params`; the snapshot becomes `params` (as bf16)."""
+        changes = diff(self.tensors, params)
+        apply_changes(self.tensors, changes)
+        return changes

@@ -1,0 +1,76 @@
+"""A 64-bit fingerprint of a full bf16 model state that a patch can update in O(changed elements).
+
+    F(state) = sum over tensors t, flat positions i of  bits_t[i] * r(t, i)   (mod 2^64)
+
+`bits` is the signed int16 pattern of the bf16 value and r(t, i) = R1[i % 4096] * R2(t, i // 4096) | 1 is a
+pseudo-random odd weight. Because F is linear in the bit patterns, a patch moves it by
+sum((new - old) * r) over the changed elements only, so sender and receiver track it per step for free.
+Because r factors over rows of 4096, a full recomputation is one int64 multiply-and-row-sum pass
+(exact: |bits * R1| < 2^47, so a row of 4096 sums below 2^59), then O(rows) modular arithmetic.
+A single wrong element always changes F (odd weights, |difference| < 2^16).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import torch
+
+from shared.bf16 import bits
+
+ROW = 4096
+MASK64 = (1 << 64) - 1
+_ROWS_PER_CHUNK = 1024  # bounds the int64 temporary to 32 MB
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+_R1 = (_splitmix64(np.arange(ROW, dtype=np.uint64)) >> np.uint64(32)) | np.uint64(1)  # 32-bit odd
+_R1_TORCH = torch.from_numpy(_R1.astype(np.int64))
+
+
+def _row_weights(name: str, rows: np.ndarray) -> np.ndarray:
+    seed = np.uint64(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
+    return _splitmix64(rows.astype(np.uint64) ^ seed) | np.uint64(1)
+
+
+def _weighted_sum(name: str, rows: np.ndarray, row_sums: np.ndarray) -> int:
+    with np.errstate(over="ignore"):
+        return int((row_sums.astype(np.uint64) * _row_weights(name, rows)).sum(dtype=np.uint64))
+
+
+def tensor_fingerprint(name: str, t: torch.Tensor) -> int:
+    """Fingerprint contribution of one bf16 tensor (a full pass over it)."""
+    b = bits(t)
+    n_rows = -(-b.numel() // ROW)
+    padded = torch.nn.functional.pad(b, (0, n_rows * ROW - b.numel())) if b.numel() % ROW else b
+    r1 = _R1_TORCH.to(b.device)
+    sums = [(chunk.to(torch.int64) * r1).sum(1) for chunk in padded.view(n_rows, ROW).split(_ROWS_PER_CHUNK)]
+    row_sums = torch.cat(sums).cpu().numpy() if sums else np.zeros(0, np.int64)
+    return _weighted_sum(name, np.arange(n_rows), row_sums) & MASK64
+
+
+def state_fingerprint(state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Fingerprint of a whole bf16 state."""
+    items = state.items() if isinstance(state, Mapping) else state
+    return sum(tensor_fingerprint(n, t) for n, t in items) & MASK64
+
+
+def delta(name: str, positions: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:
+    """How F moves when tensor `name` changes from `old` to `new` bit patterns (int16) at `positions`."""
+    positions = positions.astype(np.int64)
+    diff = new.astype(np.int64) - old.astype(np.int64)
+    with np.errstate(over="ignore"):
+        weighted = diff.astype(np.uint64) * _R1[positions % ROW]
+        return int((weighted * _row_weights(name, positions // ROW)).sum(dtype=np.uint64))
+
+
+def format_fingerprint(fp: int) -> str:
+    return f"{fp & MASK64:016x}"

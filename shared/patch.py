@@ -1,0 +1,314 @@
+"""The patch file: the exact changes from one bf16 model state to the next, as one safetensors file.
+
+Layout (every patch is a valid safetensors file; the header's `__metadata__` holds strings only):
+
+    format            "deltasync.patch"            version   "1"
+    encoding          "compact" | "raw"
+    step, base_step   the state this patch produces, and the one it applies to
+    numel, changed    elements in the whole model, elements this patch changes
+    fingerprint       16 hex digits: shared.fingerprint of the full state after the patch
+    base_fingerprint  the same for the state it applies to (a patch never applies anywhere else)
+    models            (compact only) JSON of the pooled categorical tables, see shared.compact
+    dense             (compact only) JSON {name: changed} for the tensors stored dense
+
+Entries, per changed tensor `name` (HF checkpoint names), by mode:
+    raw      `name/indices` I32 flat positions (strictly increasing) and `name/values` BF16 new values:
+             what vLLM's CheckpointWeightPatch takes
+    compact  `name` U8: the tensor's compact stream (needs the old weights to decode)
+    dense    `name` BF16 with the tensor's shape: all its new values (chosen when changes are dense)
+The entries say which tensors changed and how; nothing else repeats their names.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from shared import compact, fingerprint
+from shared.bf16 import bits
+from shared.changes import TensorChanges, diff
+
+FORMAT = "deltasync.patch"
+VERSION = "1"
+ENCODINGS = ("compact", "raw")
+MAX_HEADER_BYTES = 64 << 20
+
+
+class PatchError(ValueError):
+    """A patch that is malformed, corrupt, or made for another base state. Nothing was applied."""
+
+
+@dataclass
+class Patch:
+    step: int
+    base_step: int
+    numel: int
+    base_fingerprint: int
+    fingerprint: int
+    changes: dict[str, TensorChanges]
+
+    @property
+    def changed(self) -> int:
+        return sum(len(c) for c in self.changes.values())
+
+
+def fingerprint_after(base_fingerprint: int, old: Mapping[str, torch.Tensor], changes: dict) -> int:
+    """The fingerprint of `old` with `changes` applied, in O(changed elements)."""
+    fp = base_fingerprint
+    for name, ch in changes.items():
+        idx = ch.indices.to(old[name].device)
+        fp += fingerprint.delta(
+            name, ch.indices.cpu().numpy(), bits(old[name])[idx].cpu().numpy(), bits(ch.values).cpu().numpy()
+        )
+    return fp & fingerprint.MASK64
+
+
+def make_patch(
+    old: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    step: int,
+    base_step: int,
+    base_fingerprint: int | None = None,
+) -> Patch:
+    """The patch from bf16 state `old` to `new` (any float dtype, compared as bf16)."""
+    changes = diff(old, new)
+    if base_fingerprint is None:
+        base_fingerprint = fingerprint.state_fingerprint(old)
+    numel = sum(t.numel() for t in old.values())
+    fp = fingerprint_after(base_fingerprint, old, changes)
+    return Patch(step, base_step, numel, base_fingerprint, fp, changes)
+
+
+# ----------------------------------------------------------------------------------------------- encode
+
+
+def encode(patch: Patch, old: Mapping[str, torch.Tensor], encoding: str = "compact") -> bytes:
+    """Serialize `patch`, made against bf16 state `old`, as safetensors bytes."""
+    if encoding not in ENCODINGS:
+        raise ValueError(f"unknown encoding {encoding!r}; choose from {', '.join(ENCODINGS)}")
+    entries: dict[str, torch.Tensor] = {}
+    extra: dict[str, str] = {}
+    if encoding == "raw":
+        for name, ch in patch.changes.items():
+            if old[name].numel() >= 1 << 31:
+                raise ValueError(
+                    f"{name}: raw encoding needs int32 positions, tensor has {old[name].numel()}"
+                )
+            entries[f"{name}/indices"] = ch.indices.to(torch.int32).cpu()
+            entries[f"{name}/values"] = ch.values.cpu()
+    else:
+        models, symbols, dense_changed = compact.Models(), {}, {}
+        for name, ch in patch.changes.items():
+            s = compact.to_symbols(bits(old[name]), ch.indices, bits(ch.values))
+            if s.estimated_bits < 16 * old[name].numel():
+                symbols[name] = s
+                compact.tally(models, s)
+        q_models, v_models = models.categorical()
+        for name, ch in patch.changes.items():
+            stream = compact.encode_stream(symbols[name], q_models, v_models) if name in symbols else None
+            if stream is not None and len(stream) < 2 * old[name].numel():
+                entries[name] = torch.frombuffer(bytearray(stream), dtype=torch.uint8)
+            else:  # dense is never beaten by more than a few header bytes
+                dense = old[name].detach().clone().reshape(-1)
+                dense[ch.indices.to(dense.device)] = ch.values.to(dense.device)
+                entries[name] = dense.view(old[name].shape).cpu()
+                dense_changed[name] = len(ch)
+        extra["models"] = json.dumps(models.to_json(), separators=(",", ":"))
+        extra["dense"] = json.dumps(dense_changed, separators=(",", ":"))
+    metadata = {
+        "format": FORMAT,
+        "version": VERSION,
+        "encoding": encoding,
+        "step": str(patch.step),
+        "base_step": str(patch.base_step),
+        "numel": str(patch.numel),
+        "changed": str(patch.changed),
+        "fingerprint": fingerprint.format_fingerprint(patch.fingerprint),
+        "base_fingerprint": fingerprint.format_fingerprint(patch.base_fingerprint),
+        **extra,
+    }
+    return save_safetensors(entries, metadata=metadata)
+
+
+# ----------------------------------------------------------------------------------------------- decode
+
+
+@dataclass
+class PatchInfo:
+    """What a patch says about itself, read without its base."""
+
+    encoding: str
+    step: int
+    base_step: int
+    numel: int
+    changed: int
+    fingerprint: int
+    base_fingerprint: int
+    tensors: dict[str, dict]
+    metadata: dict[str, str]
+    payload_bytes: int
+
+
+def read_info(data: bytes) -> PatchInfo:
+    """Parse and check a patch's header. Raises PatchError naming what is wrong."""
+    if len(data) < 8:
+        raise PatchError(f"not a safetensors file: {len(data)} bytes")
+    (header_len,) = struct.unpack("<Q", data[:8])
+    if header_len > min(MAX_HEADER_BYTES, len(data) - 8):
+        raise PatchError(f"truncated or corrupt: header claims {header_len} bytes, file has {len(data)}")
+    try:
+        header = json.loads(data[8 : 8 + header_len])
+        meta = header["__metadata__"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise PatchError(f"corrupt safetensors header: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise PatchError(
+            f"not a deltasync patch (format {meta.get('format') if isinstance(meta, dict) else None!r})"
+        )
+    if meta.get("version") != VERSION:
+        raise PatchError(f"patch format version {meta.get('version')!r}, this reader understands {VERSION!r}")
+    if meta.get("encoding") not in ENCODINGS:
+        raise PatchError(f"unknown encoding {meta.get('encoding')!r}")
+    try:
+        tensors = _tensor_list(meta, header, data[8 + header_len :])
+        info = PatchInfo(
+            encoding=meta["encoding"],
+            step=int(meta["step"]),
+            base_step=int(meta["base_step"]),
+            numel=int(meta["numel"]),
+            changed=int(meta["changed"]),
+            fingerprint=int(meta["fingerprint"], 16),
+            base_fingerprint=int(meta["base_fingerprint"], 16),
+            tensors=tensors,
+            metadata=meta,
+            payload_bytes=len(data),
+        )
+    except PatchError:
+        raise
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
+        raise PatchError(f"bad patch metadata or entries: {e!r}") from None
+    if sum(t["changed"] for t in info.tensors.values()) != info.changed:
+        raise PatchError(f"per-tensor changed counts do not add up to {info.changed}")
+    return info
+
+
+def _tensor_list(meta: dict, header: dict, body: bytes) -> dict[str, dict]:
+    """{name: {"mode", "changed", "shape"}} from the entries, without decoding any tensor."""
+    tensors: dict[str, dict] = {}
+    dense = json.loads(meta.get("dense", "{}"))
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        name, _, part = key.rpartition("/") if meta["encoding"] == "raw" else (key, "", "")
+        if meta["encoding"] == "raw":
+            if part not in ("indices", "values") or entry["dtype"] != (
+                "I32" if part == "indices" else "BF16"
+            ):
+                raise PatchError(
+                    f"raw entry {key!r} ({entry.get('dtype')}) is not name/indices I32 or name/values BF16"
+                )
+            tensors.setdefault(name, {"mode": "raw", "changed": 0, "parts": set()})
+            tensors[name]["parts"].add(part)
+            tensors[name]["changed"] = entry["shape"][0]
+        elif entry["dtype"] == "U8":
+            start, end = entry["data_offsets"]
+            tensors[name] = {"mode": "compact", "changed": compact.stream_changed(body[start:end])}
+        elif entry["dtype"] == "BF16" and name in dense:
+            tensors[name] = {"mode": "dense", "changed": int(dense[name]), "shape": entry["shape"]}
+        else:
+            raise PatchError(
+                f"entry {key!r} ({entry.get('dtype')}) is neither a compact stream nor a listed dense tensor"
+            )
+    for name, t in tensors.items():
+        if t.pop("parts", {"indices", "values"}) != {"indices", "values"}:
+            raise PatchError(f"raw patch lacks {name}/indices or {name}/values")
+    return tensors
+
+
+def decode(data: bytes, base: Mapping[str, torch.Tensor], base_fingerprint: int | None = None) -> Patch:
+    """Decode and verify a patch against the bf16 state `base` it must apply to.
+
+    `base_fingerprint` is the caller's fingerprint of `base` (computed in full when None). Raises PatchError
+    unless the patch was made from exactly this state and reproduces its recorded fingerprint.
+    """
+    info = read_info(data)
+    numel = sum(t.numel() for t in base.values())
+    if info.numel != numel:
+        raise PatchError(f"patch is for a model of {info.numel} elements, base has {numel}")
+    for name, t in info.tensors.items():
+        if name not in base:
+            raise PatchError(f"patch names unknown tensor {name!r}")
+        if t["mode"] == "dense" and t["shape"] != list(base[name].shape):
+            raise PatchError(f"{name}: patch shape {t['shape']} != base shape {list(base[name].shape)}")
+        if not 0 < t["changed"] <= base[name].numel():
+            raise PatchError(f"{name}: {t['changed']} changes for {base[name].numel()} elements")
+    if base_fingerprint is None:
+        base_fingerprint = fingerprint.state_fingerprint(base)
+    if info.base_fingerprint != base_fingerprint:
+        raise PatchError(
+            f"patch applies to state {fingerprint.format_fingerprint(info.base_fingerprint)} "
+            f"(step {info.base_step}), base is {fingerprint.format_fingerprint(base_fingerprint)}"
+        )
+    try:
+        entries = load_safetensors(data)
+    except Exception as e:  # safetensors raises its own error types for every kind of corruption
+        raise PatchError(f"corrupt patch payload: {e}") from None
+    q_models = v_models = None
+    if info.encoding == "compact":
+        try:
+            models = compact.Models.from_json(json.loads(info.metadata.get("models", "null")) or {})
+        except (json.JSONDecodeError, compact.CompactDecodeError) as e:
+            raise PatchError(f"bad compact models: {e}") from None
+        q_models, v_models = models.categorical()
+    changes = {}
+    for name, t in info.tensors.items():
+        try:
+            changes[name] = _decode_tensor(name, t, entries, base[name], q_models, v_models)
+        except (compact.CompactDecodeError, ValueError, RuntimeError, OverflowError) as e:
+            raise PatchError(f"{name}: corrupt {t['mode']} data: {e}") from None
+    fp = fingerprint_after(base_fingerprint, base, changes)
+    if fp != info.fingerprint:
+        raise PatchError(
+            f"fingerprint mismatch: decoded state is {fingerprint.format_fingerprint(fp)}, "
+            f"patch promises {fingerprint.format_fingerprint(info.fingerprint)}"
+        )
+    return Patch(info.step, info.base_step, numel, base_fingerprint, fp, changes)
+
+
+def _decode_tensor(name, t, entries, old, q_models, v_models) -> TensorChanges:
+    old_bits = bits(old)
+    if t["mode"] == "raw":
+        idx, values = entries[f"{name}/indices"], entries[f"{name}/values"]
+        if (
+            idx.dtype != torch.int32
+            or values.dtype != torch.bfloat16
+            or idx.dim() != 1
+            or idx.shape != values.shape
+        ):
+            raise ValueError("raw entries must be 1-D int32 indices and bf16 values of one length")
+        idx = idx.to(torch.int64).to(old.device)
+        values = values.to(old.device)
+    elif t["mode"] == "dense":
+        dense = entries[name]
+        if dense.dtype != torch.bfloat16 or list(dense.shape) != list(old.shape):
+            raise ValueError(f"dense entry must be bf16 {list(old.shape)}")
+        dense = bits(dense.to(old.device))
+        idx = torch.nonzero(dense != old_bits).squeeze(1)
+        values = dense[idx].view(torch.bfloat16)
+    else:
+        stream = entries[name]
+        if stream.dtype != torch.uint8 or stream.dim() != 1:
+            raise ValueError("compact entry must be 1-D uint8")
+        idx, new_bits = compact.decode_stream(stream.numpy().tobytes(), old_bits, q_models, v_models)
+        values = new_bits.view(torch.bfloat16)
+    if idx.numel() != t["changed"]:
+        raise ValueError(f"{idx.numel()} changes decoded, metadata says {t['changed']}")
+    if idx.numel() and (idx[0] < 0 or idx[-1] >= old_bits.numel() or (idx[1:] <= idx[:-1]).any()):
+        raise ValueError("positions must be strictly increasing and inside the tensor")
+    return TensorChanges(idx, values)
