@@ -6,6 +6,7 @@ Layout (every patch is a valid safetensors file; the header's `__metadata__` hol
     encoding          "compact" | "raw"
     step, base_step   the state this patch produces, and the one it applies to
     numel, changed    elements in the whole model, elements this patch changes
+    schema            16 hex digits: hash of every tensor's name and shape in the model (see schema_hash)
     fingerprint       16 hex digits: shared.fingerprint of the full state after the patch
     base_fingerprint  the same for the state it applies to (a patch never applies anywhere else)
     models            (compact only) JSON of the pooled categorical tables, see shared.compact
@@ -21,6 +22,7 @@ The entries say which tensors changed and how; nothing else repeats their names.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from collections.abc import Mapping
@@ -38,6 +40,12 @@ FORMAT = "deltasync.patch"
 VERSION = "1"
 ENCODINGS = ("compact", "raw")
 MAX_HEADER_BYTES = 64 << 20
+
+
+def schema_hash(state: Mapping[str, torch.Tensor]) -> str:
+    """Hash of the model's tensor names and shapes: flat positions only mean something within one schema."""
+    listing = json.dumps(sorted((name, list(t.shape)) for name, t in state.items()))
+    return hashlib.blake2b(listing.encode(), digest_size=8).hexdigest()
 
 
 class PatchError(ValueError):
@@ -129,6 +137,7 @@ def encode(patch: Patch, old: Mapping[str, torch.Tensor], encoding: str = "compa
         "base_step": str(patch.base_step),
         "numel": str(patch.numel),
         "changed": str(patch.changed),
+        "schema": schema_hash(old),
         "fingerprint": fingerprint.format_fingerprint(patch.fingerprint),
         "base_fingerprint": fingerprint.format_fingerprint(patch.base_fingerprint),
         **extra,
@@ -164,8 +173,8 @@ def read_info(data: bytes) -> PatchInfo:
         raise PatchError(f"truncated or corrupt: header claims {header_len} bytes, file has {len(data)}")
     try:
         header = json.loads(data[8 : 8 + header_len])
-        meta = header["__metadata__"]
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        meta = header.get("__metadata__")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
         raise PatchError(f"corrupt safetensors header: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise PatchError(
@@ -248,6 +257,10 @@ def decode(data: bytes, base: Mapping[str, torch.Tensor], base_fingerprint: int 
             raise PatchError(f"{name}: patch shape {t['shape']} != base shape {list(base[name].shape)}")
         if not 0 < t["changed"] <= base[name].numel():
             raise PatchError(f"{name}: {t['changed']} changes for {base[name].numel()} elements")
+    if info.metadata.get("schema") != schema_hash(base):
+        raise PatchError(
+            "patch was made for another model schema (tensor names or shapes differ from the base)"
+        )
     if base_fingerprint is None:
         base_fingerprint = fingerprint.state_fingerprint(base)
     if info.base_fingerprint != base_fingerprint:

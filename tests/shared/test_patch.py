@@ -1,0 +1,236 @@
+"""The patch codec: exact round trips, bit for bit, and refusal of anything it was not made for."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared import fingerprint
+from shared import patch as patches
+from shared.bf16 import bits
+from shared.changes import SchemaError, apply_changes
+
+ENCODINGS = patches.ENCODINGS
+
+
+def bf16_from_bits(b: np.ndarray, shape) -> torch.Tensor:
+    return torch.from_numpy(b.astype(np.int16)).view(torch.bfloat16).view(shape)
+
+
+def random_state(rng: np.random.Generator, shapes: dict) -> dict:
+    """Realistic weights: N(0, 0.02) plus a sprinkle of every kind of special bit pattern."""
+    state = {}
+    for name, shape in shapes.items():
+        t = torch.from_numpy(rng.normal(0, 0.02, size=shape).astype(np.float32)).bfloat16()
+        b = bits(t).numpy().copy()
+        special = rng.random(b.size) < 0.01
+        b[special] = rng.integers(-(1 << 15), 1 << 15, size=int(special.sum()))
+        state[name] = bf16_from_bits(b, shape)
+    return state
+
+
+def step_state(rng: np.random.Generator, old: dict, density: float) -> dict:
+    """Move a `density` share of elements: mostly +-1 ulp, some bigger jumps, some arbitrary patterns."""
+    new = {}
+    for name, t in old.items():
+        b = bits(t).numpy().astype(np.int32)
+        mask = rng.random(b.size) < density
+        moves = rng.choice([-1, 1, -2, 2, 7, -300], size=b.size, p=[0.45, 0.45, 0.04, 0.04, 0.01, 0.01])
+        arbitrary = rng.random(b.size) < 0.01
+        b = np.where(mask, b + moves, b)
+        b = np.where(mask & arbitrary, rng.integers(-(1 << 15), 1 << 15, size=b.size), b)
+        b = ((b + (1 << 15)) % (1 << 16)) - (1 << 15)
+        new[name] = bf16_from_bits(b, t.shape)
+    return new
+
+
+def roundtrip(old: dict, new: dict, encoding: str) -> tuple[dict, bytes]:
+    patch = patches.make_patch(old, new, step=2, base_step=1)
+    data = patches.encode(patch, old, encoding)
+    decoded = patches.decode(data, old)
+    result = {n: t.clone() for n, t in old.items()}
+    apply_changes(result, decoded.changes)
+    return result, data
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(bits(a[name]), bits(b[name])), name
+
+
+shapes_strategy = st.dictionaries(
+    st.sampled_from(
+        ["model.embed_tokens.weight", "layers.0.mlp.up_proj.weight", "layers.0.norm.weight", "bias"]
+    ),
+    st.lists(st.integers(1, 70), min_size=1, max_size=2).map(tuple),
+    min_size=1,
+    max_size=4,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shapes=shapes_strategy,
+    density=st.sampled_from([0.0, 0.001, 0.01, 0.05, 0.3, 0.9, 1.0]),
+    seed=st.integers(0, 2**32 - 1),
+    encoding=st.sampled_from(ENCODINGS),
+)
+def test_roundtrip_is_exact(shapes, density, seed, encoding):
+    rng = np.random.default_rng(seed)
+    old = random_state(rng, shapes)
+    new = step_state(rng, old, density)
+    result, data = roundtrip(old, new, encoding)
+    assert_bitwise_equal(result, new)
+    info = patches.read_info(data)
+    assert info.changed == sum(int((bits(old[n]) != bits(new[n])).sum()) for n in old)
+    assert info.fingerprint == fingerprint.state_fingerprint(new)
+
+
+def test_roundtrip_on_a_large_tensor_uses_every_class():
+    rng = np.random.default_rng(0)
+    old = random_state(rng, {"w": (512, 1024), "b": (1024,)})
+    new = step_state(rng, old, 0.01)
+    result, data = roundtrip(old, new, "compact")
+    assert_bitwise_equal(result, new)
+    assert patches.read_info(data).tensors["w"]["mode"] == "compact"
+
+
+def test_every_bf16_bit_pattern_survives():
+    all_patterns = np.arange(-(1 << 15), 1 << 15)
+    old = {"w": bf16_from_bits(all_patterns, (256, 256))}
+    rolled = np.roll(all_patterns, 1)  # NaN payloads, +-inf, -0.0, subnormals all move to new values
+    new = {"w": bf16_from_bits(rolled, (256, 256))}
+    for encoding in ENCODINGS:
+        result, _ = roundtrip(old, new, encoding)
+        assert_bitwise_equal(result, new)
+
+
+def test_negative_zero_and_nan_payloads_count_as_changes():
+    old = {"w": torch.tensor([0.0, float("nan"), 1.0], dtype=torch.bfloat16)}
+    new_bits = bits(old["w"]).clone()
+    new_bits[0] = -(1 << 15)  # -0.0 == 0.0 as floats, but a different pattern
+    new_bits[1] ^= 1  # another NaN payload
+    new = {"w": new_bits.view(torch.bfloat16)}
+    patch = patches.make_patch(old, new, 1, 0)
+    assert patch.changed == 2
+
+
+def test_empty_patch():
+    rng = np.random.default_rng(1)
+    old = random_state(rng, {"w": (10, 10)})
+    for encoding in ENCODINGS:
+        result, data = roundtrip(old, old, encoding)
+        assert_bitwise_equal(result, old)
+        assert patches.read_info(data).changed == 0
+
+
+def test_dense_changes_cost_no_more_than_dense_bf16():
+    rng = np.random.default_rng(2)
+    old = random_state(rng, {"w": (256, 256)})
+    new = {"w": bf16_from_bits(rng.integers(-(1 << 15), 1 << 15, size=65536), (256, 256))}
+    _, data = roundtrip(old, new, "compact")
+    header = patches.read_info(data)
+    assert header.tensors["w"]["mode"] == "dense"
+    assert len(data) <= 2 * 65536 + 1024  # the dense tensor plus its safetensors header
+
+
+def test_tensors_that_appear_or_disappear_are_a_schema_error():
+    rng = np.random.default_rng(3)
+    old = random_state(rng, {"a": (4,), "b": (4,)})
+    with pytest.raises(SchemaError, match="differ"):
+        patches.make_patch(old, {"a": old["a"]}, 1, 0)
+    with pytest.raises(SchemaError, match="differ"):
+        patches.make_patch(old, {**old, "c": old["a"]}, 1, 0)
+    with pytest.raises(SchemaError, match="shape"):
+        patches.make_patch(old, {"a": old["a"], "b": torch.zeros(5, dtype=torch.bfloat16)}, 1, 0)
+
+
+@pytest.fixture(scope="module")
+def case():
+    rng = np.random.default_rng(4)
+    old = random_state(rng, {"layers.0.w": (64, 128), "layers.0.b": (128,)})
+    new = step_state(rng, old, 0.05)
+    patch = patches.make_patch(old, new, 1, 0)
+    return old, new, {enc: patches.encode(patch, old, enc) for enc in ENCODINGS}
+
+
+def assert_rejected(data: bytes, base: dict, match: str | None = None) -> None:
+    before = {n: t.clone() for n, t in base.items()}
+    with pytest.raises(patches.PatchError, match=match):
+        patches.decode(data, base)
+    assert_bitwise_equal(base, before)
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_truncated_patch_is_rejected(case, encoding):
+    old, _, data = case
+    for cut in (0, 7, 8, 100, len(data[encoding]) // 2, len(data[encoding]) - 1):
+        assert_rejected(data[encoding][:cut], old)
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_corrupt_payload_is_rejected_or_harmless(case, encoding):
+    old, new, data = case
+    blob = data[encoding]
+    header_end = 8 + int.from_bytes(blob[:8], "little")
+    rng = np.random.default_rng(5)
+    rejected = 0
+    for pos in rng.integers(header_end, len(blob), size=40):
+        corrupt = bytearray(blob)
+        corrupt[pos] ^= 1 << int(rng.integers(8))
+        try:
+            decoded = patches.decode(bytes(corrupt), old)
+        except patches.PatchError:
+            rejected += 1
+            continue
+        result = {n: t.clone() for n, t in old.items()}
+        apply_changes(result, decoded.changes)
+        assert_bitwise_equal(result, new)  # a flip that decodes must not change the outcome
+    assert rejected >= 30
+
+
+def test_patch_for_another_base_is_rejected(case):
+    old, new, data = case
+    assert_rejected(data["compact"], new, match="applies to state")
+    other = {n: t.clone() for n, t in old.items()}
+    bits(other["layers.0.b"])[0] ^= 1
+    assert_rejected(data["raw"], other, match="applies to state")
+
+
+def test_unknown_tensor_and_wrong_shape_are_rejected(case):
+    old, _, data = case
+    renamed = {("layers.9.w" if n == "layers.0.w" else n): t for n, t in old.items()}
+    assert_rejected(data["raw"], renamed, match="unknown tensor")
+    reshaped = {**old, "layers.0.w": old["layers.0.w"].reshape(128, 64)}
+    assert_rejected(data["raw"], reshaped, match="schema")
+
+
+def test_raw_positions_out_of_range_are_rejected():
+    from safetensors.torch import save
+
+    base = {"w": torch.zeros(8, dtype=torch.bfloat16)}
+    fp = fingerprint.state_fingerprint(base)
+    meta = {
+        "format": patches.FORMAT, "version": patches.VERSION, "encoding": "raw", "step": "1",
+        "base_step": "0", "numel": "8", "changed": "1", "schema": patches.schema_hash(base),
+        "fingerprint": f"{fp:016x}", "base_fingerprint": f"{fp:016x}",
+    }  # fmt: skip
+    for index in (8, -1):
+        data = save(
+            {
+                "w/indices": torch.tensor([index], dtype=torch.int32),
+                "w/values": torch.ones(1, dtype=torch.bfloat16),
+            },
+            metadata=meta,
+        )
+        assert_rejected(data, base, match="inside the tensor")
+
+
+def test_not_a_patch_is_rejected():
+    from safetensors.torch import save
+
+    base = {"w": torch.zeros(8, dtype=torch.bfloat16)}
+    assert_rejected(save(base), base, match="not a deltasync patch")
+    assert_rejected(b"\xff" * 64, base, match="truncated or corrupt")
