@@ -24,6 +24,8 @@ import constriction
 import numpy as np
 import torch
 
+from shared.bf16 import exponents
+
 MAX_CLASSES = 4
 BLOCK = 32  # elements per block of class counts; positions inside a block are found by a scan
 Q_SYMBOLS = 32  # Rice quotients 0..30, 31 escapes to a raw 32-bit quotient
@@ -76,10 +78,6 @@ def _categorical(counts: np.ndarray):
 
 
 # ----------------------------------------------------------------------------------------------- classes
-
-
-def _exponents(b: torch.Tensor) -> torch.Tensor:
-    return (b.to(torch.int32) >> 7) & 0xFF
 
 
 class ClassLayout:
@@ -155,7 +153,7 @@ def choose_bounds(old_bits: torch.Tensor, changed_exponents: np.ndarray) -> tupl
     strided sample of large tensors (only the choice depends on it, never correctness).
     """
     stride = max(1, old_bits.numel() >> 16)
-    sample = _exponents(old_bits[::stride])
+    sample = exponents(old_bits[::stride])
     population = torch.bincount(sample, minlength=256).cpu().numpy().astype(np.float64) * stride
     changed = np.bincount(changed_exponents, minlength=256).astype(np.float64)
     bins = np.nonzero((population > 0) | (changed > 0))[0]
@@ -205,7 +203,7 @@ class TensorSymbols:
 def to_symbols(old_bits: torch.Tensor, idx: torch.Tensor, new_bits: torch.Tensor) -> TensorSymbols:
     """Symbols for changed positions `idx` (sorted int64) with new patterns `new_bits` (int16)."""
     old_at = old_bits[idx]
-    changed_exp = _exponents(old_at)
+    changed_exp = exponents(old_at)
     bounds, position_bits = choose_bounds(old_bits, changed_exp.cpu().numpy())
     cls = torch.bucketize(changed_exp, torch.tensor(bounds, dtype=torch.int32, device=idx.device), right=True)
     layout = ClassLayout(old_bits, bounds) if bounds else None
