@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shared.bf16 import as_bf16, bits
@@ -48,15 +49,19 @@ def diff(
     for name, t in new.items():
         new_bits[name] = bits(as_bf16(t))
         masks[name] = new_bits[name] != bits(old[name])
-    if not masks:
-        return {}
-    counts = torch.stack([m.sum() for m in masks.values()]).tolist()  # the one host sync
-    out = {}
-    for (name, mask), count in zip(masks.items(), counts, strict=True):
-        if count:
-            idx = torch.nonzero_static(mask, size=count).squeeze(1)
-            out[name] = TensorChanges(idx, new_bits[name][idx].view(torch.bfloat16))
-    return out
+    on_cpu = {n: m for n, m in masks.items() if m.device.type == "cpu"}
+    # numpy's flatnonzero is ~4x faster than torch.nonzero on CPU.
+    found = {n: torch.from_numpy(np.flatnonzero(m.numpy())) for n, m in on_cpu.items()}
+    on_gpu = {n: m for n, m in masks.items() if n not in on_cpu}
+    if on_gpu:  # one host sync for all tensors, to size the outputs
+        counts = torch.stack([torch.count_nonzero(m) for m in on_gpu.values()]).tolist()
+        for (name, mask), count in zip(on_gpu.items(), counts, strict=True):
+            found[name] = torch.nonzero_static(mask, size=count).squeeze(1)
+    return {
+        name: TensorChanges(found[name], new_bits[name][found[name]].view(torch.bfloat16))
+        for name in masks
+        if len(found[name])
+    }
 
 
 def apply_changes(state: Mapping[str, torch.Tensor], changes: Mapping[str, TensorChanges]) -> None:

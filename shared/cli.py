@@ -1,11 +1,16 @@
-"""`deltasync`: make, apply and inspect bf16 weight patches from the command line.
+"""`deltasync`: bf16 weight patches and sync roots from the command line.
 
     deltasync diff OLD NEW -o PATCH [--encoding compact|raw] [--step N] [--base-step M]
     deltasync apply BASE PATCH -o OUT
     deltasync inspect PATCH
+    deltasync push ROOT CHECKPOINT [--step N] [--anchor-every K]
+    deltasync pull ROOT -o OUTDIR [--step N]
+    deltasync ls ROOT
+    deltasync gc ROOT
 
-OLD, NEW and BASE are safetensors files with HF checkpoint names (any float dtype; compared as bf16).
-Errors are one line on stderr and exit status 1.
+OLD, NEW, BASE and CHECKPOINT are safetensors files (CHECKPOINT may be an HF model folder) with HF checkpoint
+names, any float dtype, compared as bf16. ROOT is a sync root: a folder, hf://buckets/<ns>/<name>[/prefix],
+or an fsspec URL. Results are JSON on stdout; errors are one line on stderr and exit status 1.
 """
 
 from __future__ import annotations
@@ -20,12 +25,20 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from shared import patch as patches
+from shared import protocol
 from shared.bf16 import as_bf16
-from shared.changes import SchemaError, apply_changes
+from shared.changes import apply_changes
+from shared.publisher import Publisher, PublisherConfig, collect_garbage
+from shared.storage import TransientStorageError, open_storage
+from shared.subscriber import Subscriber
 
 
 def load_bf16(path: Path) -> dict[str, torch.Tensor]:
-    return {name: as_bf16(t).view(t.shape) for name, t in load_file(path).items()}
+    """A safetensors file, or every `*.safetensors` shard of an HF model folder, as bf16 tensors."""
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    return {name: as_bf16(t).view(t.shape) for f in files for name, t in load_file(f).items()}
 
 
 def cmd_diff(args: argparse.Namespace) -> dict:
@@ -63,6 +76,37 @@ def cmd_inspect(args: argparse.Namespace) -> dict:
     }
 
 
+def cmd_push(args: argparse.Namespace) -> dict:
+    config = PublisherConfig(anchor_every=args.anchor_every, encoding=args.encoding)
+    with Publisher(args.root, model=str(args.checkpoint), config=config) as publisher:
+        step = publisher.publish(load_bf16(args.checkpoint), step=args.step)
+    entries = [e for e in publisher.head.entries if e.step == step]
+    return {"step": step, "kinds": [e.kind for e in entries], "payload_bytes": entries[0].bytes}
+
+
+def cmd_pull(args: argparse.Namespace) -> dict:
+    subscriber = Subscriber(args.root)
+    applied = subscriber.sync(args.step)
+    args.output.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "pt", "step": str(subscriber.step), "fingerprint": f"{subscriber.fingerprint:016x}"}
+    save_file(subscriber.state, args.output / "model.safetensors", metadata=meta)
+    return {"step": subscriber.step, "path": [f"{a.kind}:{a.step}" for a in applied]}
+
+
+def cmd_ls(args: argparse.Namespace) -> None:
+    storage = open_storage(args.root)
+    head = protocol.Head.from_json(storage.read_bytes(protocol.HEAD_PATH))
+    for e in head.entries:
+        row = {"step": e.step, "kind": e.kind, "bytes": e.bytes, "changed": e.changed}
+        print(json.dumps(row | {"published_at": e.published_at}))
+
+
+def cmd_gc(args: argparse.Namespace) -> dict:
+    storage = open_storage(args.root)
+    head = protocol.Head.from_json(storage.read_bytes(protocol.HEAD_PATH))
+    return {"head": head.step, "deleted": collect_garbage(storage, head)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltasync", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -85,6 +129,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="describe PATCH as JSON")
     p.add_argument("patch", type=Path)
     p.set_defaults(run=cmd_inspect)
+
+    p = sub.add_parser("push", help="publish CHECKPOINT as the next step of ROOT (anchor or delta)")
+    p.add_argument("root")
+    p.add_argument("checkpoint", type=Path)
+    p.add_argument("--step", type=int, help="step number (default: the head step + 1)")
+    p.add_argument("--anchor-every", type=int, default=PublisherConfig.anchor_every)
+    p.add_argument("--encoding", choices=patches.ENCODINGS, default="compact")
+    p.set_defaults(run=cmd_push)
+
+    p = sub.add_parser("pull", help="write the verified state of a step to OUTDIR/model.safetensors")
+    p.add_argument("root")
+    p.add_argument("-o", "--output", type=Path, required=True)
+    p.add_argument("--step", type=int, help="a retained step (default: the newest)")
+    p.set_defaults(run=cmd_pull)
+
+    p = sub.add_parser("ls", help="one JSON line per retained step")
+    p.add_argument("root")
+    p.set_defaults(run=cmd_ls)
+
+    p = sub.add_parser("gc", help="delete files the head no longer needs")
+    p.add_argument("root")
+    p.set_defaults(run=cmd_gc)
     return parser
 
 
@@ -92,10 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         result = args.run(args)
-    except (patches.PatchError, SchemaError, SafetensorError, OSError, ValueError) as e:
+    # ValueError covers bad patches, anchors, manifests and schemas; RuntimeError covers SyncError.
+    except (SafetensorError, OSError, ValueError, RuntimeError, TransientStorageError) as e:
         print(f"deltasync {args.command}: error: {str(e).replace(chr(10), ' ')}", file=sys.stderr)
         return 1
-    print(json.dumps(result, indent=None if args.command != "inspect" else 2))
+    if result is not None:
+        print(json.dumps(result, indent=None if args.command != "inspect" else 2))
     return 0
 
 

@@ -56,3 +56,45 @@ def test_errors_are_one_line_and_nonzero(tmp_path):
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "not a safetensors file" in r.stderr
     r = run("apply", tmp_path / "a.safetensors", tmp_path / "missing", "-o", tmp_path / "o")
     assert r.returncode == 1 and "No such file" in r.stderr
+
+
+def test_push_ls_pull_gc(tmp_path):
+    torch.manual_seed(0)
+    folder = tmp_path / "model"  # an HF model folder with two shards
+    folder.mkdir()
+    states = []
+    root = tmp_path / "root"
+    for step in range(4):
+        state = {"a.weight": torch.randn(32, 64), "b.weight": torch.randn(16, 64)}
+        if step:
+            state = {n: t.clone() for n, t in states[-1].items()}
+            state["a.weight"][step] += 1.0
+        states.append(state)
+        save_file({"a.weight": state["a.weight"]}, folder / "model-00001-of-00002.safetensors")
+        save_file({"b.weight": state["b.weight"]}, folder / "model-00002-of-00002.safetensors")
+        r = run("push", root, folder, "--anchor-every", "3")
+        assert r.returncode == 0, r.stderr
+        pushed = json.loads(r.stdout)
+        kinds = {0: ["anchor"], 3: ["delta", "anchor"]}.get(step, ["delta"])  # anchor every 3 steps
+        assert (pushed["step"], pushed["kinds"]) == (step, kinds)
+    rows = [json.loads(line) for line in run("ls", root).stdout.splitlines()]
+    assert [(r["step"], r["kind"]) for r in rows] == [
+        (0, "anchor"),
+        (1, "delta"),
+        (2, "delta"),
+        (3, "delta"),
+        (3, "anchor"),
+    ]
+    assert rows[1]["changed"] == 64 and all(r["bytes"] > 0 and r["published_at"] > 0 for r in rows)
+    for step in (1, None):
+        args = ["--step", step] if step is not None else []
+        r = run("pull", root, "-o", tmp_path / f"out-{step}", *args)
+        assert r.returncode == 0, r.stderr
+        pulled = load_file(tmp_path / f"out-{step}" / "model.safetensors")
+        expected = states[1 if step is not None else 3]
+        for name, t in expected.items():
+            assert torch.equal(pulled[name].view(torch.int16), t.bfloat16().view(torch.int16))
+    (root / "deltas" / "step-00000002.x").write_bytes(b"orphan")
+    assert json.loads(run("gc", root).stdout) == {"head": 3, "deleted": ["deltas/step-00000002.x"]}
+    r = run("pull", root, "-o", tmp_path / "o", "--step", "9")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "step 9 is not retained" in r.stderr

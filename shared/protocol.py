@@ -1,0 +1,237 @@
+"""The sync root's layout and its two manifests (DESIGN.md section 3).
+
+    run.json                                   the model: id and parameter schema (names, shapes; all bf16)
+    anchors/step-00000000/model*.safetensors   complete bf16 states (HF names; sharded above `shard_bytes`)
+    deltas/step-00000001.safetensors           patches (shared.patch) from the previous published step
+    heads/latest.json                          the newest step and every file a reader may use to reach it
+    telemetry/...                              shared.telemetry
+
+Writers upload data first and the head last; readers trust only what the head names. The head lists the
+retained anchors and the unbroken chain of deltas from the oldest of them to the newest step, with sizes and
+fingerprints, so a reader plans its path without listing the bucket. Manifests are untrusted input on the
+reader side: `Head.from_json` and `RunInfo.from_json` check everything and raise ManifestError.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+import torch
+
+from shared.storage import check_path
+
+FORMAT_VERSION = 1
+RUN_PATH = "run.json"
+HEAD_PATH = "heads/latest.json"
+ANCHOR_FORMAT = "deltasync.anchor"
+MAX_MANIFEST_BYTES = 16 << 20
+
+
+class ManifestError(ValueError):
+    """A run.json or head that is malformed or unsafe."""
+
+
+def delta_path(step: int) -> str:
+    return f"deltas/step-{step:08d}.safetensors"
+
+
+def anchor_dir(step: int) -> str:
+    return f"anchors/step-{step:08d}"
+
+
+def anchor_paths(step: int, shards: int) -> list[str]:
+    if shards == 1:
+        return [f"{anchor_dir(step)}/model.safetensors"]
+    return [f"{anchor_dir(step)}/model-{i:05d}-of-{shards:05d}.safetensors" for i in range(1, shards + 1)]
+
+
+def step_of(path: str) -> int | None:
+    """The step a data file belongs to (None for anything else): what GC reasons about."""
+    parts = path.split("/")
+    if len(parts) == 2 and parts[0] == "deltas":
+        name = parts[1].removesuffix(".safetensors")
+    elif len(parts) == 3 and parts[0] == "anchors":
+        name = parts[1]
+    else:
+        return None
+    number = name.removeprefix("step-")
+    return int(number) if name.startswith("step-") and number.isdigit() else None
+
+
+def _load(data: bytes, what: str) -> dict:
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{what}: {len(data)} bytes, more than {MAX_MANIFEST_BYTES}")
+    try:
+        raw = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{what}: not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{what}: not a JSON object")
+    if raw.get("version") != FORMAT_VERSION:
+        raise ManifestError(
+            f"{what}: format version {raw.get('version')!r}, this reader knows {FORMAT_VERSION}"
+        )
+    return raw
+
+
+def _field(raw: dict, key: str, kind: type | tuple[type, ...], what: str):
+    value = raw.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise ManifestError(
+            f"{what}: field {key!r} should be {getattr(kind, '__name__', kind)}, got {value!r:.80}"
+        )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ManifestError(f"{what}: field {key!r} is not finite")
+    if isinstance(value, int) and value < 0:
+        raise ManifestError(f"{what}: field {key!r} is negative")
+    return value
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What every step of the run is a state of: the model id and its bf16 parameter schema."""
+
+    model: str
+    schema: dict[str, list[int]]  # HF name -> shape, in the trainer's order
+
+    @classmethod
+    def of(cls, model: str, state: Mapping[str, torch.Tensor]) -> RunInfo:
+        return cls(model, {name: list(t.shape) for name, t in state.items()})
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(shape) for shape in self.schema.values())
+
+    def to_json(self) -> bytes:
+        return json.dumps({"version": FORMAT_VERSION, **asdict(self)}, indent=1).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> RunInfo:
+        raw = _load(data, RUN_PATH)
+        model = _field(raw, "model", str, RUN_PATH)
+        schema = _field(raw, "schema", dict, RUN_PATH)
+        for name, shape in schema.items():
+            ok = isinstance(shape, list) and all(
+                isinstance(d, int) and not isinstance(d, bool) for d in shape
+            )
+            if not name or not ok or any(d < 0 for d in shape):
+                raise ManifestError(f"{RUN_PATH}: bad schema entry {name!r}: {shape!r:.80}")
+        return cls(model, schema)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One published file set: a complete anchor or a delta from `base_step`."""
+
+    step: int
+    kind: str  # "anchor" | "delta"
+    files: tuple[str, ...]
+    bytes: int
+    fingerprint: str  # of the full bf16 state at `step` (shared.fingerprint.format_fingerprint)
+    published_at: float
+    changed: int = 0  # deltas: elements changed since base_step
+    base_step: int | None = None  # deltas only
+
+
+@dataclass(frozen=True)
+class Head:
+    """The newest published step and the entries (ascending by step) that reach it."""
+
+    step: int
+    fingerprint: str
+    entries: tuple[Entry, ...]
+
+    @property
+    def anchors(self) -> list[Entry]:
+        return [e for e in self.entries if e.kind == "anchor"]
+
+    @property
+    def deltas(self) -> list[Entry]:
+        return [e for e in self.entries if e.kind == "delta"]
+
+    def entry(self, step: int, kind: str) -> Entry | None:
+        return next((e for e in self.entries if e.step == step and e.kind == kind), None)
+
+    def files(self) -> set[str]:
+        return {f for e in self.entries for f in e.files}
+
+    def to_json(self) -> bytes:
+        entries = [{k: v for k, v in asdict(e).items() if v is not None} for e in self.entries]
+        return json.dumps(
+            {
+                "version": FORMAT_VERSION,
+                "step": self.step,
+                "fingerprint": self.fingerprint,
+                "entries": entries,
+            },
+            indent=1,
+        ).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Head:
+        raw = _load(data, HEAD_PATH)
+        entries_raw = _field(raw, "entries", list, HEAD_PATH)
+        entries = tuple(_entry(e, i) for i, e in enumerate(entries_raw))
+        head = cls(_field(raw, "step", int, HEAD_PATH), _field(raw, "fingerprint", str, HEAD_PATH), entries)
+        head._check_chain()
+        return head
+
+    def _check_chain(self) -> None:
+        first, last = self.entries[0] if self.entries else None, self.entries[-1] if self.entries else None
+        if first is None or first.kind != "anchor":
+            raise ManifestError(f"{HEAD_PATH}: the chain must start at an anchor")
+        if (last.step, last.fingerprint) != (self.step, self.fingerprint):
+            raise ManifestError(f"{HEAD_PATH}: the last entry is not the head step {self.step}")
+        chain = first  # where the deltas have reached so far
+        for entry in self.entries[1:]:
+            if entry.kind == "delta":
+                if entry.base_step != chain.step:
+                    raise ManifestError(
+                        f"{HEAD_PATH}: delta {entry.step} is based on step {entry.base_step}, "
+                        f"the chain is at step {chain.step}"
+                    )
+                chain = entry
+            elif (entry.step, entry.fingerprint) != (chain.step, chain.fingerprint):
+                raise ManifestError(
+                    f"{HEAD_PATH}: anchor {entry.step} does not match the chain at step {chain.step}"
+                )
+
+
+def _entry(raw: object, index: int) -> Entry:
+    what = f"{HEAD_PATH} entry {index}"
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{what}: not a JSON object")
+    step = _field(raw, "step", int, what)
+    kind = raw.get("kind")
+    files = tuple(_field(raw, "files", list, what))
+    if kind == "delta":
+        expected_ok = files == (delta_path(step),)
+        base_step = _field(raw, "base_step", int, what)
+        if base_step >= step:
+            raise ManifestError(f"{what}: base step {base_step} is not before step {step}")
+    elif kind == "anchor":
+        n = len(files)
+        expected_ok = 0 < n < 100_000 and files == tuple(anchor_paths(step, n))
+        base_step = None
+    else:
+        raise ManifestError(f"{what}: kind {kind!r} is neither 'anchor' nor 'delta'")
+    for path in files:
+        try:
+            check_path(path)
+        except ValueError as e:
+            raise ManifestError(f"{what}: {e}") from None
+    if not expected_ok:
+        raise ManifestError(f"{what}: files {list(files)!r:.200} are not where a {kind} of step {step} lives")
+    return Entry(
+        step=step,
+        kind=kind,
+        files=files,
+        bytes=_field(raw, "bytes", int, what),
+        fingerprint=_field(raw, "fingerprint", str, what),
+        published_at=float(_field(raw, "published_at", (int, float), what)),
+        changed=_field(raw, "changed", int, what) if "changed" in raw else 0,
+        base_step=base_step,
+    )

@@ -1,0 +1,345 @@
+"""Subscriber: a replica's side of the sync root.
+
+It polls the head, plans the cheapest path by bytes from what it holds to the newest step (replay deltas, or a
+complete anchor plus the deltas after it), downloads with retries, decodes each patch against its own bf16
+shadow of the state (HF names and layout), verifies the fingerprint, and only then hands the changes to an
+`Applier`: the real target (a dict of tensors, a torch module's state dict, a vLLM engine). A file that fails
+verification is never retried; the subscriber waits on the last good step until a path around it (a newer
+anchor) appears.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import tempfile
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shared import fingerprint, telemetry
+from shared.anchor import AnchorError, read_anchor
+from shared.changes import TensorChanges, apply_changes
+from shared.patch import Patch, PatchError, decode
+from shared.protocol import HEAD_PATH, RUN_PATH, Entry, Head, ManifestError, RunInfo
+from shared.storage import Storage, TransientStorageError, open_storage
+
+log = logging.getLogger(__name__)
+
+
+class SyncError(RuntimeError):
+    """Sync could not reach the requested step; the target still holds the last verified step (or nothing)."""
+
+
+class Applier(ABC):
+    """Where a Subscriber writes verified weights: bf16 values in HF checkpoint names and flat indices."""
+
+    @abstractmethod
+    def load(self, state: Mapping[str, torch.Tensor], step: int) -> float | None:
+        """Replace the whole state (an anchor). Returns the seconds serving was paused, if it serves."""
+
+    @abstractmethod
+    def patch(self, changes: Mapping[str, TensorChanges], step: int) -> float | None:
+        """Write new values at flat indices. Returns the seconds serving was paused, if it serves."""
+
+    def fingerprint(self) -> int | None:
+        """Fingerprint of what the target really holds, read back from its memory; None if it cannot tell."""
+        return None
+
+
+class TensorsApplier(Applier):
+    """Patches tensors in place: a dict of tensors, or `module.state_dict()` to patch a torch module (its
+    tensors share storage with the parameters). Tensors of other dtypes hold the bf16 values cast."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors = tensors
+        self.names: list[str] = []
+
+    @torch.no_grad()
+    def load(self, state: Mapping[str, torch.Tensor], step: int) -> None:
+        missing = [name for name in state if name not in self.tensors]
+        if missing:
+            raise KeyError(f"target has no tensor {missing[0]!r}")
+        for name, t in state.items():
+            self.tensors[name].copy_(t)
+        self.names = list(state)
+
+    @torch.no_grad()
+    def patch(self, changes: Mapping[str, TensorChanges], step: int) -> None:
+        for name, ch in changes.items():
+            t = self.tensors[name]
+            t.view(-1)[ch.indices.to(t.device)] = ch.values.to(t.device, t.dtype)
+
+    def fingerprint(self) -> int:
+        return fingerprint.state_fingerprint((n, self.tensors[n].to(torch.bfloat16)) for n in self.names)
+
+
+@dataclass
+class Applied:
+    """One step the subscriber applied and verified."""
+
+    step: int
+    kind: str  # anchor | delta
+    payload_bytes: int
+    changed: int
+    published_at: float
+    applied_at: float
+    download_s: float
+    apply_s: float
+    pause_s: float | None
+    lag_steps: int  # head step minus this step when applied
+
+    @property
+    def lag_s(self) -> float:
+        return self.applied_at - self.published_at
+
+
+class Subscriber:
+    """Follows the sync root `root` into `applier` (None: the subscriber's own `state` is the target)."""
+
+    def __init__(
+        self,
+        root: str | Path | Storage,
+        applier: Applier | None = None,
+        replica: str | None = None,
+        *,
+        retries: int = 4,
+        backoff_s: float = 0.5,
+        verify_every: int = 10,
+    ):
+        if replica is not None and not telemetry.REPLICA_ID.fullmatch(replica):
+            raise ValueError(f"replica id {replica!r} must match {telemetry.REPLICA_ID.pattern}")
+        self.storage = root if isinstance(root, Storage) else open_storage(root)
+        self.applier, self.replica = applier, replica
+        self.retries, self.backoff_s, self.verify_every = retries, backoff_s, verify_every
+        self.run: RunInfo | None = None
+        self.head: Head | None = None
+        self.state: dict[str, torch.Tensor] | None = None  # bf16 shadow of the target, HF names
+        self.step: int | None = None  # the step the target holds, verified; None: unknown
+        self.fingerprint = 0
+        self.last_error: str | None = None
+        self.history: collections.deque[Applied] = collections.deque(maxlen=256)
+        self._bad: set[tuple[str, int]] = set()  # (file, bytes) that failed verification
+        self._unverified_deltas = 0
+
+    # ---------------------------------------------------------------------------------------------- API
+
+    def sync(self, target: int | None = None) -> list[Applied]:
+        """Reach `target` (default: the head step). Returns the steps applied; raises SyncError when it cannot
+        get there, with the target left on its last verified step."""
+        applied: list[Applied] = []
+        try:
+            self._sync(target, applied)
+            self.last_error = None
+        except SyncError as e:
+            self.last_error = str(e)
+            raise
+        return applied
+
+    def follow(
+        self,
+        stop: threading.Event,
+        interval: float = 1.0,
+        on_applied: Callable[[Applied], None] | None = None,
+    ) -> None:
+        """Poll every `interval` seconds until `stop` is set; errors are logged and kept in `last_error`."""
+        while not stop.is_set():
+            try:
+                for a in self.sync():
+                    if on_applied:
+                        on_applied(a)
+            except SyncError as e:
+                log.warning("sync: %s", e)
+            stop.wait(interval)
+
+    # ------------------------------------------------------------------------------------------ planning
+
+    def _sync(self, target: int | None, applied: list[Applied]) -> None:
+        for attempt in range(2):  # a second plan when the head moved under us (GC removed a file)
+            head = self._read_head()
+            goal = head.step if target is None else target
+            if self.step == goal:
+                return
+            path = self._plan(head, goal)
+            try:
+                for entry in path:
+                    applied.append(self._apply(entry, head))
+                return
+            except FileNotFoundError as e:
+                if attempt:
+                    raise SyncError(f"{e.args[0] if e.args else e}: named by the head but missing") from None
+
+    def _read_head(self) -> Head:
+        try:
+            head = Head.from_json(self._retry(lambda: self.storage.read_bytes(HEAD_PATH)))
+            if self.run is None:
+                self.run = RunInfo.from_json(self._retry(lambda: self.storage.read_bytes(RUN_PATH)))
+        except FileNotFoundError:
+            raise SyncError(f"no run in {self.storage.url} yet") from None
+        except ManifestError as e:
+            raise SyncError(f"refused the head of {self.storage.url}: {e}") from None
+        self.head = head
+        return head
+
+    def _plan(self, head: Head, goal: int) -> list[Entry]:
+        """The cheapest verified-file path (by bytes) to step `goal`."""
+        if not any(e.step == goal for e in head.entries):
+            steps = sorted({e.step for e in head.entries})
+            raise SyncError(
+                f"step {goal} is not retained in {self.storage.url} (from {steps[0]} to {steps[-1]})"
+            )
+        deltas = [d for d in head.deltas if d.step <= goal]
+        starts = [a for a in head.anchors if a.step <= goal]
+        here = fingerprint.format_fingerprint(self.fingerprint)
+        if self.step is not None and any(e.step == self.step and e.fingerprint == here for e in head.entries):
+            starts.append(None)  # replay from what the target holds
+        paths = []
+        for start in starts:
+            since = self.step if start is None else start.step
+            path = [start] if start else []
+            path += [d for d in deltas if d.step > since]
+            if not any((f, e.bytes) in self._bad for e in path for f in e.files):
+                paths.append(path)
+        if not paths:
+            raise SyncError(
+                f"no verified path to step {goal} yet: waiting for a newer anchor ({self.last_error})"
+            )
+        return min(paths, key=lambda p: (sum(e.bytes for e in p), len(p)))
+
+    # ------------------------------------------------------------------------------------------ applying
+
+    def _apply(self, entry: Entry, head: Head) -> Applied:
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="deltasync-") as tmp:
+            local = [Path(tmp) / f"{i}.safetensors" for i in range(len(entry.files))]
+            for path, dest in zip(entry.files, local, strict=True):
+                self._retry(lambda path=path, dest=dest: self.storage.download_file(path, dest))
+            download_s = time.perf_counter() - start
+            apply_start = time.perf_counter()  # apply_s: decode, verify and write
+            try:
+                if entry.kind == "anchor":
+                    state, patch = read_anchor(local, self.run, entry.step, entry.fingerprint), None
+                else:
+                    state, patch = None, self._decode(local[0].read_bytes(), entry)
+            except (PatchError, AnchorError) as e:
+                self._bad.update((f, entry.bytes) for f in entry.files)
+                self._report_refused(entry, head, str(e))
+                raise SyncError(f"refused {entry.kind} of step {entry.step}: {e}") from None
+        pause_s = self._write(entry, state, patch)
+        if patch is None:
+            self.state = state
+        else:
+            apply_changes(self.state, patch.changes)
+        fp = int(entry.fingerprint, 16)  # verified above: by the anchor's content or the patch's promise
+        self.step, self.fingerprint = entry.step, fp
+        self._verify_target(entry)
+        applied = Applied(
+            step=entry.step,
+            kind=entry.kind,
+            payload_bytes=entry.bytes,
+            changed=entry.changed if patch else self.run.numel,
+            published_at=entry.published_at,
+            applied_at=time.time(),
+            download_s=download_s,
+            apply_s=time.perf_counter() - apply_start,
+            pause_s=pause_s,
+            lag_steps=head.step - entry.step,
+        )
+        self.history.append(applied)
+        self._report(applied)
+        return applied
+
+    def _decode(self, data: bytes, entry: Entry) -> Patch:
+        patch = decode(data, self.state, self.fingerprint)
+        if (patch.step, fingerprint.format_fingerprint(patch.fingerprint)) != (entry.step, entry.fingerprint):
+            raise PatchError(
+                f"patch is step {patch.step}, the head names step {entry.step} with another state"
+            )
+        return patch
+
+    def _write(
+        self, entry: Entry, state: dict[str, torch.Tensor] | None, patch: Patch | None
+    ) -> float | None:
+        if self.applier is None:
+            return None
+        try:
+            if patch is None:
+                return self.applier.load(state, entry.step)
+            return self.applier.patch(patch.changes, entry.step)
+        except Exception as e:
+            self.step = None  # the target may hold part of the write: only an anchor can fix it
+            raise SyncError(f"applying {entry.kind} of step {entry.step} failed: {e}") from e
+
+    def _verify_target(self, entry: Entry) -> None:
+        """Read the target back at anchors and every `verify_every` deltas: catches what the shadow cannot."""
+        self._unverified_deltas = 0 if entry.kind == "anchor" else self._unverified_deltas + 1
+        if self.applier is None or (entry.kind == "delta" and self._unverified_deltas < self.verify_every):
+            return
+        self._unverified_deltas = 0
+        actual = self.applier.fingerprint()
+        if actual is not None and actual != self.fingerprint:
+            self.step = None
+            raise SyncError(
+                f"target holds {fingerprint.format_fingerprint(actual)} after step {entry.step}, "
+                f"expected {entry.fingerprint}: reloading from an anchor"
+            )
+
+    def _retry(self, call):
+        for attempt in range(self.retries + 1):
+            try:
+                return call()
+            except TransientStorageError as e:
+                if attempt == self.retries:
+                    raise SyncError(f"storage keeps failing: {e}") from None
+                time.sleep(self.backoff_s * 2**attempt)
+
+    # ----------------------------------------------------------------------------------------- telemetry
+
+    def _report(self, a: Applied) -> None:
+        self._write_record(
+            telemetry.ReplicaRecord(
+                replica=self.replica,
+                step=a.step,
+                kind=a.kind,
+                published_at=a.published_at,
+                applied_at=a.applied_at,
+                download_s=a.download_s,
+                apply_s=a.apply_s,
+                verified=True,
+                lag_steps=a.lag_steps,
+                payload_bytes=a.payload_bytes,
+                changed=a.changed,
+                pause_s=a.pause_s,
+            )
+        )
+
+    def _report_refused(self, entry: Entry, head: Head, error: str) -> None:
+        now = time.time()
+        self._write_record(
+            telemetry.ReplicaRecord(
+                replica=self.replica,
+                step=entry.step,
+                kind=entry.kind,
+                published_at=entry.published_at,
+                applied_at=now,
+                download_s=0.0,
+                apply_s=0.0,
+                verified=False,
+                lag_steps=head.step - entry.step,
+                payload_bytes=entry.bytes,
+                error=error[:500],
+            )
+        )
+
+    def _write_record(self, record: telemetry.ReplicaRecord) -> None:
+        if self.replica is None:
+            return
+        try:
+            telemetry.write(self.storage, record)
+        except TransientStorageError as e:
+            log.warning("telemetry of step %d lost: %s", record.step, e)

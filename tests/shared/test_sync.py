@@ -1,0 +1,392 @@
+"""The sync protocol end to end: Publisher -> storage -> Subscriber, with faults (issue 3's contract)."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from shared import protocol, telemetry
+from shared.fingerprint import state_fingerprint
+from shared.publisher import Publisher, PublisherConfig, collect_garbage
+from shared.storage import LocalStorage, Storage, open_storage
+from shared.subscriber import Subscriber, SyncError, TensorsApplier
+
+# Big enough that a chain of 20 deltas weighs less than an anchor (else the publisher anchors earlier).
+SHAPES = {
+    "model.embed_tokens.weight": (256, 64),
+    "model.layers.0.mlp.up_proj.weight": (192, 64),
+    "lm.bias": (7,),
+}
+
+
+def make_params(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: 0.05 * torch.randn(s, generator=g) for n, s in SHAPES.items()}
+
+
+def train_step(params: dict[str, torch.Tensor], step: int, density: float = 0.01) -> None:
+    """Moves about `density` of the elements by more than a bf16 rounding step, like an optimizer step."""
+    g = torch.Generator().manual_seed(1000 + step)
+    for t in params.values():
+        mask = torch.rand(t.shape, generator=g) < density
+        t += mask * t.abs().clamp_min(1e-3) * 0.05 * torch.randn(t.shape, generator=g).sign()
+
+
+def bf16(params):
+    return {n: t.to(torch.bfloat16) for n, t in params.items()}
+
+
+def bitwise_equal(a, b) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a
+    )
+
+
+def run_steps(root, steps: int, config: PublisherConfig | None = None, flush: bool = True):
+    """Publishes `steps` states (each flushed, so none is coalesced); returns the bf16 state of every step."""
+    params, states = make_params(), []
+    with Publisher(root, model="tiny", config=config) as publisher:
+        for step in range(steps):
+            if step:
+                train_step(params, step)
+            publisher.publish(params, step=step, info={"reward_mean": step / 10})
+            states.append(bf16(params))
+            if flush:
+                publisher.flush()
+    return states
+
+
+class Flaky(Storage):
+    """Another storage whose data calls are slow, or time out at random with probability `fail`."""
+
+    def __init__(self, inner: Storage, fail: float = 0.0, delay_s: float = 0.0, seed: int = 0):
+        self.inner, self.url, self.fail, self.delay_s = inner, inner.url, fail, delay_s
+        self.calls = 0
+        self._random = random.Random(seed)
+        self._lock = threading.Lock()
+
+    def _call(self, method: str, *args):
+        with self._lock:
+            self.calls += 1
+            fail = self._random.random() < self.fail
+        time.sleep(self.delay_s)
+        if fail:
+            raise TimeoutError(f"{method}: injected timeout")
+        return getattr(self.inner, method)(*args)
+
+    def _read_bytes(self, path):
+        return self._call("_read_bytes", path)
+
+    def _write_bytes(self, path, data):
+        return self._call("_write_bytes", path, data)
+
+    def _upload_file(self, local, path):
+        return self._call("_upload_file", local, path)
+
+    def _download_file(self, path, local):
+        return self._call("_download_file", path, local)
+
+    def _sizes(self, paths):
+        return self.inner._sizes(paths)
+
+    def _list(self, prefix):
+        return self.inner._list(prefix)
+
+    def _delete(self, paths):
+        return self.inner._delete(paths)
+
+
+def test_every_step_reaches_the_subscriber_bitwise(tmp_path):
+    params, target = make_params(), {n: torch.zeros(s) for n, s in SHAPES.items()}
+    subscriber = Subscriber(tmp_path, TensorsApplier(target), replica="r1", verify_every=3)
+    applied = []
+    with Publisher(tmp_path, model="tiny", config=PublisherConfig(anchor_every=8)) as publisher:
+        for step in range(20):
+            if step:
+                train_step(params, step)
+            publisher.publish(params, info={"reward_mean": 0.5})
+            publisher.flush()
+            applied += subscriber.sync()
+            assert subscriber.step == step
+            assert bitwise_equal(bf16(target), bf16(params))
+            assert bitwise_equal(subscriber.state, bf16(params))
+    assert [a.step for a in applied] == list(range(20))  # no step skipped
+    assert [a.kind for a in applied] == ["anchor"] + ["delta"] * 19  # replay beats anchors when following
+    assert all(0 < a.changed < 0.1 * sum(t.numel() for t in params.values()) for a in applied[1:])
+    records = [json.loads(p.read_text()) for p in sorted((tmp_path / "telemetry/replicas/r1").iterdir())]
+    assert [r["step"] for r in records] == list(range(20)) and all(r["verified"] for r in records)
+    trainer = sorted((tmp_path / "telemetry/trainer").iterdir())
+    kinds = [telemetry.from_json(telemetry.TrainerRecord, p.read_bytes()).kind for p in trainer]
+    assert kinds == ["anchor"] + ["delta"] * 7 + ["anchor"] + ["delta"] * 7 + ["anchor"] + ["delta"] * 3
+
+
+def test_late_subscriber_catches_up_through_the_cheapest_path(tmp_path):
+    states = run_steps(tmp_path, 56, PublisherConfig(anchor_every=20, keep_anchors=2))
+    head = protocol.Head.from_json((tmp_path / protocol.HEAD_PATH).read_bytes())
+    assert [a.step for a in head.anchors] == [20, 40]
+    late = Subscriber(tmp_path)
+    applied = late.sync()
+    assert [(a.kind, a.step) for a in applied] == [("anchor", 40)] + [("delta", s) for s in range(41, 56)]
+    assert bitwise_equal(late.state, states[-1])
+    old = Subscriber(tmp_path)
+    assert old.sync(25)[-1].step == 25 and bitwise_equal(old.state, states[25])  # any retained step
+    with pytest.raises(SyncError, match="not retained"):
+        Subscriber(tmp_path).sync(3)
+
+
+def test_coalesces_when_uploads_lag_and_blocks_only_for_the_copy(tmp_path):
+    slow = Flaky(LocalStorage(tmp_path), delay_s=0.05)
+    params = make_params()
+    with Publisher(slow, model="tiny") as publisher:
+        for step in range(30):
+            if step:
+                train_step(params, step)
+            publisher.publish(params, info={"reward_mean": float(step)})
+    head = protocol.Head.from_json((tmp_path / protocol.HEAD_PATH).read_bytes())
+    assert head.step == 29
+    assert len(head.deltas) < 20  # steps were folded together instead of queueing
+    subscriber = Subscriber(tmp_path)
+    subscriber.sync()
+    assert bitwise_equal(subscriber.state, bf16(params))
+    records = [
+        telemetry.from_json(telemetry.TrainerRecord, p.read_bytes())
+        for p in sorted((tmp_path / "telemetry/trainer").iterdir())
+    ]
+    assert [r.step for r in records] == list(range(30))  # every trainer step has a record, skipped or not
+    assert {r.step for r in records if r.kind != "skipped"} == {e.step for e in head.entries}
+    assert [r.info["reward_mean"] for r in records] == list(range(30))
+    assert max(r.blocked_s for r in records) < 0.05  # never waited for an upload
+
+
+def test_flaky_storage_only_delays_sync(tmp_path):
+    flaky = Flaky(LocalStorage(tmp_path), fail=0.3)
+    config = PublisherConfig(anchor_every=6, retry_s=(0.01, 0.05))
+    states = run_steps(flaky, 15, config)
+    subscriber = Subscriber(Flaky(LocalStorage(tmp_path), fail=0.3, seed=1), backoff_s=0.01)
+    subscriber.sync()
+    assert subscriber.step == 14 and bitwise_equal(subscriber.state, states[-1])
+    assert flaky.calls > 30
+
+
+def test_corrupt_delta_is_refused_and_recovered_from_the_next_anchor(tmp_path):
+    config = PublisherConfig(anchor_every=5)
+    target = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    subscriber = Subscriber(tmp_path, TensorsApplier(target), replica="r1")
+    params, states = make_params(), []
+    with Publisher(tmp_path, model="tiny", config=config) as publisher:
+
+        def publish(step):
+            if step:
+                train_step(params, step)
+            publisher.publish(params, step=step)
+            publisher.flush()
+            states.append(bf16(params))
+
+        for step in range(5):
+            publish(step)
+            if step == 2:
+                subscriber.sync()
+        path = tmp_path / protocol.delta_path(3)
+        data = bytearray(path.read_bytes())
+        data[-20] ^= 0x40  # one bit of the payload
+        path.write_bytes(bytes(data))
+        with pytest.raises(SyncError, match="refused delta of step 3"):
+            subscriber.sync()
+        with pytest.raises(SyncError, match="waiting for a newer anchor"):  # the bad file is not retried
+            subscriber.sync()
+        assert subscriber.step == 2 and bitwise_equal(bf16(target), states[2])  # last good weights kept
+        refused = json.loads((tmp_path / "telemetry/replicas/r1/step-00000003.json").read_text())
+        assert refused["verified"] is False and "step 3" not in refused["error"] and refused["error"]
+        publish(5)  # anchor_every=5: a complete anchor
+        publish(6)
+    applied = subscriber.sync()
+    assert [(a.kind, a.step) for a in applied] == [("anchor", 5), ("delta", 6)]
+    assert bitwise_equal(bf16(target), states[6]) and subscriber.last_error is None
+
+
+def test_missing_delta_is_an_error_not_a_warning(tmp_path):
+    run_steps(tmp_path, 4)
+    (tmp_path / protocol.delta_path(2)).unlink()
+    subscriber = Subscriber(tmp_path)
+    subscriber.sync(1)
+    with pytest.raises(SyncError, match="missing"):
+        subscriber.sync()
+    assert subscriber.step == 1 and "missing" in subscriber.last_error
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda h: h["entries"][1].update(files=["../../etc/passwd"]),
+        lambda h: h["entries"][1].update(files=["deltas/step-00000009.safetensors"]),
+        lambda h: h["entries"][0].update(files=["anchors/step-00000000/../../x.safetensors"]),
+        lambda h: h["entries"][2].update(base_step=0),
+        lambda h: h.update(step=7),
+        lambda h: h["entries"].pop(0),
+        lambda h: h.update(version=99),
+        lambda h: h["entries"][1].update(bytes=-1),
+    ],
+)
+def test_bad_heads_are_rejected(tmp_path, edit):
+    run_steps(tmp_path, 3)
+    head = json.loads((tmp_path / protocol.HEAD_PATH).read_text())
+    edit(head)
+    (tmp_path / protocol.HEAD_PATH).write_text(json.dumps(head))
+    subscriber = Subscriber(tmp_path)
+    with pytest.raises(SyncError, match="refused the head"):
+        subscriber.sync()
+    assert subscriber.step is None
+
+
+def test_unknown_tensor_or_wrong_shape_is_refused(tmp_path):
+    run_steps(tmp_path, 2)
+    storage = LocalStorage(tmp_path)
+    run = json.loads(storage.read_bytes(protocol.RUN_PATH))
+    run["schema"]["lm.bias"] = [8]
+    storage.write_bytes(protocol.RUN_PATH, json.dumps(run).encode())
+    with pytest.raises(SyncError, match="lm.bias is torch.bfloat16 \\[7\\], expected bf16 \\[8\\]"):
+        Subscriber(tmp_path).sync()
+    del run["schema"]["lm.bias"]
+    storage.write_bytes(protocol.RUN_PATH, json.dumps(run).encode())
+    with pytest.raises(SyncError, match="unknown tensor 'lm.bias'"):
+        Subscriber(tmp_path).sync()
+
+
+def test_gc_keeps_what_readers_need_and_nothing_else(tmp_path):
+    states = run_steps(tmp_path, 33, PublisherConfig(anchor_every=10, keep_anchors=2))
+    storage = LocalStorage(tmp_path)
+    head = protocol.Head.from_json(storage.read_bytes(protocol.HEAD_PATH))
+    assert [a.step for a in head.anchors] == [20, 30]
+    data_files = set(storage.list("deltas") + storage.list("anchors"))
+    assert data_files == head.files()
+    assert min(protocol.step_of(p) for p in data_files) == 20
+    for anchor in head.anchors:  # every retained anchor still reaches the head
+        subscriber = Subscriber(tmp_path)
+        assert subscriber.sync(anchor.step)[0].kind == "anchor"
+        subscriber.sync()
+        assert bitwise_equal(subscriber.state, states[-1])
+    # An upload in progress (a step after the head) is not garbage; an orphan before it is.
+    storage.write_bytes(protocol.delta_path(40), b"in progress")
+    storage.write_bytes(protocol.delta_path(15), b"orphan")
+    assert collect_garbage(storage, head) == [protocol.delta_path(15)]
+    assert storage.sizes([protocol.delta_path(40)])[protocol.delta_path(40)] == len(b"in progress")
+
+
+CRASHING_PUBLISHER = textwrap.dedent(
+    """
+    import sys, time
+    sys.path[:0] = {paths!r}
+    from test_sync import make_params, train_step
+    from shared.publisher import Publisher
+    from shared.storage import LocalStorage
+
+    class Stalling(LocalStorage):  # the head write of step 5 never finishes: killed there
+        def _write_bytes(self, path, data):
+            if path == "heads/latest.json" and b'"step": 5,' in data:
+                print("stalled", flush=True)
+                time.sleep(600)
+            super()._write_bytes(path, data)
+
+    params = make_params()
+    publisher = Publisher(Stalling(sys.argv[1]), model="tiny")
+    for step in range(6):
+        if step:
+            train_step(params, step)
+        publisher.publish(params, step=step)
+        publisher.flush() if step < 5 else time.sleep(600)
+    """
+)
+
+
+def test_publisher_killed_mid_upload_leaves_the_last_complete_step(tmp_path):
+    paths = [os.path.dirname(__file__), os.getcwd()]
+    script = CRASHING_PUBLISHER.format(paths=paths)
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "stalled"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert (tmp_path / protocol.delta_path(5)).exists()  # uploaded, but no head names it
+    states = run_steps(tmp_path / "reference", 5)
+    subscriber = Subscriber(tmp_path)
+    subscriber.sync()
+    assert subscriber.step == 4 and bitwise_equal(subscriber.state, states[4])
+    params = make_params()  # a restarted trainer resumes the chain and drops the orphan
+    for step in range(1, 6):
+        train_step(params, step)
+    with Publisher(tmp_path) as publisher:
+        assert publisher.last_step == 4
+        assert publisher.publish(params) == 5
+    subscriber.sync()
+    assert subscriber.step == 5 and bitwise_equal(subscriber.state, bf16(params))
+
+
+FOLLOWER = textwrap.dedent(
+    """
+    import sys, threading
+    from shared.subscriber import Subscriber
+    root, last, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    subscriber, stop = Subscriber(root, replica=out.rsplit("/", 1)[-1]), threading.Event()
+    subscriber.follow(stop, interval=0.05, on_applied=lambda a: a.step == last and stop.set())
+    from safetensors.torch import save_file
+    save_file(subscriber.state, out)
+    """
+)
+
+
+def test_four_subscriber_processes_end_bitwise_equal(tmp_path):
+    root = tmp_path / "root"
+    run_steps(root, 1)
+    followers = [
+        subprocess.Popen([sys.executable, "-c", FOLLOWER, str(root), "24", str(tmp_path / f"replica-{i}")])
+        for i in range(4)
+    ]
+    params = make_params()
+    with Publisher(root, config=PublisherConfig(anchor_every=10)) as publisher:
+        for step in range(1, 25):
+            train_step(params, step)
+            publisher.publish(params)
+            time.sleep(0.05)
+    for proc in followers:
+        assert proc.wait(timeout=120) == 0
+    from safetensors.torch import load_file
+
+    for i in range(4):
+        assert bitwise_equal(load_file(tmp_path / f"replica-{i}"), bf16(params))
+        steps = [int(p.stem[5:]) for p in (root / f"telemetry/replicas/replica-{i}").iterdir()]
+        assert max(steps) == 24
+
+
+def test_hub_bucket_round_trip(fake_hub):
+    root = "hf://buckets/user/sync/run1"
+    states = run_steps(root, 4, PublisherConfig(anchor_every=3))
+    subscriber = Subscriber(root)
+    subscriber.sync()
+    assert subscriber.step == 3 and bitwise_equal(subscriber.state, states[-1])
+    assert state_fingerprint(subscriber.state) == subscriber.fingerprint
+    assert open_storage(root).sizes([protocol.HEAD_PATH])[protocol.HEAD_PATH] > 0
+
+
+def test_schema_change_is_refused_on_the_callers_thread(tmp_path):
+    with Publisher(tmp_path) as publisher:
+        publisher.publish(make_params())
+        with pytest.raises(ValueError, match="lm.bias"):
+            publisher.publish({**make_params(), "lm.bias": torch.zeros(8)})
+        with pytest.raises(ValueError, match="not after"):
+            publisher.publish(make_params(), step=0)
+
+
+def test_transient_errors_surface_after_retries(tmp_path):
+    run_steps(tmp_path, 2)
+    subscriber = Subscriber(Flaky(LocalStorage(tmp_path), fail=1.0), retries=2, backoff_s=0.001)
+    with pytest.raises(SyncError, match="storage keeps failing"):
+        subscriber.sync()
