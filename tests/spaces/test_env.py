@@ -1,0 +1,244 @@
+"""The Wordle Space end to end: `python spaces/env/app.py` on a loopback port, played with OpenEnv clients."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from gradio_client import Client
+from gradio_client.exceptions import AppError
+from openenv.core.generic_client import GenericEnvClient
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from shared.wordle import PROMPT, answer_for_seed
+from shared.wordle_models import WordleAction
+from trainer.wordle_client import WordleEnvClient
+
+APP = Path(__file__).resolve().parents[2] / "spaces" / "env" / "app.py"
+MISSES = ["crane", "slate", "doubt", "fight", "mount", "pride", "lymph"]  # valid guesses, none shares a game
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path_factory.mktemp("env-space") / "server.log"
+    env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port)}
+    with open(log, "w") as out:
+        server = subprocess.Popen([sys.executable, str(APP)], env=env, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while not _healthy(base):
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            pytest.fail(f"the Space did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    yield base
+    server.kill()  # graceful shutdown would wait for the play page's heartbeat stream
+    server.wait()
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return requests.get(f"{base}/health", timeout=1).ok
+    except requests.ConnectionError:
+        return False
+
+
+@pytest.fixture
+def env(url):
+    with WordleEnvClient(base_url=url).sync() as client:
+        yield client
+
+
+def seed_for(answer: str) -> int:
+    return next(s for s in range(100_000) if answer_for_seed(s) == answer)
+
+
+def transcript(result) -> str:
+    return result.observation.messages[0].content
+
+
+def guess(env, word: str):
+    return env.step(WordleAction(message=f"[{word}]"))
+
+
+def test_a_won_game(env):
+    seed = seed_for("abbey")
+    opening = env.reset(seed=seed)
+    assert transcript(opening) == f"\n[GAME] {PROMPT}" and (opening.reward, opening.done) == (0.0, False)
+    first = guess(env, "babes")
+    assert transcript(first).endswith(
+        "[GAME] You submitted [babes].\nFeedback:\nB A B E S\nY Y G G X\nYou have 5 guesses left."
+    )
+    assert (first.reward, first.done) == (0.0, False)
+    assert first.observation.metadata["reward_signals"] == {
+        "wordle.greens": 0.4,
+        "wordle.yellows": 0.4,
+        "wordle.repetitions": 1.0,
+        "wordle.correct": 0.0,
+    }
+    won = guess(env, "abbey")
+    assert transcript(won).endswith("G G G G G\nCongratulations! You guessed the word correctly!")
+    assert (won.reward, won.done) == (1.0, True)
+    assert won.observation.metadata["reward_signals"]["wordle.correct"] == 1.0
+    state = env.state()
+    assert (state.guesses, state.step_count, state.done) == (["babes", "abbey"], 2, True)
+
+
+def test_duplicate_letters_are_scored_in_two_passes(env):
+    env.reset(seed=seed_for("crane"))
+    assert "Feedback:\nE E R I E\nX X Y X G\n" in transcript(guess(env, "eerie"))
+
+
+def test_a_lost_game_never_shows_the_answer_before_its_end(env, url):
+    seed = next(s for s in range(1000) if answer_for_seed(s) not in PROMPT + " ".join(MISSES))
+    answer = answer_for_seed(seed)
+    seen = [
+        env.reset(seed=seed).observation.model_dump_json(),
+        requests.post(f"{url}/reset", json={"seed": seed}).text,
+    ]
+    for word in MISSES[:5]:
+        result = guess(env, word)
+        seen += [result.observation.model_dump_json(), env.state().model_dump_json()]
+        assert (result.reward, result.done) == (0.0, False)
+    assert not any(answer in text for text in seen)
+    last = guess(env, MISSES[5])
+    assert (last.reward, last.done) == (0.0, True)
+    assert transcript(last).endswith(
+        f"You have 0 guesses left.\nThe turn limit has been reached. The secret word was: **{answer}**."
+    )
+    with pytest.raises(RuntimeError, match="The game is over"):
+        guess(env, MISSES[6])
+
+
+@pytest.mark.parametrize(
+    ("move", "reason"),
+    [
+        ("crane", "wrap your guess in square brackets"),
+        ("[cranes]", "must be exactly 5 letters"),
+        ("[xyzzy]", "'xyzzy' is not in the word list"),
+        ("[slate]", "already guessed 'slate'"),
+        ("[crâne] 日本語", "only the letters a to z"),
+    ],
+)
+def test_invalid_moves_are_explained_and_the_second_ends_the_game(env, move, reason):
+    env.reset(seed=seed_for("abbey"))
+    guess(env, "slate")
+    forgiven = transcript(env.step(WordleAction(message=move)))
+    assert "You attempted an invalid move. Reason: " in forgiven and reason in forgiven
+    # The invalid move used no guess.
+    assert transcript(guess(env, "doubt")).endswith("You have 4 guesses left.")
+    ended = env.step(WordleAction(message="no brackets"))
+    assert (ended.reward, ended.done) == (0.0, True)
+    assert "Too many invalid moves: the game is over. The secret word was: **abbey**." in transcript(ended)
+
+
+def test_a_seed_replays_the_same_game(url):
+    with WordleEnvClient(base_url=url).sync() as a, WordleEnvClient(base_url=url).sync() as b:
+        a.reset(seed=11)
+        b.reset(seed=11)
+        assert [transcript(guess(a, w)) for w in MISSES[:3]] == [transcript(guess(b, w)) for w in MISSES[:3]]
+        assert transcript(guess(a, answer_for_seed(11))).endswith(
+            "Congratulations! You guessed the word correctly!"
+        )
+
+
+def test_two_sessions_never_see_each_others_state(url):
+    with WordleEnvClient(base_url=url).sync() as a, WordleEnvClient(base_url=url).sync() as b:
+        a.reset(seed=12)
+        b.reset(seed=13)
+        after_a = transcript(guess(a, "crane"))
+        assert (b.state().guesses, b.state().step_count) == ([], 0)
+        after_b = transcript(guess(b, "slate"))
+        assert "slate" not in after_a and "crane" not in after_b
+        assert (a.state().guesses, b.state().guesses) == (["crane"], ["slate"])
+        assert a.state().episode_id != b.state().episode_id
+
+
+def test_moves_outside_a_game_are_refused(env):
+    with pytest.raises(RuntimeError, match="No game in progress: reset first"):
+        guess(env, "crane")
+    with pytest.raises(RuntimeError, match="seed must be a non-negative integer"):
+        env.reset(seed=-1)
+    env.reset()
+    assert guess(env, "crane").done is False  # the session survived both errors
+
+
+def test_openenvs_generic_client_plays_unchanged(url):
+    with GenericEnvClient(base_url=url).sync() as client:
+        client.reset(seed=3)
+        result = client.step({"message": f"[{answer_for_seed(3)}]"})
+    assert (result.reward, result.done) == (1.0, True)
+    assert result.observation["messages"][0]["content"].endswith(
+        "Congratulations! You guessed the word correctly!"
+    )
+
+
+def _reply(ws, message) -> dict:
+    ws.send(message if isinstance(message, str) else json.dumps(message))
+    return json.loads(ws.recv(timeout=10))
+
+
+def test_malformed_websocket_messages_get_clear_errors_and_the_session_goes_on(url):
+    ws_url = url.replace("http", "ws") + "/ws"
+    with connect(ws_url) as ws:
+        assert _reply(ws, "{not json")["data"]["code"] == "INVALID_JSON"
+        assert _reply(ws, {"type": "launch"})["data"]["code"] == "UNKNOWN_TYPE"
+        assert _reply(ws, {"type": "step"})["data"]["code"] == "VALIDATION_ERROR"
+        assert _reply(ws, {"type": "reset", "data": {"seed": 4}})["type"] == "observation"
+        for data in [{}, {"message": 5}, {"message": "[crane]", "extra": 1}, {"message": "x" * 5000}]:
+            error = _reply(ws, {"type": "step", "data": data})
+            assert (error["type"], error["data"]["code"]) == ("error", "VALIDATION_ERROR"), data
+        assert "seed must be" in _reply(ws, {"type": "reset", "data": {"seed": "é"}})["data"]["message"]
+        reply = _reply(ws, {"type": "step", "data": {"message": "[слово] 🙂"}})
+        assert "only the letters a to z" in reply["data"]["observation"]["messages"][0]["content"]
+        assert _reply(ws, {"type": "step", "data": {"message": "[crane]"}})["data"]["done"] is False
+
+    with connect(ws_url, max_size=None) as ws:
+        ws.send("x" * 1_000_000)
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=10)
+        assert closed.value.rcvd.code == 1009  # message too big: only this connection closes
+
+    with connect(ws_url) as ws:
+        assert _reply(ws, {"type": "reset", "data": {}})["type"] == "observation"
+
+
+def test_malformed_http_requests_get_4xx(url):
+    post = requests.post
+    assert post(f"{url}/step", data="{bad", headers={"content-type": "application/json"}).status_code == 422
+    assert post(f"{url}/step", json={}).status_code == 422
+    assert post(f"{url}/step", json={"action": {"message": "[crane]", "extra": 1}}).status_code == 422
+    assert post(f"{url}/reset", json={"seed": "é"}).status_code == 422
+    assert post(f"{url}/step", json={"action": {"message": "x" * 100_000}}).status_code == 413
+    assert post(f"{url}/step", data=iter([b'{"action": ', b"{}}"])).status_code == 411  # chunked: no length
+    refused = post(f"{url}/step", json={"action": {"message": "[crane]"}})
+    assert refused.status_code == 409 and "WebSocket" in refused.json()["detail"]
+    reset = post(f"{url}/reset", json={"seed": 1})
+    assert reset.ok and reset.json()["observation"]["messages"][0]["content"] == f"\n[GAME] {PROMPT}"
+    schema = requests.get(f"{url}/schema").json()
+    assert "message" in schema["action"]["properties"] and "messages" in schema["observation"]["properties"]
+    assert requests.get(f"{url}/health").ok
+
+
+def test_the_play_page_is_the_front_page(url):
+    page = requests.get(f"{url}/")
+    assert page.ok and "text/html" in page.headers["content-type"]
+    client = Client(f"{url}/", verbose=False)
+    try:
+        with pytest.raises(AppError, match="The seed must be a whole number"):
+            client.predict("twenty", api_name="/new_game")
+        _, message, _ = client.predict("21", api_name="/new_game")
+        board, message, typed = client.predict(answer_for_seed(21), api_name="/play")
+    finally:
+        client.close()
+    assert message.endswith("Congratulations! You guessed the word correctly!") and typed == ""
+    assert board.count('class="tile G"') == 5
