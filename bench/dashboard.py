@@ -1,0 +1,194 @@
+"""Dashboard cost at 10,000 steps of telemetry (1 trainer + 2 replicas = 30,000 records in a local folder).
+
+    python bench/dashboard.py [--steps 10000] [--refreshes 10] [--no-browser]
+
+Server side (in process): the first load, then ticks with nothing new (probing, or listing: a tick lists when
+that keeps listing under 10% of the time) and ticks after appending one step (or 100), timed through the app's
+own tick (`update`: poll the new records, summarise, redraw the text views, rebuild the figures) plus Gradio's
+serialisation of the figures. Browser side (Debian's Chromium driven by
+Playwright, if present): the page's first load, and per appended step the time until the plots show it
+(includes waiting for the next 1 s tick) and the longest main-thread task (what a viewer feels as a freeze).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import gradio as gr
+import plotly.graph_objects as go
+
+from shared.telemetry import ReplicaRecord, TrainerRecord, to_json
+from shared.telemetry_reader import LISTING_SHARE
+
+REPO = Path(__file__).resolve().parents[1]
+APP = REPO / "spaces" / "dashboard" / "app.py"
+CHROMIUM = Path("/usr/bin/chromium")
+NUMEL = 596_049_920  # Qwen3-0.6B
+REPLICAS = ("r0", "r1")
+
+
+def write_steps(root: Path, steps: range, rng: random.Random) -> None:
+    """Records as the publisher and two subscribers write them, saved without fsync (setup, not measured)."""
+    for step in steps:
+        published_at = time.time()
+        changed = int(NUMEL * rng.uniform(0.01, 0.02))
+        payload = int(changed * 0.9)
+        info = {
+            "reward_mean": rng.random(),
+            "staleness_steps_mean": 1 + rng.random(),
+            "staleness_steps_max": 3,
+        }
+        records = [
+            TrainerRecord(
+                step, "delta", published_at, NUMEL, changed, payload, 2 * NUMEL, 0.5, 1.2, 0.02, info=info
+            )
+        ]
+        for replica in REPLICAS:
+            applied_at = published_at + rng.uniform(0.5, 2.0)
+            records.append(ReplicaRecord(replica, step, "delta", published_at, applied_at, 0.8, 0.1, True, 0))
+        for record in records:
+            path = root / record.path()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(to_json(record))
+
+
+def load_app():
+    spec = importlib.util.spec_from_file_location("dashboard_app", APP)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def server_side(root: Path, steps: int, refreshes: int, rng: random.Random) -> list[tuple[str, str]]:
+    app = load_app()
+    board = app.Board(str(root))
+    plot = gr.Plot(render=False)
+    shown = -1
+
+    def tick() -> None:
+        nonlocal shown
+        outputs = app.update(board, shown, refresh_s=2.0)
+        shown = outputs[0]
+        for figure in outputs[-len(app.PLOTS) :]:
+            if isinstance(figure, go.Figure):
+                plot.postprocess(figure)
+
+    def listing(ticks: Callable[[], object]) -> object:
+        """Run `ticks` with a listing on every poll (a tick lists about every 10 listing times)."""
+        board.reader.listing_share = float("inf")
+        try:
+            return ticks()
+        finally:
+            board.reader.listing_share = LISTING_SHARE
+
+    rows = []
+    poll = timed(board.refresh)
+    first = poll + timed(tick)
+    rows.append((f"first load ({3 * steps:,} files)", f"{first * 1000:.0f} ms (poll {poll * 1000:.0f} ms)"))
+    rows.append(("tick, nothing new (probe next steps)", _stats([timed(tick) for _ in range(refreshes)])))
+    rows.append(
+        ("tick, nothing new, full listing", _stats(listing(lambda: [timed(tick) for _ in range(refreshes)])))
+    )
+    one = []
+    for i in range(refreshes):
+        write_steps(root, range(steps + i, steps + i + 1), rng)
+        one.append(timed(tick))
+    rows.append(("tick, +1 step (3 records)", _stats(one)))
+    start = steps + refreshes
+    # Probes follow a writer 8 steps a tick: a burst is read by the next listing.
+    write_steps(root, range(start, start + 100), rng)
+    rows.append(("tick, +100 steps (300 records, listed)", f"{listing(lambda: timed(tick)) * 1000:.0f} ms"))
+    return rows
+
+
+def browser_side(root: Path, steps: int, refreshes: int, rng: random.Random) -> list[tuple[str, str]]:
+    from playwright.sync_api import sync_playwright
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "SYNC_ROOT": str(root), "HOST": "127.0.0.1", "PORT": str(port), "REFRESH_S": "1"}
+    server = subprocess.Popen([sys.executable, str(APP)], env=env, stderr=subprocess.DEVNULL)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True)
+            page = browser.new_page(viewport={"width": 1400, "height": 1800})
+            sparsity_points = """() => { const p = document.querySelector('#sparsity .js-plotly-plot');
+                const x = p && p.data[0] && p.data[0].x; return x ? x.length ?? x._inputArray.length : 0 }"""
+            start = time.perf_counter()
+            while True:  # the server may still be starting
+                try:
+                    page.goto(f"http://127.0.0.1:{port}")
+                    break
+                except Exception:
+                    if time.perf_counter() - start > 60:
+                        raise
+                    time.sleep(0.3)
+            start = time.perf_counter()
+            page.wait_for_function(f"n => ({sparsity_points})() === n", arg=steps, timeout=120_000)
+            rows = [(f"page load until {steps:,}-point plots drawn", f"{time.perf_counter() - start:.2f} s")]
+            page.evaluate("""() => { window.longest = 0; new PerformanceObserver(list => list.getEntries()
+                .forEach(e => { window.longest = Math.max(window.longest, e.duration) }))
+                .observe({ type: 'longtask' }) }""")
+            shown, longest = [], []
+            for i in range(refreshes):
+                page.evaluate("window.longest = 0")
+                write_steps(root, range(steps + i, steps + i + 1), rng)
+                start = time.perf_counter()
+                page.wait_for_function(f"n => ({sparsity_points})() === n", arg=steps + i + 1, timeout=30_000)
+                shown.append(time.perf_counter() - start)
+                page.wait_for_timeout(300)  # let the other plots finish drawing
+                longest.append(page.evaluate("window.longest") / 1000)
+            rows.append(("+1 step: written to drawn (1 s timer)", _stats(shown)))
+            rows.append(("+1 step: longest main-thread task", _stats(longest)))
+            browser.close()
+        return rows
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def _stats(seconds: list[float]) -> str:
+    return f"median {statistics.median(seconds) * 1000:.0f} ms, max {max(seconds) * 1000:.0f} ms"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=10_000)
+    parser.add_argument("--refreshes", type=int, default=10)
+    parser.add_argument("--no-browser", action="store_true")
+    args = parser.parse_args()
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "root"
+        write_steps(root, range(args.steps), rng)
+        rows = server_side(root, args.steps, args.refreshes, rng)
+        if not args.no_browser and CHROMIUM.exists():
+            browser_root = Path(tmp) / "browser-root"
+            write_steps(browser_root, range(args.steps), rng)
+            rows += browser_side(browser_root, args.steps, args.refreshes, rng)
+    print(f"\n{args.steps:,} steps, 1 trainer + {len(REPLICAS)} replicas, {os.cpu_count()} CPUs\n")
+    print("| what | time |\n|---|---|")
+    for what, value in rows:
+        print(f"| {what} | {value} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""Incremental reading of a sync root's telemetry (shared.telemetry) for the dashboard and scripts.
+
+A poll reads only files it has not seen. Listing `telemetry/` costs as much as the history (30,000 files at
+10,000 steps; many paged requests on the Hub), so a poll lists only if listing keeps under `listing_share` of
+the wall time (every poll for a short run, every few seconds for a long one); other polls probe, with one
+`sizes()` call, the next few step names of each writer already known. Listings find the rest: new replicas, a
+replica that jumped ahead to an anchor, stray files. Records are untrusted: a bad one is skipped and reported,
+never fatal.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.storage import LocalStorage, Storage, TransientStorageError
+from shared.telemetry import (
+    REPLICAS_DIR,
+    TRAINER_DIR,
+    RecordError,
+    ReplicaRecord,
+    TrainerRecord,
+    from_json,
+)
+
+TELEMETRY_DIR = "telemetry"
+TRAINER_KINDS = {"anchor", "delta", "skipped"}
+REPLICA_KINDS = {"anchor", "delta"}
+REMOTE_READERS = 16  # parallel reads on object stores, where each read is a round trip
+LISTING_SHARE = 0.1
+PROBE_STEPS = 8  # next step names probed per writer; a faster writer is followed over successive polls
+
+
+# What reading one file gave: the record and its size, a bad record, a failure to retry, or nothing (removed).
+Read = tuple[TrainerRecord | ReplicaRecord, int] | RecordError | TransientStorageError | None
+
+
+@dataclass
+class Poll:
+    """What one poll found."""
+
+    records: list[TrainerRecord | ReplicaRecord] = field(default_factory=list)
+    problems: dict[str, str] = field(default_factory=dict)  # path -> why the file was skipped for good
+    unread: dict[str, str] = field(default_factory=dict)  # path -> transient error: read again next poll
+
+
+class TelemetryReader:
+    """The telemetry of one sync root, read incrementally. Not thread-safe: callers serialise `poll()`."""
+
+    def __init__(self, storage: Storage, readers: int | None = None, listing_share: float = LISTING_SHARE):
+        self.storage = storage
+        self.readers = readers or (1 if isinstance(storage, LocalStorage) else REMOTE_READERS)
+        self.listing_share = listing_share
+        self._listed_at = 0.0
+        self._listing_s: float | None = None  # how long the last listing took
+        self.trainer: dict[int, TrainerRecord] = {}
+        self.replicas: dict[str, dict[int, ReplicaRecord]] = {}
+        self.problems: dict[str, str] = {}
+        self._seen: set[str] = set()
+        self._unread: set[str] = set()  # failed to read: retried on the next poll
+        # A replica that refuses a step and then recovers rewrites that step's record: watch refusals' sizes.
+        self._refused_sizes: dict[str, int] = {}
+
+    def poll(self) -> Poll:
+        """Read the records written since the last poll. Raises TransientStorageError if the storage fails."""
+        return self.apply(self.fetch())
+
+    def fetch(self) -> list[tuple[str, Read]]:
+        """poll()'s I/O: the new files and what reading each gave. It changes no records, so other threads may
+        read them meanwhile (a slow bucket blocks no one); one thread at a time fetches and applies."""
+        paths, probes = [], []
+        start = time.monotonic()
+        if self._listing_s is None or (start - self._listed_at) * self.listing_share >= self._listing_s:
+            paths = [p for p in self.storage.list(TELEMETRY_DIR) if p not in self._seen]
+            self._listed_at = time.monotonic()
+            self._listing_s = self._listed_at - start
+        else:
+            probes = [p for p in self._next_paths() if p not in self._seen]
+        sizes = self.storage.sizes(probes + list(self._refused_sizes))
+        paths += [p for p in probes if sizes[p] is not None]
+        paths += [p for p, size in self._refused_sizes.items() if sizes[p] not in (None, size)]
+        paths = list(dict.fromkeys([*self._unread, *paths]))
+        self._unread.clear()
+        if self.readers > 1 and len(paths) > 1:
+            with ThreadPoolExecutor(min(self.readers, len(paths))) as pool:
+                return list(zip(paths, pool.map(self._read, paths), strict=True))
+        return [(p, self._read(p)) for p in paths]
+
+    def apply(self, fetched: list[tuple[str, Read]]) -> Poll:
+        """Take in what fetch() read."""
+        poll = Poll()
+        for path, result in fetched:
+            if isinstance(result, TransientStorageError):
+                poll.unread[path] = str(result)
+                self._unread.add(path)
+                continue
+            self._seen.add(path)
+            self._refused_sizes.pop(path, None)
+            if isinstance(result, RecordError):
+                poll.problems[path] = str(result)
+            elif result is not None:
+                record, size = result
+                self._add(record)
+                poll.records.append(record)
+                if isinstance(record, ReplicaRecord) and not record.verified:
+                    self._refused_sizes[path] = size
+        self.problems.update(poll.problems)
+        return poll
+
+    def _next_paths(self) -> list[str]:
+        """The names each known writer (and a trainer not yet seen) would write next."""
+        writers = [(TRAINER_DIR, max(self.trainer, default=-1))]
+        writers += [(f"{REPLICAS_DIR}/{name}", max(steps)) for name, steps in self.replicas.items()]
+        return [
+            f"{folder}/step-{step:08d}.json"
+            for folder, last in writers
+            for step in range(last + 1, last + 1 + PROBE_STEPS)
+        ]
+
+    def _read(self, path: str) -> Read:
+        if path.startswith(TRAINER_DIR + "/"):
+            cls = TrainerRecord
+        elif path.startswith(REPLICAS_DIR + "/"):
+            cls = ReplicaRecord
+        else:
+            return RecordError(f"{path}: not a telemetry record path")
+        try:
+            data = self.storage.read_bytes(path)
+            record = from_json(cls, data, path)
+            _check(record, path)
+        except FileNotFoundError:
+            return None  # removed since the listing
+        except (RecordError, TransientStorageError) as e:
+            return e
+        return record, len(data)
+
+    def _add(self, record: TrainerRecord | ReplicaRecord) -> None:
+        if isinstance(record, TrainerRecord):
+            self.trainer[record.step] = record
+        else:
+            self.replicas.setdefault(record.replica, {})[record.step] = record
+
+    def series(self, since: int = -1) -> dict[str, Any]:
+        """Per-step columns (JSON-ready) of records with step > `since`, sorted by step."""
+        trainer = [self.trainer[s] for s in sorted(self.trainer) if s > since]
+        info_keys = sorted({k for r in trainer for k in r.info})
+        return {
+            "trainer": {
+                "step": [r.step for r in trainer],
+                "kind": [r.kind for r in trainer],
+                "published_at": [r.published_at for r in trainer],
+                "sparsity": [r.sparsity for r in trainer],
+                "changed": [r.changed for r in trainer],
+                "numel": [r.numel for r in trainer],
+                "payload_bytes": [r.payload_bytes for r in trainer],
+                "full_bytes": [r.full_bytes for r in trainer],
+                "encode_s": [r.encode_s for r in trainer],
+                "upload_s": [r.upload_s for r in trainer],
+                "blocked_s": [r.blocked_s for r in trainer],
+                **{f"info.{k}": [_finite(r.info.get(k)) for r in trainer] for k in info_keys},
+            },
+            "replicas": {
+                name: _replica_columns([steps[s] for s in sorted(steps) if s > since])
+                for name, steps in sorted(self.replicas.items())
+            },
+        }
+
+    def summary(self, now: float, stale_after_s: float = 120.0) -> dict[str, Any]:
+        """Headline numbers and one row per replica. A replica behind the newest step that has not reported
+        for `stale_after_s` seconds is marked as stopped reporting."""
+        published = [r for r in self.trainer.values() if r.kind != "skipped"]
+        deltas = [r for r in published if r.kind == "delta"]
+        head = max((r.step for r in published), default=None)
+        latencies = [r.lag_s for steps in self.replicas.values() for r in steps.values() if r.verified]
+        uploaded = sum(r.payload_bytes for r in published)
+        full = sum(r.full_bytes for r in published)
+        return {
+            "root": self.storage.url,
+            "steps": len(published),
+            "latest_step": head,
+            "anchors": len(published) - len(deltas),
+            "skipped_steps": len(self.trainer) - len(published),
+            "full_bytes": max(published, key=lambda r: r.step).full_bytes if published else None,
+            "mean_delta_payload_bytes": statistics.fmean(r.payload_bytes for r in deltas) if deltas else None,
+            "mean_delta_sparsity": statistics.fmean(r.sparsity for r in deltas) if deltas else None,
+            "uploaded_bytes": uploaded,
+            "bytes_saved": full - uploaded,  # against uploading the full bf16 model at every published step
+            "saved_fraction": (full - uploaded) / full if full else None,
+            "median_sync_latency_s": statistics.median(latencies) if latencies else None,
+            "verified_applies": len(latencies),
+            "replicas": [
+                _replica_row(name, records, head, now, stale_after_s)
+                for name, records in sorted(self.replicas.items())
+            ],
+            "problems": len(self.problems),
+        }
+
+
+def _check(record: TrainerRecord | ReplicaRecord, path: str) -> None:
+    """What from_json leaves to the reader: the record belongs at `path`, and its numbers make sense."""
+    if record.path() != path:
+        raise RecordError(f"{path}: holds the record of {record.path()}")
+    kinds = TRAINER_KINDS if isinstance(record, TrainerRecord) else REPLICA_KINDS
+    if record.kind not in kinds:
+        raise RecordError(f"{path}: kind {record.kind!r} is not one of {sorted(kinds)}")
+    if isinstance(record, TrainerRecord) and not 0 <= record.changed <= record.numel:
+        raise RecordError(f"{path}: changed {record.changed} outside [0, numel {record.numel}]")
+    if record.payload_bytes < 0 or getattr(record, "full_bytes", 0) < 0:
+        raise RecordError(f"{path}: negative byte count")
+
+
+def _finite(value: float | None) -> float | None:
+    """None for what JSON cannot carry: a trainer may well report a NaN reward."""
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _replica_columns(records: list[ReplicaRecord]) -> dict[str, list]:
+    return {
+        "step": [r.step for r in records],
+        "kind": [r.kind for r in records],
+        "verified": [r.verified for r in records],
+        "published_at": [r.published_at for r in records],
+        "applied_at": [r.applied_at for r in records],
+        "lag_s": [r.lag_s for r in records],
+        "lag_steps": [r.lag_steps for r in records],
+        "download_s": [r.download_s for r in records],
+        "apply_s": [r.apply_s for r in records],
+        "pause_s": [r.pause_s for r in records],
+        "error": [r.error for r in records],
+    }
+
+
+def _replica_row(
+    name: str, steps: dict[int, ReplicaRecord], head: int | None, now: float, stale_after_s: float
+) -> dict[str, Any]:
+    last_report = max(steps.values(), key=lambda r: r.applied_at)
+    applied = [r for r in steps.values() if r.verified]
+    current = max(applied, key=lambda r: r.step, default=None)
+    refused = [r for r in steps.values() if not r.verified]
+    last_refusal = max(refused, key=lambda r: r.applied_at, default=None)
+    behind = head - current.step if head is not None and current else None
+    silent_s = now - last_report.applied_at
+    if behind != 0 and silent_s > stale_after_s:
+        status = "stopped reporting"
+    elif last_report is last_refusal:
+        status = "refused last step"
+    else:
+        status = "ok"
+    return {
+        "replica": name,
+        "status": status,
+        "step": current.step if current else None,
+        "behind_steps": behind,
+        "last_lag_s": current.lag_s if current else None,
+        "last_applied_at": max((r.applied_at for r in applied), default=None),
+        "last_report_at": last_report.applied_at,
+        "silent_s": silent_s,
+        "applied": len(applied),
+        "refused": len(refused),
+        "last_error": last_refusal.error if last_refusal else None,
+    }

@@ -1,0 +1,486 @@
+"""Dashboard Space: plots a run's sync health from the sync root's telemetry/ alone.
+
+    SYNC_ROOT=/path/or/hf://buckets/ns/name python spaces/dashboard/app.py
+
+Environment: SYNC_ROOT (required), HF_TOKEN (private buckets), PORT (default 7860), HOST (default 0.0.0.0),
+REFRESH_S (seconds between refreshes, default 2), STALE_AFTER_S (a replica behind the newest step and silent
+this long is shown as stopped reporting, default 120).
+
+The UI is at `/`; scripts read `GET /api/summary` and `GET /api/series?since=STEP` (JSON).
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+if not (HERE / "shared").is_dir():  # a Space bundle has shared/ beside this file, the repo two levels up
+    sys.path.insert(0, str(HERE.parents[1]))
+
+import gradio as gr  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import plotly.graph_objects as go  # noqa: E402
+import plotly.io as pio  # noqa: E402
+import uvicorn  # noqa: E402
+from fastapi import FastAPI  # noqa: E402
+from fastapi.responses import JSONResponse  # noqa: E402
+
+from shared.storage import open_storage  # noqa: E402
+from shared.telemetry_reader import TelemetryReader  # noqa: E402
+
+PLOTS = ["sparsity", "payload", "staleness-seconds", "staleness-steps", "reward", "trainer-time"]
+REPLICA_COLUMNS = [
+    "replica",
+    "status",
+    "step",
+    "behind",
+    "last lag",
+    "last apply",
+    "applied",
+    "refused",
+    "last error",
+]
+SHOWN_PROBLEMS = 50
+pio.templates.default = "plotly_white"  # set once: a per-figure template= costs a deep copy on every refresh
+CSS = """
+#headline .cards { display: flex; gap: 12px; flex-wrap: wrap; }
+#headline .card { flex: 1 1 180px; border: 1px solid var(--border-color-primary); border-radius: 8px;
+                  padding: 8px 12px; }
+#headline .label, #headline .note { font-size: 0.85em; color: var(--body-text-color-subdued); }
+#headline .value { font-size: 1.6em; font-weight: 600; }
+"""
+
+
+class Board:
+    """What every browser session and the API share: one reader of the sync root and the figures of the
+    latest data version (rebuilt only when new records arrive). However many viewers tick, one polls at a
+    time, at most once per `min_poll_s`; the others render what is there, even while a slow bucket holds the
+    poll."""
+
+    def __init__(self, root: str, stale_after_s: float = 120.0, min_poll_s: float = 0.0):
+        self.root = root
+        self.stale_after_s = stale_after_s
+        self.min_poll_s = min_poll_s
+        self._polled_at = -float("inf")
+        self._polling = threading.Lock()
+        self.lock = threading.Lock()  # guards the reader's records and the fields below
+        self.version = 0  # bumped whenever a poll reads something new
+        self.error: str | None = None  # why the root cannot be read right now
+        self.unread: dict[str, str] = {}
+        self.read_at: float | None = None  # end of the last successful poll (unix s)
+        self.reader: TelemetryReader | None = None
+        self._figures: tuple[int, list[go.Figure]] | None = None
+        if not root:
+            self.error = "SYNC_ROOT is not set: start the app with SYNC_ROOT=<folder or hf://buckets/ns/name>"
+            return
+        try:
+            self.reader = TelemetryReader(open_storage(root))
+        except Exception as e:  # a malformed URL is shown on the page, like any other failure
+            self.error = f"cannot open {root}: {e}"
+
+    def refresh(self) -> int:
+        """Read the records written since the last poll, unless a poll is under way or ended less than
+        `min_poll_s` ago; return the data version."""
+        if self.reader is None or not self._polling.acquire(blocking=False):
+            return self.version
+        try:
+            if time.monotonic() - self._polled_at < self.min_poll_s:
+                return self.version
+            try:
+                fetched = self.reader.fetch()  # the slow part, outside self.lock
+            except Exception as e:  # the root is unreadable: keep the last data and say why
+                self.error = str(e) or type(e).__name__
+                return self.version
+            finally:
+                self._polled_at = time.monotonic()
+            with self.lock:
+                poll = self.reader.apply(fetched)
+                self.error, self.unread, self.read_at = None, poll.unread, time.time()
+                if poll.records or poll.problems:
+                    self.version += 1
+                return self.version
+        finally:
+            self._polling.release()
+
+    def summary(self) -> dict[str, Any]:
+        """The reader's summary plus this board's error state (JSON-ready)."""
+        with self.lock:
+            if self.reader is None:
+                return {"root": self.root, "error": self.error}
+            base = self.reader.summary(time.time(), self.stale_after_s)
+            state = {"error": self.error, "unread": len(self.unread), "read_at": self.read_at}
+            return {**base, **state, "version": self.version}
+
+    def series(self, since: int = -1) -> dict[str, Any]:
+        with self.lock:
+            return self.reader.series(since) if self.reader else {"trainer": {}, "replicas": {}}
+
+    def problems(self) -> dict[str, str]:
+        with self.lock:
+            return dict(self.reader.problems) if self.reader else {}
+
+    def figures(self) -> list[go.Figure]:
+        with self.lock:
+            if self._figures is None or self._figures[0] != self.version:
+                series = self.reader.series() if self.reader else None
+                figures = build_figures(series) if series else [_figure("", "", [])] * len(PLOTS)
+                self._figures = (self.version, figures)
+            return self._figures[1]
+
+
+# ------------------------------------------------------------------------------------------------- figures
+
+
+def build_figures(series: dict[str, Any]) -> list[go.Figure]:
+    """One figure per entry of PLOTS from TelemetryReader.series(), x = step. Columns become numpy arrays:
+    plotly ships those to the browser as binary, which keeps refreshes of long runs fast."""
+    trainer = {k: np.asarray(v) for k, v in series["trainer"].items()}
+    kind = trainer["kind"].astype(str)
+    delta, anchor = kind == "delta", kind == "anchor"
+    return [
+        _sparsity(trainer, delta),
+        _payload(trainer, delta, anchor),
+        _staleness_seconds(series["replicas"]),
+        _info_figure(trainer, "Staleness of trained rollouts (steps)", "versions behind", "staleness_steps"),
+        _info_figure(trainer, "Reward", "reward", "reward"),
+        _trainer_time(trainer, delta | anchor),
+    ]
+
+
+def _figure(title: str, y_title: str, traces: list[go.Scatter], empty: str = "no data yet") -> go.Figure:
+    fig = go.Figure([t for t in traces if len(t.x)])
+    fig.update_layout(
+        title=title,
+        height=340,
+        margin=dict(l=60, r=20, t=40, b=70),
+        legend=dict(orientation="h", y=-0.22, x=0, yanchor="top"),
+        hovermode="closest",
+        uirevision="keep",  # keep the viewer's zoom across refreshes
+        xaxis=dict(title="step", automargin=False),
+        yaxis=dict(title=y_title, automargin=False),
+    )
+    if not fig.data:
+        fig.add_annotation(text=empty, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5)
+        fig.update_xaxes(visible=False)
+        fig.update_yaxes(visible=False)
+    return fig
+
+
+def _line(name: str, x: np.ndarray, y: np.ndarray, **kwargs: Any) -> go.Scatter:
+    return go.Scatter(name=name, x=x, y=y, mode="lines", **kwargs)
+
+
+def _sparsity(trainer: dict[str, np.ndarray], delta: np.ndarray) -> go.Figure:
+    percent = trainer["sparsity"][delta] * 100
+    trace = _line("changed", trainer["step"][delta], percent, hovertemplate="%{y:.3f}%<extra></extra>")
+    return _figure("Changed bf16 elements per delta", "% of elements", [trace])
+
+
+def _payload(trainer: dict[str, np.ndarray], delta: np.ndarray, anchor: np.ndarray) -> go.Figure:
+    if not (delta | anchor).any():
+        return _figure("Payload vs full bf16 model", "bytes (log)", [])
+    steps, payload, full = trainer["step"], trainer["payload_bytes"], trainer["full_bytes"]
+    ratio = np.divide(payload, full, out=np.zeros(len(full)), where=full > 0) * 100
+    published = delta | anchor
+    hover = "%{y:.3s}B (%{customdata:.3f}% of full)<extra></extra>"
+    traces = [
+        _line("delta", steps[delta], payload[delta], customdata=ratio[delta], hovertemplate=hover),
+        go.Scatter(
+            name="anchor",
+            x=steps[anchor],
+            y=payload[anchor],
+            mode="markers",
+            marker_symbol="diamond",
+            customdata=ratio[anchor],
+            hovertemplate=hover,
+        ),
+        _line(
+            "full bf16",
+            steps[published],
+            full[published],
+            line_dash="dash",
+            hovertemplate="%{y:.3s}B<extra></extra>",
+        ),
+    ]
+    median = f"median delta {np.median(ratio[delta]):.3f}% of full" if delta.any() else "no deltas yet"
+    fig = _figure(f"Payload vs full bf16 model ({median})", "bytes (log)", traces)
+    fig.update_yaxes(type="log", dtick=1, tickformat="~s", ticksuffix="B")  # one tick per decade
+    return fig
+
+
+def _staleness_seconds(replicas: dict[str, dict[str, list]]) -> go.Figure:
+    traces, refused_x, refused_y = [], [], []
+    for name, columns in replicas.items():
+        step, lag, verified = (np.asarray(columns[k]) for k in ("step", "lag_s", "verified"))
+        verified = verified.astype(bool)
+        traces.append(_line(name, step[verified], lag[verified], hovertemplate="%{y:.2f} s<extra></extra>"))
+        refused_x += step[~verified].tolist()
+        refused_y += lag[~verified].tolist()
+    traces.append(
+        go.Scatter(
+            name="refused",
+            x=refused_x,
+            y=refused_y,
+            mode="markers",
+            marker=dict(symbol="x", size=10, color="crimson"),
+            hovertemplate="refused after %{y:.2f} s<extra></extra>",
+        )
+    )
+    return _figure("Staleness: publish to verified apply (s)", "seconds", traces)
+
+
+def _info_figure(trainer: dict[str, np.ndarray], title: str, y_title: str, prefix: str) -> go.Figure:
+    """The trainer's own numbers info[<prefix>_mean] and info[<prefix>_max], where it reported them."""
+    traces = []
+    for stat, dash in (("mean", "solid"), ("max", "dot")):
+        values = trainer.get(f"info.{prefix}_{stat}")
+        if values is not None:
+            known = values != None  # noqa: E711 (element-wise on an object array)
+            traces.append(_line(stat, trainer["step"][known], values[known].astype(float), line_dash=dash))
+    empty = f"the trainer reports no {prefix}_mean" if len(trainer["step"]) else "no data yet"
+    return _figure(title, y_title, traces, empty)
+
+
+def _trainer_time(trainer: dict[str, np.ndarray], published: np.ndarray) -> go.Figure:
+    steps = trainer["step"]
+    traces = [
+        _line("blocked (training loop waited)", steps, trainer["blocked_s"]),
+        _line("encode", steps[published], trainer["encode_s"][published]),
+        _line("upload", steps[published], trainer["upload_s"][published]),
+    ]
+    return _figure("Trainer time per step (s)", "seconds", traces)
+
+
+# ------------------------------------------------------------------------------------------- text views
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "–"
+    units = ["B", "kB", "MB", "GB", "TB"]
+    while abs(n) >= 1000 and len(units) > 1:
+        n /= 1000
+        units.pop(0)
+    return f"{n:.3g} {units[0]}"
+
+
+def fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return "–"
+    if abs(s) < 1:
+        return f"{s * 1000:.0f} ms"
+    if abs(s) < 120:
+        return f"{s:.1f} s"
+    return f"{s / 60:.1f} min" if abs(s) < 7200 else f"{s / 3600:.1f} h"
+
+
+def headline_html(summary: dict[str, Any]) -> str:
+    """Cards with the headline numbers; each carries its raw value in data-value for scripts and tests."""
+    if "steps" not in summary:
+        return ""
+    mean, full = summary["mean_delta_payload_bytes"], summary["full_bytes"]
+    ratio = mean / full if mean is not None and full else None
+    saved = summary["saved_fraction"]
+    cards = [
+        (
+            "steps",
+            "Steps published",
+            summary["steps"],
+            summary["steps"],
+            f"latest {summary['latest_step']}, {summary['anchors']} anchors, "
+            f"{summary['skipped_steps']} folded into later ones"
+            if summary["steps"]
+            else "none yet",
+        ),
+        (
+            "mean-payload",
+            "Mean delta payload",
+            mean,
+            fmt_bytes(mean),
+            f"{ratio * 100:.3f}% of the {fmt_bytes(full)} bf16 model" if ratio is not None else "",
+        ),
+        (
+            "bytes-saved",
+            "Bytes saved",
+            summary["bytes_saved"],
+            fmt_bytes(summary["bytes_saved"]),
+            f"{saved * 100:.2f}% less than full uploads" if saved is not None else "",
+        ),
+        (
+            "median-latency",
+            "Median sync latency",
+            summary["median_sync_latency_s"],
+            fmt_seconds(summary["median_sync_latency_s"]),
+            f"publish to verified apply, {summary['verified_applies']} applies",
+        ),
+    ]
+    return (
+        '<div class="cards">'
+        + "".join(
+            f'<div class="card" data-key="{key}" data-value="{"" if raw is None else raw}">'
+            f'<div class="label">{label}</div><div class="value">{html.escape(str(shown))}</div>'
+            f'<div class="note">{html.escape(note)}</div></div>'
+            for key, label, raw, shown, note in cards
+        )
+        + "</div>"
+    )
+
+
+def status_markdown(summary: dict[str, Any], refresh_s: float) -> str:
+    """One line on the state of the run: unreadable root, no run yet, stopped replicas, or live."""
+    root = f"`{summary['root']}`"
+    if summary["error"]:
+        shown = f" Showing the last data read ({summary['steps']} steps)." if summary.get("steps") else ""
+        return f"⚠ **Cannot read the sync root.** {summary['error']}.{shown} Retrying every {refresh_s:g} s."
+    if summary["read_at"] is None:
+        return f"Reading {root} for the first time…"
+    lines = []
+    if not summary["steps"] and not summary["replicas"]:
+        lines.append(f"**No run yet** at {root}: no telemetry records. This page updates by itself.")
+    else:
+        lines.append(f"**Live** at {root}: latest step {summary['latest_step']}.")
+    if summary["read_at"]:
+        lines[-1] += f" Read {fmt_seconds(max(0.0, time.time() - summary['read_at']))} ago."
+    for row in summary["replicas"]:
+        if row["status"] == "stopped reporting":
+            lines.append(
+                f"⚠ Replica **{row['replica']}** stopped reporting {fmt_seconds(row['silent_s'])} ago "
+                f"(holds step {row['step']}, {row['behind_steps']} behind)."
+            )
+    if summary["problems"]:
+        lines.append(f"⚠ {summary['problems']} invalid telemetry files skipped (listed below).")
+    if summary["unread"]:
+        lines.append(f"⚠ {summary['unread']} telemetry files could not be read this time; retrying.")
+    return "\n\n".join(lines)
+
+
+def replicas_frame(summary: dict[str, Any]) -> pd.DataFrame:
+    now = time.time()
+    rows = [
+        [
+            r["replica"],
+            r["status"],
+            _or_blank(r["step"]),
+            _or_blank(r["behind_steps"]),
+            fmt_seconds(r["last_lag_s"]),
+            _when(r["last_applied_at"], now),
+            r["applied"],
+            r["refused"],
+            r["last_error"] or "",
+        ]
+        for r in summary.get("replicas", [])
+    ]
+    return pd.DataFrame(rows, columns=REPLICA_COLUMNS)
+
+
+def _or_blank(value: Any) -> Any:
+    return "" if value is None else value
+
+
+def _when(t: float | None, now: float) -> str:
+    if t is None:
+        return "never"
+    return f"{datetime.fromtimestamp(t, UTC):%H:%M:%S} UTC ({fmt_seconds(max(0.0, now - t))} ago)"
+
+
+def problems_markdown(problems: dict[str, str]) -> str:
+    if not problems:
+        return "None."
+    shown = list(problems.items())[-SHOWN_PROBLEMS:]
+    more = f"\n\n…and {len(problems) - len(shown)} more." if len(problems) > len(shown) else ""
+    return "\n".join(f"- `{path}`: {html.escape(why)}" for path, why in shown) + more
+
+
+# ---------------------------------------------------------------------------------------------------- app
+
+
+def update(board: Board, shown: int, refresh_s: float) -> list:
+    """One tick for a page that shows data version `shown`: poll, redraw the text views (they age), and send
+    the figures only if the data changed: [version, status, headline, replicas, problems, *figures]."""
+    version = board.refresh()
+    summary = board.summary()
+    figures = board.figures() if version != shown else [gr.skip()] * len(PLOTS)
+    texts = [
+        status_markdown(summary, refresh_s),
+        headline_html(summary),
+        replicas_frame(summary),
+        problems_markdown(board.problems()),
+    ]
+    return [version, *texts, *figures]
+
+
+def build_app(root: str, refresh_s: float = 2.0, stale_after_s: float = 120.0) -> FastAPI:
+    """The JSON API and the Gradio UI (mounted at "/") over one Board."""
+    board = Board(root, stale_after_s, min_poll_s=refresh_s / 2)
+    api = FastAPI(title="deltasync dashboard")
+
+    @api.get("/api/summary")
+    def summary() -> JSONResponse:
+        """Headline numbers, one row per replica, and the error state (503 while the root is unreadable)."""
+        board.refresh()
+        body = board.summary()
+        return JSONResponse(body, status_code=503 if body["error"] else 200)
+
+    @api.get("/api/series")
+    def series(since: int = -1) -> JSONResponse:
+        """Per-step columns of the records with step > since."""
+        board.refresh()
+        if board.error:
+            return JSONResponse({"error": board.error, **board.series(since)}, status_code=503)
+        return JSONResponse(board.series(since))
+
+    with gr.Blocks(title="deltasync dashboard", analytics_enabled=False) as demo:
+        gr.Markdown("# deltasync: sync health")
+        status = gr.Markdown(elem_id="status")
+        headline = gr.HTML(elem_id="headline")
+        plots = []
+        for left, right in zip(PLOTS[::2], PLOTS[1::2], strict=True):
+            with gr.Row():
+                plots += [gr.Plot(elem_id=left, show_label=False), gr.Plot(elem_id=right, show_label=False)]
+        replicas = gr.Dataframe(
+            headers=REPLICA_COLUMNS,
+            label="Replicas",
+            interactive=False,
+            wrap=True,
+            column_widths=["7%", "11%", "5%", "6%", "7%", "18%", "7%", "7%", "32%"],
+            elem_id="replicas",
+        )
+        with gr.Accordion("Skipped telemetry files", open=False):
+            problems = gr.Markdown(elem_id="problems")
+        shown_version = gr.State(-1)
+        timer = gr.Timer(refresh_s)
+
+        outputs = [shown_version, status, headline, replicas, problems, *plots]
+        for event in (demo.load, timer.tick):
+            event(
+                lambda shown: update(board, shown, refresh_s),
+                shown_version,
+                outputs,
+                show_progress="hidden",
+                api_visibility="private",
+                concurrency_limit=None,  # viewers do not queue behind each other (Board serialises polls)
+            )
+
+    return gr.mount_gradio_app(api, demo, path="/", css=CSS)
+
+
+def main() -> None:
+    app = build_app(
+        os.environ.get("SYNC_ROOT", ""),
+        refresh_s=float(os.environ.get("REFRESH_S", "2")),
+        stale_after_s=float(os.environ.get("STALE_AFTER_S", "120")),
+    )
+    port = int(os.environ.get("PORT", "7860"))
+    uvicorn.run(app, host=os.environ.get("HOST", "0.0.0.0"), port=port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,485 @@
+"""The dashboard Space: the incremental telemetry reader and its summary, the app's states and JSON API, and
+the page itself in Debian's Chromium driven by Playwright (`python app.py` on a loopback port)."""
+
+import importlib.util
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import gradio as gr
+import pytest
+import requests
+
+from shared.storage import Storage, TransientStorageError, open_storage
+from shared.telemetry import ReplicaRecord, TrainerRecord, write
+from shared.telemetry_reader import TelemetryReader
+
+REPO = Path(__file__).resolve().parents[2]
+APP = REPO / "spaces" / "dashboard" / "app.py"
+CHROMIUM = Path("/usr/bin/chromium")
+NUMEL = 22_713_216  # all-MiniLM-L6-v2
+REPLICAS = ("r0", "r1")
+REFUSED = ("r1", 12)  # r1 refuses step 12 (fingerprint mismatch), then recovers
+SKIPPED_STEP = 7  # uploads lagged: step 7 was folded into step 8
+
+
+def write_run(storage: Storage, steps: range, t0: float, replicas=REPLICAS, seed: int = 0) -> None:
+    """Telemetry of a short realistic run: step 0 is an anchor, then ~1% deltas, one skipped step, and each
+    replica applying every published step 0.3-1.5 s after it was published (one refusal)."""
+    rng = random.Random(seed + steps.start)
+    for step in steps:
+        published_at = t0 + 3.0 * step
+        info = {
+            "reward_mean": 0.1 + 0.02 * step + rng.uniform(-0.02, 0.02),
+            "reward_std": 0.3,
+            "staleness_steps_mean": 1 + rng.random(),
+            "staleness_steps_max": 2 + rng.randrange(2),
+        }
+        kind = "anchor" if step == 0 else "skipped" if step == SKIPPED_STEP else "delta"
+        changed = {"anchor": NUMEL, "delta": int(NUMEL * rng.uniform(0.008, 0.017)), "skipped": 0}[kind]
+        payload = {"anchor": 2 * NUMEL + 4096, "delta": int(changed * 0.9) + 2048, "skipped": 0}[kind]
+        write(
+            storage,
+            TrainerRecord(
+                step=step,
+                kind=kind,
+                published_at=published_at,
+                numel=NUMEL if kind != "skipped" else 0,
+                changed=changed,
+                payload_bytes=payload,
+                full_bytes=2 * NUMEL if kind != "skipped" else 0,
+                encode_s=rng.uniform(0.05, 0.1) if kind != "skipped" else 0.0,
+                upload_s=rng.uniform(0.2, 0.5) if kind != "skipped" else 0.0,
+                blocked_s=rng.uniform(0.01, 0.03),
+                base_step=step - 1 if kind == "delta" else None,
+                info=info,
+            ),
+        )
+        if kind == "skipped":
+            continue
+        for replica in replicas:
+            refused = (replica, step) == REFUSED
+            write(
+                storage,
+                ReplicaRecord(
+                    replica=replica,
+                    step=step,
+                    kind=kind,
+                    published_at=published_at,
+                    applied_at=published_at + rng.uniform(0.3, 1.5),
+                    download_s=rng.uniform(0.05, 0.2),
+                    apply_s=rng.uniform(0.01, 0.05),
+                    verified=not refused,
+                    lag_steps=0,
+                    payload_bytes=payload,
+                    changed=changed,
+                    pause_s=0.01,
+                    error="target holds 0x1234 after step 12, expected 0xbeef: reloading from an anchor"
+                    if refused
+                    else None,
+                ),
+            )
+
+
+def expected(storage: Storage) -> dict:
+    """What the page should show, computed from the records on storage independently of the reader."""
+    records = [json.loads(storage.read_bytes(p)) for p in storage.list("telemetry")]
+    trainer = [r for r in records if "replica" not in r]
+    published = [r for r in trainer if r["kind"] != "skipped"]
+    deltas = [r for r in published if r["kind"] == "delta"]
+    applied = [r for r in records if "replica" in r and r["verified"]]
+    lags = sorted(r["applied_at"] - r["published_at"] for r in applied)
+    mid = len(lags) // 2
+    return {
+        "steps": len(published),
+        "mean_payload": sum(r["payload_bytes"] for r in deltas) / len(deltas),
+        "bytes_saved": sum(r["full_bytes"] - r["payload_bytes"] for r in published),
+        "median_latency": lags[mid] if len(lags) % 2 else (lags[mid - 1] + lags[mid]) / 2,
+        # points per plot, trace by trace (traces with no points are left out)
+        "plots": {
+            "sparsity": [len(deltas)],
+            "payload": [len(deltas), len(published) - len(deltas), len(published)],
+            "staleness-seconds": [
+                *(sum(r.get("replica") == name for r in applied) for name in REPLICAS),
+                sum("replica" in r and not r["verified"] for r in records),
+            ],
+            "staleness-steps": [len(trainer), len(trainer)],
+            "reward": [len(trainer)],
+            "trainer-time": [len(trainer), len(published), len(published)],
+        },
+    }
+
+
+# ------------------------------------------------------------------------------------------------ reader
+
+
+@pytest.fixture(params=["local", "memory", "hub"])
+def storage(request, tmp_path):
+    if request.param == "hub":
+        request.getfixturevalue("fake_hub")
+    url = {
+        "local": str(tmp_path / "run"),
+        "memory": f"memory://{tmp_path.name}",
+        "hub": "hf://buckets/user/sync",
+    }
+    return open_storage(url[request.param])
+
+
+def test_reader_reads_only_new_records(storage):
+    t0 = time.time() - 100
+    write_run(storage, range(0, 5), t0)
+    reader = TelemetryReader(storage)
+    first = reader.poll()
+    assert len(first.records) == 5 + 2 * 5 and not first.problems and not first.unread
+    assert reader.poll().records == []
+    write_run(storage, range(5, 8), t0)
+    second = reader.poll()
+    assert sorted((type(r).__name__, r.step) for r in second.records) == sorted(
+        [("TrainerRecord", s) for s in (5, 6, 7)] + [("ReplicaRecord", s) for s in (5, 6) for _ in REPLICAS]
+    )
+    assert sorted(reader.trainer) == list(range(8))
+    assert sorted(reader.replicas["r0"]) == [0, 1, 2, 3, 4, 5, 6]
+
+
+def test_reader_probes_between_listings(tmp_path, monkeypatch):
+    storage = open_storage(tmp_path)
+    t0 = time.time()
+    write_run(storage, range(0, 3), t0)
+    reader = TelemetryReader(storage, listing_share=0)  # never lists again
+    reader.poll()
+    listings = []
+    monkeypatch.setattr(storage, "list", lambda prefix="": listings.append(prefix) or [])
+    write_run(storage, range(3, 5), t0)  # the next steps of known writers: found by probing
+    write_run(storage, range(40, 41), t0, replicas=("r2",))  # a jump and a new replica: need a listing
+    assert sorted(r.step for r in reader.poll().records) == [3, 3, 3, 4, 4, 4]
+    assert listings == []
+    monkeypatch.undo()
+    reader.listing_share = float("inf")  # lists on every poll
+    assert sorted((getattr(r, "replica", ""), r.step) for r in reader.poll().records) == [
+        ("", 40),
+        ("r2", 40),
+    ]
+
+
+def test_reader_skips_and_reports_bad_records(tmp_path):
+    storage = open_storage(tmp_path)
+    write_run(storage, range(0, 3), time.time())
+    good = storage.read_bytes("telemetry/trainer/step-00000001.json")
+    bad = {
+        "telemetry/trainer/step-00000010.json": b"{not json",
+        "telemetry/trainer/step-00000011.json": good,  # step 1's record under step 11's name
+        "telemetry/trainer/step-00000012.json": good.replace(b'"step":1', b'"step":12').replace(
+            b'"kind":"delta"', b'"kind":"weird"'
+        ),
+        "telemetry/trainer/step-00000013.json": good.replace(b'"changed":', b'"changed":-'),
+        "telemetry/replicas/r0/step-00000014.json": b'{"replica": "r0", "step": 14}',
+        "telemetry/notes.txt": b"hello",
+    }
+    for path, data in bad.items():
+        storage.write_bytes(path, data)
+    reader = TelemetryReader(storage)
+    poll = reader.poll()
+    assert set(poll.problems) == set(bad) == set(reader.problems)
+    assert (
+        "holds the record of telemetry/trainer/step-00000001.json"
+        in poll.problems["telemetry/trainer/step-00000011.json"]
+    )
+    assert "missing fields" in poll.problems["telemetry/replicas/r0/step-00000014.json"]
+    assert sorted(reader.trainer) == [0, 1, 2]
+    reader.listing_share = float("inf")
+    assert reader.poll().problems == {}  # reported once, not read again
+
+
+def test_reader_retries_unreadable_files_and_rereads_recovered_refusals(tmp_path, monkeypatch):
+    storage = open_storage(tmp_path)
+    write_run(storage, range(11, 13), time.time())
+    reader = TelemetryReader(storage)
+    read_bytes = storage.read_bytes
+    flaky = "telemetry/trainer/step-00000011.json"
+
+    def failing_once(path):
+        if path == flaky:
+            monkeypatch.setattr(storage, "read_bytes", read_bytes)
+            raise TransientStorageError("timeout")
+        return read_bytes(path)
+
+    monkeypatch.setattr(storage, "read_bytes", failing_once)
+    assert list(reader.poll().unread) == [flaky]
+    assert [r.step for r in reader.poll().records] == [11]
+    assert reader.replicas["r1"][12].verified is False
+    # r1 recovered from an anchor and re-applied step 12: the refusal's file is replaced by a verified record
+    refusal = reader.replicas["r1"][12]
+    write(storage, ReplicaRecord(**{**vars(refusal), "verified": True, "error": None}))
+    assert [r.verified for r in reader.poll().records] == [True]
+    assert reader.replicas["r1"][12].verified is True
+
+
+def test_summary_matches_records(tmp_path):
+    storage = open_storage(tmp_path)
+    now = time.time()
+    write_run(storage, range(0, 20), now - 60)
+    reader = TelemetryReader(storage)
+    reader.poll()
+    summary = reader.summary(now)
+    want = expected(storage)
+    assert summary["steps"] == want["steps"] == 19
+    assert summary["latest_step"] == 19 and summary["anchors"] == 1 and summary["skipped_steps"] == 1
+    assert summary["mean_delta_payload_bytes"] == pytest.approx(want["mean_payload"])
+    assert summary["bytes_saved"] == want["bytes_saved"]
+    assert summary["median_sync_latency_s"] == pytest.approx(want["median_latency"])
+    r0, r1 = summary["replicas"]
+    assert (r0["replica"], r0["step"], r0["behind_steps"], r0["status"]) == ("r0", 19, 0, "ok")
+    assert (r1["applied"], r1["refused"]) == (18, 1) and "expected 0xbeef" in r1["last_error"]
+    # r1 goes silent while the trainer goes on
+    write_run(storage, range(20, 25), now - 60, replicas=("r0",))
+    reader.poll()
+    r0, r1 = reader.summary(now + 300, stale_after_s=120)["replicas"]
+    assert (r1["status"], r1["step"], r1["behind_steps"]) == ("stopped reporting", 19, 5)
+    assert r0["status"] == "ok"  # silent too, but it holds the newest step: the run has simply not moved
+
+
+def test_run_of_the_real_publisher_and_subscribers(tmp_path, dashboard):
+    """The dashboard reads what shared.publisher and shared.subscriber write, without a problem."""
+    torch = pytest.importorskip("torch")
+    from shared.publisher import Publisher
+    from shared.subscriber import Subscriber
+
+    g = torch.Generator().manual_seed(0)
+    params = {
+        "model.w": 0.05 * torch.randn(256, 64, generator=g),
+        "model.b": 0.05 * torch.randn(64, generator=g),
+    }
+    subscribers = [Subscriber(tmp_path, replica=name) for name in REPLICAS]
+    with Publisher(tmp_path, model="tiny") as publisher:
+        for step in range(8):
+            for t in params.values():  # ~2% of the elements move by more than a bf16 step
+                t += (torch.rand(t.shape, generator=g) < 0.02) * t.abs().clamp_min(1e-3) * 0.05
+            publisher.publish(params, step=step, info={"reward_mean": step / 10, "staleness_steps_mean": 1.0})
+            publisher.flush()
+            for subscriber in subscribers:
+                subscriber.sync()
+    reader = TelemetryReader(open_storage(tmp_path))
+    assert reader.poll().problems == {}
+    summary = reader.summary(time.time())
+    want = expected(reader.storage)
+    assert summary["steps"] == want["steps"] == 8 and summary["latest_step"] == 7
+    assert summary["bytes_saved"] == want["bytes_saved"] > 0
+    assert [(r["step"], r["behind_steps"], r["applied"], r["status"]) for r in summary["replicas"]] == [
+        (7, 0, 8, "ok")
+    ] * len(REPLICAS)
+    figures = dashboard.build_figures(reader.series())
+    points = [[len(trace.x) for trace in figure.data] for figure in figures]
+    assert points[:3] == [want["plots"]["sparsity"], want["plots"]["payload"], [8, 8]]
+
+
+def test_series_since(tmp_path):
+    storage = open_storage(tmp_path)
+    write_run(storage, range(0, 10), time.time())
+    reader = TelemetryReader(storage)
+    reader.poll()
+    series = reader.series(since=5)
+    assert series["trainer"]["step"] == [6, 7, 8, 9]
+    assert series["trainer"]["kind"][1] == "skipped"
+    assert series["replicas"]["r0"]["step"] == [6, 8, 9]
+    assert len(series["trainer"]["info.reward_mean"]) == 4
+    diverged = reader.trainer[9]
+    diverged.info["reward_mean"] = float("nan")
+    assert reader.series(since=8)["trainer"]["info.reward_mean"] == [None]  # JSON has no NaN
+
+
+# ----------------------------------------------------------------------------------------- app (in process)
+
+
+@pytest.fixture(scope="module")
+def dashboard():
+    spec = importlib.util.spec_from_file_location("dashboard_app", APP)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_board_states(dashboard, tmp_path, monkeypatch):
+    unset = dashboard.Board("")
+    assert "SYNC_ROOT is not set" in dashboard.status_markdown(unset.summary(), 2)
+    assert len(unset.figures()) == len(dashboard.PLOTS)
+
+    board = dashboard.Board(str(tmp_path))
+    board.refresh()
+    assert "No run yet" in dashboard.status_markdown(board.summary(), 2)
+    assert all(f.layout.annotations[0].text == "no data yet" for f in board.figures())
+
+    write_run(board.reader.storage, range(0, 3), time.time())
+    version = board.refresh()
+    assert version == 1 and board.refresh() == 1  # nothing new: same version, figures reused
+    assert board.figures() is board.figures()
+    first = dashboard.update(board, -1, 2)  # a new page gets the figures, a page that shows them gets none
+    assert first[0] == version and all(f.data for f in first[-len(dashboard.PLOTS) :])
+    assert dashboard.update(board, version, 2)[-len(dashboard.PLOTS) :] == [gr.skip()] * len(dashboard.PLOTS)
+    assert "Live" in dashboard.status_markdown(board.summary(), 2)
+
+    def unreadable(*args):
+        raise TransientStorageError(f"{tmp_path}: request failed: 503 Service Unavailable")
+
+    monkeypatch.setattr(board.reader.storage, "list", unreadable)
+    monkeypatch.setattr(board.reader.storage, "sizes", unreadable)
+    board.refresh()
+    status = dashboard.status_markdown(board.summary(), 2)
+    assert "Cannot read the sync root" in status and "503" in status and "3 steps" in status
+    assert board.summary()["steps"] == 3  # the last data stays on the page
+
+
+def test_board_names_a_replica_that_stopped_reporting(dashboard, tmp_path):
+    board = dashboard.Board(str(tmp_path), stale_after_s=60)
+    write_run(board.reader.storage, range(0, 5), time.time() - 600)
+    write_run(board.reader.storage, range(5, 6), time.time() - 600, replicas=("r0",))
+    board.refresh()
+    summary = board.summary()
+    assert "Replica **r1** stopped reporting" in dashboard.status_markdown(summary, 2)
+    assert "holds step 4, 1 behind" in dashboard.status_markdown(summary, 2)
+    assert list(dashboard.replicas_frame(summary)["status"]) == ["ok", "stopped reporting"]
+
+
+def test_board_renders_while_a_poll_hangs(dashboard, tmp_path, monkeypatch):
+    board = dashboard.Board(str(tmp_path))
+    release = threading.Event()
+    monkeypatch.setattr(board.reader.storage, "list", lambda prefix="": release.wait(10) and [])
+    poller = threading.Thread(target=board.refresh)
+    poller.start()
+    time.sleep(0.2)
+    start = time.monotonic()
+    assert board.refresh() == 0  # another viewer: does not wait for the hanging poll
+    assert "for the first time" in dashboard.status_markdown(board.summary(), 2)
+    assert time.monotonic() - start < 1
+    release.set()
+    poller.join()
+    assert "No run yet" in dashboard.status_markdown(board.summary(), 2)
+
+
+# ---------------------------------------------------------------------------------------- the Space, live
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def space(tmp_path_factory):
+    """The dashboard started from a Space bundle (app.py with a copy of shared/ beside it) over a sync root
+    holding a 20-step run. Yields (base URL, sync root storage, the run's start time)."""
+    base = tmp_path_factory.mktemp("dashboard")
+    bundle = base / "bundle"
+    shutil.copytree(APP.parent, bundle, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "shared", bundle / "shared", ignore=shutil.ignore_patterns("__pycache__"))
+    storage = open_storage(base / "root")
+    t0 = time.time() - 3 * 25  # steps are 3 s apart: the 5 appended later are not in the future either
+    write_run(storage, range(0, 20), t0)
+    port = _free_port()
+    env = {
+        **os.environ,
+        "SYNC_ROOT": str(base / "root"),
+        "HOST": "127.0.0.1",
+        "PORT": str(port),
+        "REFRESH_S": "1",
+    }
+    log = base / "server.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "app.py"], cwd=bundle, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while not _up(url):
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            pytest.fail(f"the dashboard did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.3)
+    yield url, storage, t0
+    server.terminate()
+    try:
+        server.wait(10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+def _up(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/api/summary", timeout=2).ok
+    except requests.ConnectionError:
+        return False
+
+
+def test_json_api(space):
+    url, storage, _ = space
+    summary = requests.get(f"{url}/api/summary", timeout=10).json()
+    want = expected(storage)
+    assert summary["error"] is None
+    assert summary["steps"] == want["steps"]
+    assert summary["bytes_saved"] == want["bytes_saved"]
+    assert [r["replica"] for r in summary["replicas"]] == list(REPLICAS)
+    series = requests.get(f"{url}/api/series", params={"since": 17}, timeout=10).json()
+    assert series["trainer"]["step"] == [18, 19]
+    assert series["replicas"]["r1"]["verified"] == [True, True]
+
+
+# Points per trace of each plot, keyed by the gr.Plot's elem_id. Plotly decodes binary arrays (numpy columns)
+# into `x._inputArray`.
+PLOT_POINTS = """() => Object.fromEntries([...document.querySelectorAll('.js-plotly-plot')].map(plot => [
+    plot.closest('[id]').id,
+    (plot.data || []).map(trace => trace.x ? trace.x.length ?? trace.x._inputArray.length : 0),
+]))"""
+
+
+def _headline(page) -> dict[str, float]:
+    cards = page.locator("#headline .card")
+    return {
+        cards.nth(i).get_attribute("data-key"): float(cards.nth(i).get_attribute("data-value"))
+        for i in range(cards.count())
+    }
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is not installed (apt-get install chromium)")
+def test_page_in_chromium(space, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    url, storage, t0 = space
+    artifacts = Path(os.environ.get("TEST_ARTIFACTS", tmp_path))
+    artifacts.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 1800})
+        page.goto(url)
+
+        def shows(want: dict) -> None:
+            deadline = time.monotonic() + 30
+            while page.evaluate(PLOT_POINTS) != want["plots"] and time.monotonic() < deadline:
+                page.wait_for_timeout(200)
+            assert page.evaluate(PLOT_POINTS) == want["plots"]
+            headline = _headline(page)
+            assert headline["steps"] == want["steps"]
+            assert headline["mean-payload"] == pytest.approx(want["mean_payload"])
+            assert headline["bytes-saved"] == want["bytes_saved"]
+            assert headline["median-latency"] == pytest.approx(want["median_latency"])
+
+        shows(expected(storage))
+        assert "Live" in page.inner_text("#status")
+        table = page.inner_text("#replicas")
+        assert "r1" in table and "expected 0xbeef" in table
+        page.screenshot(path=artifacts / "dashboard-20-steps.png", full_page=True)
+
+        page.evaluate("window.notReloaded = true")
+        write_run(storage, range(20, 25), t0)
+        shows(expected(storage))
+        assert page.evaluate("window.notReloaded") is True
+        shot = artifacts / "dashboard-25-steps.png"
+        page.screenshot(path=shot, full_page=True)
+        print(f"screenshot: {shot}")
+        browser.close()
