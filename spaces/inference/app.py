@@ -1,0 +1,384 @@
+"""Inference Space: vLLM's own OpenAI-compatible server, whose weights follow a deltasync root in place.
+
+    python spaces/inference/app.py        (or `python app.py` inside the Space bundle)
+
+Configuration, from the environment:
+    MODEL              HF id or local folder: the weights at the run's first anchor (required)
+    SYNC_ROOT          local folder or hf://buckets/<namespace>/<name>[/prefix] (required)
+    HOST, PORT         0.0.0.0, 7860
+    API_TOKEN          bearer token for /v1/* and /inference/*, and the front page's password (unset: open)
+    HF_TOKEN           read by huggingface_hub for the model and the bucket; this app never logs it
+    REPLICA_ID         this replica's name in telemetry (default: stable per Space, else per host)
+    SERVED_MODEL_NAME  comma-separated names clients may send as "model" (default: MODEL)
+    POLL_S             seconds between polls of the head (1.0)
+    VERIFY_EVERY       read the weights back from vLLM every N deltas to compare fingerprints (10)
+    MAX_REQUEST_BYTES  largest request body accepted (4 MiB)
+    PATCH_WRITE        "vllm": vLLM's load_checkpoint_weight_patches (default); "direct": index writes into
+                       the parameter views learned at start-up, O(changed elements) (see bench/apply.py)
+    VLLM_ARGS          more `vllm serve` flags, e.g. "--max-model-len 4096 --gpu-memory-utilization 0.85"
+
+Public routes: /health, /version, /v1/models, /v1/completions, /v1/chat/completions, /inference/v1/generate
+(vLLM's token-in/token-out API: its choices carry exact `weight_versions` spans), GET /weights (sync status)
+and the Gradio page at /. vLLM's other routes (admin, dev, scaling, metrics, docs) answer 404. Completions
+carry `x-weight-version` (the version when the request arrived) and `x-weight-version-end` (when the response
+started; for a non-streamed response, when it was complete): the versions that produced it lie in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import re
+import shlex
+import socket
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# shared/ lies beside this file in the Space bundle, two levels up in the repo. vLLM's worker process imports
+# patch_worker (and, through it, shared) by name, so the folders go on PYTHONPATH as well.
+IMPORT_PATHS = [str(p) for p in (HERE, HERE.parents[1]) if p == HERE or (p / "shared").is_dir()]
+sys.path[:0] = [p for p in IMPORT_PATHS if p not in sys.path]
+os.environ["PYTHONPATH"] = os.pathsep.join([*IMPORT_PATHS, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+import gradio as gr  # noqa: E402
+import torch  # noqa: E402
+import uvicorn  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from starlette.datastructures import MutableHeaders  # noqa: E402
+from starlette.responses import JSONResponse  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.entrypoints.launchers.api_server.app_state import init_app_state  # noqa: E402
+from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client  # noqa: E402
+from vllm.entrypoints.launchers.app import build_app  # noqa: E402
+from vllm.entrypoints.launchers.cli_args import make_arg_parser  # noqa: E402
+from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
+
+from shared.changes import TensorChanges  # noqa: E402
+from shared.subscriber import Applier, Subscriber  # noqa: E402
+
+log = logging.getLogger("deltasync.inference")
+PUBLIC_ROUTES = {
+    "/health",
+    "/version",
+    "/v1/models",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/inference/v1/generate",
+}
+SHARD_BYTES = 1 << 30  # an anchor reaches the worker in files of about this size, one RPC each
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    sync_root: str
+    replica_id: str
+    served_names: list[str]
+    host: str = "0.0.0.0"
+    port: int = 7860
+    api_token: str | None = field(default=None, repr=False)
+    poll_s: float = 1.0
+    verify_every: int = 10
+    max_request_bytes: int = 4 << 20
+    direct_write: bool = False
+    vllm_args: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Config:
+        missing = [key for key in ("MODEL", "SYNC_ROOT") if not env.get(key)]
+        if missing:
+            raise SystemExit(f"set {' and '.join(missing)} (see the docstring of {__file__})")
+        names = env.get("SERVED_MODEL_NAME", "")
+        return cls(
+            model=env["MODEL"],
+            sync_root=env["SYNC_ROOT"],
+            replica_id=env.get("REPLICA_ID") or default_replica_id(env),
+            served_names=[n.strip() for n in names.split(",") if n.strip()] or [env["MODEL"]],
+            host=env.get("HOST", "0.0.0.0"),
+            port=int(env.get("PORT", 7860)),
+            api_token=env.get("API_TOKEN") or None,
+            poll_s=float(env.get("POLL_S", 1.0)),
+            verify_every=int(env.get("VERIFY_EVERY", 10)),
+            max_request_bytes=int(env.get("MAX_REQUEST_BYTES", 4 << 20)),
+            direct_write={"vllm": False, "direct": True}[env.get("PATCH_WRITE", "vllm")],
+            vllm_args=shlex.split(env.get("VLLM_ARGS", "")),
+        )
+
+
+def default_replica_id(env: Mapping[str, str]) -> str:
+    """Stable across restarts: derived from the Space id, else the host name."""
+    origin = env.get("SPACE_ID") or socket.gethostname()
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "-", origin).strip("-._")[:40] or "replica"
+    return f"{readable}-{hashlib.blake2b(origin.encode(), digest_size=4).hexdigest()}"
+
+
+class WriteRefused(RuntimeError):
+    """The worker refused a weights file. Unless `VllmApplier.stuck`, it wrote nothing."""
+
+
+class VllmApplier(Applier):
+    """Writes verified weights into the engine through the worker extension (patch_worker.py), called from
+    the subscriber's thread. Files are written before generation pauses: the pause covers the write only."""
+
+    def __init__(
+        self, engine, loop: asyncio.AbstractEventLoop, layout: Mapping[str, list[int]], direct=False
+    ):
+        self.engine, self.loop, self.layout, self.direct = engine, loop, dict(layout), direct
+        self.names: list[str] = []  # the tensors of the run: what a readback covers
+        self.step: int | None = None  # the step last written
+        self.anchor_step: int | None = None
+        self.version: str = "model"  # the weight version label generation runs under
+        self.readback: dict | None = None  # the last fingerprint read back from the worker
+        self.last_write: dict | None = None  # the last write's timings: in the worker, and generation paused
+        # A write failed half-way: generation stays paused until an anchor loads. Never serve weights we
+        # cannot vouch for; the subscriber goes for an anchor as soon as a write fails.
+        self.stuck = False
+        self.tmp = Path(tempfile.mkdtemp(prefix="deltasync-apply-"))
+
+    def load(self, state: Mapping[str, torch.Tensor], step: int) -> float:
+        wrong = [n for n, t in state.items() if self.layout.get(n) != list(t.shape)]
+        if wrong:
+            shape = list(state[wrong[0]].shape)
+            raise ValueError(f"the served model has no tensor {wrong[0]!r} of shape {shape}")
+        shards, size = [{}], 0
+        for name, t in state.items():
+            if shards[-1] and size + t.nbytes > SHARD_BYTES:
+                shards, size = [*shards, {}], 0
+            shards[-1][name], size = t, size + t.nbytes
+        files = [self.tmp / f"anchor-{step}-{i}.safetensors" for i in range(len(shards))]
+        for shard, path in zip(shards, files, strict=True):
+            save_file(shard, path)
+        pause_s = self._write("deltasync_load", files, step)
+        self.names, self.anchor_step = list(state), step
+        return pause_s
+
+    def patch(self, changes: Mapping[str, TensorChanges], step: int) -> float:
+        entries = {}
+        for name, ch in changes.items():
+            entries[f"{name}/indices"] = ch.indices.to(torch.int32).cpu()
+            entries[f"{name}/values"] = ch.values.cpu()
+        path = self.tmp / f"delta-{step}.safetensors"
+        save_file(entries, path)  # the raw encoding of shared.patch, without its header metadata
+        return self._write("deltasync_patch", [path], step, direct=self.direct)
+
+    def fingerprint(self) -> int:
+        results = self._run(self.engine.collective_rpc("deltasync_fingerprint", args=(self.names,)))
+        failed = [r["error"] for r in results if not r["ok"]]
+        if failed:
+            raise RuntimeError(f"readback failed: {failed[0]}")
+        self.readback = {"step": self.step, "at": time.time(), **results[0]}
+        return int(results[0]["fingerprint"], 16)
+
+    def _run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def _write(self, method: str, files: list[Path], step: int, **kwargs) -> float:
+        try:
+            return self._run(self._paused_write(method, [str(f) for f in files], step, kwargs))
+        finally:
+            for f in files:
+                f.unlink(missing_ok=True)
+
+    async def _paused_write(self, method: str, files: list[str], step: int, kwargs: dict) -> float:
+        start = time.perf_counter()
+        # keep: running requests freeze and continue on the new weights; nothing is aborted
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+        write_s = 0.0
+        try:
+            for i, path in enumerate(files):
+                results = await self.engine.collective_rpc(method, args=(path,), kwargs=kwargs)
+                errors = [r for r in results if not r["ok"]]
+                if errors:
+                    self.stuck |= i > 0 or any(e["written"] for e in errors)
+                    raise WriteRefused(errors[0]["error"])
+                write_s += max(r["seconds"] for r in results)
+        except WriteRefused:
+            if not self.stuck:  # refused before any write: the last good weights are intact, serve on
+                await self.engine.resume_generation()
+            raise
+        except BaseException:
+            self.stuck = True  # the RPC itself failed: the worker may hold part of the write
+            raise
+        # KV computed by the old weights must not be reused: running requests are preempted and recompute
+        # their context on resume, and no new request can hit a stale prefix.
+        await self.engine.reset_prefix_cache(reset_running_requests=True)
+        self.version, self.step, self.stuck = str(step), step, False
+        await self.engine.update_weight_version(self.version)
+        await self.engine.resume_generation()
+        pause_s = time.perf_counter() - start
+        self.last_write = {"step": step, "method": method, "write_s": write_s, "pause_s": pause_s}
+        return pause_s
+
+
+def sync_status(cfg: Config, subscriber: Subscriber, applier: VllmApplier) -> dict:
+    """What GET /weights and the front page report."""
+    head, step, now = subscriber.head, subscriber.step, time.time()
+    recent = list(subscriber.history)[-20:]
+    waiting = [e.published_at for e in (head.entries if head else ()) if step is None or e.step > step]
+    return {
+        "replica": cfg.replica_id,
+        "model": cfg.model,
+        "step": step,
+        "anchor": applier.anchor_step,
+        "head_step": head.step if head else None,
+        "lag_steps": head.step - step if head and step is not None else None,
+        # behind: how long the oldest step not applied yet has waited; else publish-to-apply of this step
+        "lag_s": now - min(waiting) if waiting else (recent[-1].lag_s if recent else None),
+        "applied_at": recent[-1].applied_at if recent else None,
+        "weight_version": applier.version,
+        "paused_until_anchor": applier.stuck,
+        "last_error": subscriber.last_error,
+        "readback": applier.readback,
+        "last_write": applier.last_write,
+        "recent": [{**asdict(a), "lag_s": a.lag_s} for a in recent],
+    }
+
+
+class BodyLimit:
+    """Refuses request bodies over `max_bytes` (413) and bodies of unannounced length (411)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            length = headers.get(b"content-length", b"0")
+            if b"transfer-encoding" in headers:
+                return await JSONResponse({"error": "send a Content-Length"}, 411)(scope, receive, send)
+            if not length.isdigit() or int(length) > self.max_bytes:
+                error = {"error": f"request body over {self.max_bytes} bytes"}
+                return await JSONResponse(error, 413)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class WeightVersionHeaders:
+    """Labels completions with the weight versions current when they arrived and when their response began."""
+
+    def __init__(self, app, version: Callable[[], str]):
+        self.app, self.version = app, version
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in ("/v1/completions", "/v1/chat/completions"):
+            return await self.app(scope, receive, send)
+        first = self.version()
+
+        async def send_labelled(message):
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                headers["x-weight-version"], headers["x-weight-version-end"] = first, self.version()
+            await send(message)
+
+        await self.app(scope, receive, send_labelled)
+
+
+def front_page(cfg: Config, engine, status: Callable[[], dict]) -> gr.Blocks:
+    """Gradio page: sync status, recent apply timings, a small greedy completion box."""
+
+    def refresh():
+        s = status()
+        lag_s = "-" if s["lag_s"] is None else f"{s['lag_s']:.1f} s"
+        summary = (
+            f"**step** {s['step']} (anchor {s['anchor']}) · **head** {s['head_step']} · "
+            f"**lag** {s['lag_steps']} steps, {lag_s} · **weight version** {s['weight_version']}"
+        )
+        rows = [
+            [a["step"], a["kind"], a["changed"], a["payload_bytes"], round(a["download_s"], 3)]
+            + [round(1e3 * a["apply_s"], 1), round(1e3 * (a["pause_s"] or 0), 1), round(a["lag_s"], 2)]
+            for a in reversed(s["recent"])
+        ]
+        return summary, s["last_error"] or "", rows
+
+    async def complete(prompt: str, max_tokens: float):
+        if not prompt.strip():
+            return "", ""
+        params = SamplingParams(max_tokens=min(max(int(max_tokens), 1), 256), temperature=0.0)
+        final = None
+        async for out in engine.generate(prompt[:4000], params, request_id=f"ui-{uuid.uuid4().hex}"):
+            final = out
+        choice = final.outputs[0]
+        spans = ", ".join(f"{v.version}: tokens {v.start}-{v.end}" for v in choice.weight_versions or [])
+        return choice.text, spans
+
+    with gr.Blocks(title="deltasync inference") as page:
+        gr.Markdown(f"# {cfg.model}\nvLLM replica `{cfg.replica_id}`, patched in place at each verified step")
+        summary = gr.Markdown()
+        error = gr.Textbox(label="last error", max_lines=3)
+        headers = ["step", "kind", "changed", "bytes", "download s", "apply ms", "paused ms", "lag s"]
+        table = gr.Dataframe(headers=headers, label="recent steps")
+        with gr.Row():
+            prompt = gr.Textbox(label="prompt", lines=3, max_length=4000)
+            max_tokens = gr.Slider(1, 256, value=48, step=1, label="max tokens")
+        button = gr.Button("complete (greedy)")
+        output = gr.Textbox(label="completion")
+        versions = gr.Textbox(label="weight versions that produced it")
+        button.click(complete, [prompt, max_tokens], [output, versions], concurrency_limit=4)
+        gr.Timer(2.0).tick(refresh, outputs=[summary, error, table], api_visibility="private")
+        page.load(refresh, outputs=[summary, error, table], api_visibility="private")
+    return page
+
+
+async def public_app(cfg: Config, args, engine, status: Callable[[], dict], version: Callable[[], str]):
+    tasks = await engine.get_supported_tasks()
+    app = build_app(args, tasks, engine.model_config)
+    await init_app_state(engine, app.state, args, tasks)
+    # vLLM also registers maintenance and scaling routes (abort, elastic EP, metrics, render, docs): keep only
+    # the public API, so anything else falls through to Gradio's 404.
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) in PUBLIC_ROUTES]
+    app.add_api_route("/weights", status, methods=["GET"])
+    token = cfg.api_token
+    auth = (lambda user, password: hmac.compare_digest(password.encode(), token.encode())) if token else None
+    no_docs = {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = gr.mount_gradio_app(app, front_page(cfg, engine, status), path="/", auth=auth, app_kwargs=no_docs)
+    # Outside the app: vLLM's app has already built its middleware stack.
+    return BodyLimit(WeightVersionHeaders(app, version), cfg.max_request_bytes)
+
+
+def engine_args(cfg: Config):
+    argv = ["--model", cfg.model, "--dtype", "bfloat16", "--served-model-name", *cfg.served_names]
+    argv += ["--worker-extension-cls", "patch_worker.PatchWorkerExtension", "--disable-fastapi-docs"]
+    argv += ["--enable-scale-out"]  # for /inference/v1/generate; the other scale-out routes are dropped
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args([*argv, *cfg.vllm_args])
+    args.api_key = [cfg.api_token] if cfg.api_token else None  # vLLM's own bearer check, kept out of argv
+    return args
+
+
+async def serve(cfg: Config) -> None:
+    args = engine_args(cfg)
+    async with build_async_engine_client(args) as engine:
+        layout = (await engine.collective_rpc("deltasync_layout"))[0]
+        applier = VllmApplier(engine, asyncio.get_running_loop(), layout, cfg.direct_write)
+        await engine.update_weight_version(applier.version)
+        subscriber = Subscriber(cfg.sync_root, applier, replica=cfg.replica_id, verify_every=cfg.verify_every)
+        app = await public_app(
+            cfg, args, engine, lambda: sync_status(cfg, subscriber, applier), lambda: applier.version
+        )
+        stop = threading.Event()
+        follower = threading.Thread(target=subscriber.follow, args=(stop, cfg.poll_s), name="deltasync")
+        follower.start()
+        try:
+            await uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port)).serve()
+        finally:
+            stop.set()
+            await asyncio.to_thread(follower.join)  # it may wait on a write that needs this loop
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = Config.from_env()
+    log.info("starting %s", cfg)  # the repr leaves out API_TOKEN; HF_TOKEN is never read here
+    asyncio.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,381 @@
+"""The inference Space end to end on CPU vLLM: `python spaces/inference/app.py` follows a local sync root that
+the project's Publisher fills with a tiny Qwen3's states, and serves them through vLLM's OpenAI API.
+
+Two engine starts: server A follows the run from its first anchor (steps, readback, requests across an update,
+a corrupt delta, security); server B starts late, catches up from an anchor and feeds TRL's rollout worker.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from safetensors.torch import load_file
+
+from shared import telemetry
+from shared.fingerprint import format_fingerprint, state_fingerprint
+from shared.protocol import HEAD_PATH, RUN_PATH, Head, step_of
+from shared.publisher import Publisher, PublisherConfig
+from trainer.tiny_model import build_tiny_model
+
+APP = Path(__file__).resolve().parents[2] / "spaces" / "inference" / "app.py"
+TOKEN = "test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+PROMPT = [5, 6, 7, 8, 20, 30]
+ANCHOR_EVERY = 10
+BIG_STEP = 10  # a step that changes every weight a lot: greedy outputs must change with it
+ADMIN_ROUTES = [
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/collective_rpc",
+    "/reset_prefix_cache",
+    "/update_weights",
+    "/update_weight_version",
+    "/init_weight_transfer_engine",
+    "/sleep",
+    "/wake_up",
+    "/server_info",
+    "/weight_checker",
+    "/scale_elastic_ep",
+    "/inference/v1/abort_requests",
+    "/metrics",
+    "/load",
+    "/tokenize",
+    "/invocations",
+    "/docs",
+    "/openapi.json",
+]
+
+
+class Run:
+    """A stand-in training run: publishes successive states to a staging root with the project's Publisher and
+    mirrors each step into the root the servers follow (data first, head last), optionally corrupting a delta
+    on the way, as a broken upload would."""
+
+    def __init__(self, tmp: Path, model_dir: Path):
+        self.model_dir, self.staging, self.served = model_dir, tmp / "staging", tmp / "served"
+        self.state = load_file(model_dir / "model.safetensors")
+        config = PublisherConfig(anchor_every=ANCHOR_EVERY)
+        self.publisher = Publisher(str(self.staging), model=str(model_dir), config=config)
+        self.fingerprints: dict[int, str] = {}
+
+    def step(self, corrupt: bool = False) -> int:
+        step = self.publisher.last_step + 1
+        if step:
+            self.state = perturb(self.state, step, big=step == BIG_STEP)
+        self.publisher.publish(self.state, step)
+        self.publisher.flush()
+        self.fingerprints[step] = format_fingerprint(state_fingerprint(self.state))
+        self.mirror(corrupt_step=step if corrupt else None)
+        return step
+
+    def head(self) -> Head:
+        return Head.from_json((self.served / HEAD_PATH).read_bytes())
+
+    def mirror(self, corrupt_step: int | None) -> None:
+        head = Head.from_json((self.staging / HEAD_PATH).read_bytes())
+        for path in [RUN_PATH, *sorted(head.files())]:
+            if not (self.served / path).exists():
+                data = (self.staging / path).read_bytes()
+                if path.startswith("deltas/") and step_of(path) == corrupt_step:
+                    data = data[:-64] + bytes(b ^ 0x5A for b in data[-64:])
+                write_atomic(self.served / path, data)
+        write_atomic(self.served / HEAD_PATH, (self.staging / HEAD_PATH).read_bytes())
+
+
+def perturb(state: dict[str, torch.Tensor], seed: int, big: bool) -> dict[str, torch.Tensor]:
+    """Like an optimizer step: ~3% of the bf16 weights move by about one ulp (`big`: all move by ~50%)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in state.items():
+        moved = torch.rand(t.shape, generator=g) < (1.0 if big else 0.03)
+        scale = 1 + (0.5 if big else 0.012) * torch.randn(t.shape, generator=g)
+        out[name] = torch.where(moved, (t.float() * scale).to(torch.bfloat16), t)
+    return out
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+class Server:
+    def __init__(self, url: str, model: str, log: Path, headers: dict):
+        self.url, self.model, self.log, self.headers = url, model, log, headers
+
+    def status(self) -> dict:
+        return requests.get(f"{self.url}/weights", headers=self.headers, timeout=10).json()
+
+    def wait_for(self, condition, what: str, timeout: float = 60) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = self.status()
+            if condition(status):
+                return status
+            time.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}; status {status}; log tail {self.tail()}")
+
+    def tail(self) -> str:
+        return self.log.read_text()[-3000:]
+
+    def complete(self, **body) -> requests.Response:
+        body = {"model": self.model, "prompt": PROMPT, "max_tokens": 10, "temperature": 0.0, **body}
+        return requests.post(f"{self.url}/v1/completions", json=body, headers=self.headers, timeout=60)
+
+    def greedy(self) -> list[int]:
+        response = self.complete(return_token_ids=True)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["token_ids"]
+
+
+@contextmanager
+def running_server(run: Run, log: Path, **env):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "MODEL": str(run.model_dir),
+        "SYNC_ROOT": str(run.served),
+        "HOST": "127.0.0.1",
+        "PORT": str(port),
+        "POLL_S": "0.2",
+        "VERIFY_EVERY": "1",  # read the weights back from vLLM after every step
+        "VLLM_ARGS": "--enforce-eager --max-model-len 2048 --max-num-seqs 8",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **env,
+    }
+    with open(log, "w") as out:  # its own session: stopping it stops vLLM's engine processes too
+        proc = subprocess.Popen(
+            [sys.executable, str(APP)], env=env, stdout=out, stderr=out, start_new_session=True
+        )
+    server = Server(f"http://127.0.0.1:{port}", str(run.model_dir), log, AUTH if env.get("API_TOKEN") else {})
+    try:
+        deadline = time.monotonic() + 600
+        while not _healthy(server.url):
+            assert proc.poll() is None, f"server exited: {server.tail()}"
+            assert time.monotonic() < deadline, f"server not up: {server.tail()}"
+            time.sleep(1)
+        yield server
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/health", timeout=2).status_code == 200
+    except requests.ConnectionError:
+        return False
+
+
+def replica_record(run: Run, replica: str, step: int) -> telemetry.ReplicaRecord:
+    path = run.served / f"{telemetry.REPLICAS_DIR}/{replica}/step-{step:08d}.json"
+    return telemetry.from_json(telemetry.ReplicaRecord, path.read_bytes(), str(path))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Run:
+    tmp = tmp_path_factory.mktemp("inference")
+    run = Run(tmp, build_tiny_model(tmp / "tiny-qwen3"))
+    yield run
+    run.publisher.close()
+
+
+# ---------------------------------------------------------------------------------- server A: follows the run
+
+
+@pytest.fixture(scope="class")
+def server(run, tmp_path_factory):
+    run.step()  # the first anchor: MODEL's weights
+    log = tmp_path_factory.mktemp("server-a") / "server.log"
+    with running_server(run, log, API_TOKEN=TOKEN, REPLICA_ID="replica-a") as server:
+        yield server
+
+
+class TestFollowingServer:
+    def test_starts_from_the_first_anchor(self, run, server):
+        status = server.wait_for(lambda s: s["step"] == 0, "the first anchor")
+        assert status["anchor"] == 0 and status["weight_version"] == "0" and status["last_error"] is None
+        assert status["readback"]["step"] == 0 and status["readback"]["fingerprint"] == run.fingerprints[0]
+
+    def test_every_step_applied_verified_and_served(self, run, server):
+        outputs = {0: server.greedy()}
+        for _ in range(20):
+            step = run.step()
+            # The subscriber reads the weights back from the vLLM worker (RPC) after each step: bitwise equal.
+            status = server.wait_for(lambda s, step=step: s["readback"]["step"] == step, f"step {step}")
+            assert status["step"] == step and status["readback"]["fingerprint"] == run.fingerprints[step]
+            assert status["lag_steps"] == 0 and status["weight_version"] == str(step)
+            outputs[step] = server.greedy()
+        applied = [a for a in server.status()["recent"] if a["step"] > 0]
+        assert [a["step"] for a in applied] == list(range(1, 21))
+        assert all(a["pause_s"] < a["apply_s"] for a in applied)
+        for step in range(21):
+            record = replica_record(run, "replica-a", step)
+            assert record.verified and record.pause_s is not None and record.lag_steps == 0
+        # Small steps rarely flip a greedy token; the big one changes every weight, and the outputs with it.
+        assert outputs[BIG_STEP] != outputs[BIG_STEP - 1], outputs
+
+    def test_request_running_across_an_update_completes(self, run, server):
+        before = server.status()["step"]
+        result = {}
+
+        def generate():
+            body = {"model": server.model, "token_ids": PROMPT, "sampling_params": {"max_tokens": 1500}}
+            body["sampling_params"] |= {"temperature": 0.0, "ignore_eos": True}
+            url = f"{server.url}/inference/v1/generate"
+            result["response"] = requests.post(url, json=body, headers=server.headers, timeout=300)
+
+        thread = threading.Thread(target=generate)
+        thread.start()
+        time.sleep(1.0)
+        step = run.step()
+        server.wait_for(lambda s: s["step"] == step, f"step {step}")
+        thread.join()
+        response = result["response"]
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        assert len(choice["token_ids"]) == 1500
+        spans = choice["weight_versions"]  # vLLM's own record of which weights sampled which tokens
+        assert [s["version"] for s in spans] == [str(before), str(step)], spans
+        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 1500
+
+    def test_trl_rollout_request_shape(self, run, server):
+        # The exact body TRL 1.16's AsyncRolloutWorker._generate_one_turn posts.
+        body = {"top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0, "n": 1, "return_token_ids": True}
+        response = server.complete(temperature=1.0, logprobs=0, seed=1234, **body)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        assert len(choice["token_ids"]) == len(choice["logprobs"]["token_logprobs"]) > 0
+        step = str(server.status()["step"])
+        assert response.headers["x-weight-version"] == response.headers["x-weight-version-end"] == step
+
+    def test_security(self, run, server):
+        for path, body in [
+            ("/v1/completions", {"model": server.model, "prompt": PROMPT, "max_tokens": 2}),
+            (
+                "/v1/chat/completions",
+                {"model": server.model, "messages": [{"role": "user", "content": "hi"}]},
+            ),
+            ("/inference/v1/generate", {"model": server.model, "token_ids": PROMPT, "sampling_params": {}}),
+        ]:
+            assert requests.post(server.url + path, json=body, timeout=30).status_code == 401, path
+            wrong = {"Authorization": "Bearer nope"}
+            assert requests.post(server.url + path, json=body, headers=wrong, timeout=30).status_code == 401
+            assert requests.post(server.url + path, json=body, headers=AUTH, timeout=30).status_code == 200
+        assert requests.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+        assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
+        # The front page asks for the token; its API refuses anonymous calls.
+        api = requests.post(f"{server.url}/gradio_api/call/complete", json={"data": ["hi", 4]}, timeout=10)
+        assert api.status_code == 401
+        for path in ADMIN_ROUTES:
+            for method in ("GET", "POST"):
+                response = requests.request(method, server.url + path, json={}, headers=AUTH, timeout=10)
+                assert response.status_code == 404, (method, path, response.status_code)
+        huge = b'{"prompt": "' + b"x" * (5 << 20) + b'"}'
+        headers = {**AUTH, "Content-Type": "application/json"}
+        response = requests.post(f"{server.url}/v1/completions", data=huge, headers=headers, timeout=30)
+        assert response.status_code == 413
+
+    def test_corrupt_delta_refused_then_recovered_from_next_anchor(self, run, server):
+        good = server.status()["step"]
+        bad = run.step(corrupt=True)
+        status = server.wait_for(lambda s: s["last_error"] and "refused" in s["last_error"], "the refusal")
+        assert status["step"] == good and status["readback"]["fingerprint"] == run.fingerprints[good]
+        response = server.complete()  # still serving the last good step
+        assert response.status_code == 200 and response.headers["x-weight-version"] == str(good)
+        record = replica_record(run, "replica-a", bad)
+        assert not record.verified and record.error
+        step = run.step()
+        while not run.head().entry(step, "anchor"):  # deltas based on the refused one cannot apply
+            time.sleep(0.3)
+            assert server.status()["step"] == good
+            step = run.step()
+        status = server.wait_for(lambda s: s["step"] == step, "recovery from the next anchor")
+        assert status["anchor"] == step and status["last_error"] is None
+        assert status["readback"]["fingerprint"] == run.fingerprints[step]
+        assert status["recent"][-1]["kind"] == "anchor"
+
+
+# --------------------------------------------------------------------------- server B: starts late, feeds TRL
+
+
+@pytest.fixture(scope="class")
+def late_server(run, tmp_path_factory):
+    while run.step() < run.head().anchors[-1].step + 2:  # the head moves past the newest anchor
+        pass
+    log = tmp_path_factory.mktemp("server-b") / "server.log"
+    # The direct write path: index writes into the parameter views learned from vLLM's loader.
+    with running_server(run, log, REPLICA_ID="replica-b", PATCH_WRITE="direct") as server:
+        yield server
+
+
+class TestLateServer:
+    def test_catches_up_from_the_newest_anchor(self, run, late_server):
+        head = run.head().step
+        status = late_server.wait_for(lambda s: s["step"] == head, f"step {head}")
+        anchor = run.head().anchors[-1].step
+        expected = [(anchor, "anchor"), (anchor + 1, "delta"), (anchor + 2, "delta")]
+        assert [(a["step"], a["kind"]) for a in status["recent"]] == expected
+        assert status["readback"]["fingerprint"] == run.fingerprints[head]
+        assert replica_record(run, "replica-b", head).verified
+
+    def test_front_page_completion_box(self, late_server):
+        assert "gradio" in requests.get(late_server.url, timeout=10).text.lower()
+        call = f"{late_server.url}/gradio_api/call/complete"
+        event = requests.post(call, json={"data": ["What is 2 + 3?", 5]}, timeout=30).json()["event_id"]
+        lines = requests.get(f"{call}/{event}", timeout=60).text.splitlines()
+        assert "event: complete" in lines, lines
+        text, versions = json.loads(lines[lines.index("event: complete") + 1].removeprefix("data: "))
+        assert versions == f"{late_server.status()['step']}: tokens 0-5"
+
+    def test_trl_async_rollout_worker_unchanged(self, run, late_server):
+        from accelerate import PartialState
+        from datasets import Dataset
+        from transformers import AutoTokenizer
+        from trl.chat_template_utils import qwen3_template
+        from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
+        from trl.rewards import think_format_reward
+
+        PartialState()  # TRL logs through accelerate, which the trainer would have set up
+        tokenizer = AutoTokenizer.from_pretrained(run.model_dir)
+        tokenizer.response_template = (
+            qwen3_template  # our tiny tokenizer's ChatML is not a template TRL knows
+        )
+        prompts = [[{"role": "user", "content": f"What is {i} + {i + 1}?"}] for i in range(4)]
+        worker = AsyncRolloutWorker(
+            model_name=late_server.model,
+            dataset=Dataset.from_dict({"prompt": prompts}),
+            reward_funcs=[think_format_reward],
+            processing_class=tokenizer,
+            eos_token_ids=[tokenizer.eos_token_id],
+            num_generations=2,
+            max_inflight_tasks=2,
+            vllm_server_url=late_server.url,
+            max_tokens=8,
+        )
+        worker.start()
+        try:
+            sample = worker.rollout_buffer.get(timeout=120)
+        finally:
+            worker.stop()
+        completion = sum(sample.completion_mask)
+        assert completion > 0 and any(lp != 0 for lp in sample.old_log_probs), sample
