@@ -52,7 +52,7 @@ def build_tiny_model(path: str | Path, seed: int = 0, tied: bool = True) -> Path
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=64,
-        max_position_embeddings=2048,
+        max_position_embeddings=8192,
         initializer_range=0.1,
         tie_word_embeddings=tied,
         eos_token_id=hf_tok.eos_token_id,
