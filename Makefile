@@ -26,6 +26,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[env]'
 	# torchvision/torchaudio/torchcodec from PyPI fail to import beside the CPU torch and break transformers.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	# The dashboard's browser test drives Debian's Chromium through Playwright (no browser download).
+	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium) \
+		|| echo "chromium not installed: the browser test will skip"
 	touch $@
 
 lint: setup
