@@ -1,0 +1,256 @@
+"""Sync end to end: publisher -> storage -> subscribers, against a full bf16 checkpoint per step, in one run.
+
+    python bench/sync.py [--layers 4] [--steps 3] [--bandwidth-mb 100] [--latency-ms 50]
+
+A Qwen3-0.6B-shaped model (real shapes, N(0, 0.02) weights, fp32 master weights) takes Adam-like steps that
+change ~1% of its bf16 elements. Each step is published and waited for until every subscriber has applied it
+(verified), through (a) a local folder and (b) a simulated link: every request costs the latency (half
+before it lands, half after) and its bytes at the bandwidth, per client, like separate machines. The dense
+alternative writes the whole bf16 state as one safetensors file and a pointer per step; its subscribers poll
+the pointer, download and load.
+
+Columns: caller's blocked time per publish, and one bf16 copy of the weights (the cast from fp32) measured in
+the same run; end-to-end latency from the publish call to the last subscriber's verified apply; bytes moved
+over the link per step (uploads and downloads, polls included); for ours, the protocol overhead: end to end
+minus encode, decode+apply and bytes/bandwidth, in request latencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from codec import qwen3_shapes
+from safetensors.torch import load, save
+
+from shared.publisher import Publisher, PublisherConfig
+from shared.storage import LocalStorage, Storage
+from shared.subscriber import Subscriber, TensorsApplier
+
+
+class Link(Storage):
+    """One client's connection to `inner`: each request pays the latency and its bytes at the bandwidth."""
+
+    def __init__(self, inner: Storage, bandwidth: float, latency: float):
+        self.inner, self.url, self.bandwidth, self.latency = inner, inner.url, bandwidth, latency
+        self.bytes = 0
+
+    def _request(self, up: int, call, down=len):
+        time.sleep(self.latency / 2 + up / self.bandwidth)  # the request travels, with its payload
+        result = call()
+        size = down(result) if result is not None else 0
+        self.bytes += up + size
+        time.sleep(self.latency / 2 + size / self.bandwidth)
+        return result
+
+    def _read_bytes(self, path):
+        return self._request(0, lambda: self.inner._read_bytes(path))
+
+    def _write_bytes(self, path, data):
+        self._request(len(data), lambda: self.inner._write_bytes(path, data))
+
+    def _upload_file(self, local, path):
+        self._request(Path(local).stat().st_size, lambda: self.inner._upload_file(local, path))
+
+    def _download_file(self, path, local):
+        self._request(
+            0, lambda: self.inner._download_file(path, local) or Path(local), lambda p: p.stat().st_size
+        )
+
+    def _sizes(self, paths):
+        return self._request(0, lambda: self.inner._sizes(paths), lambda _: 0)
+
+    def _list(self, prefix):
+        return self._request(0, lambda: self.inner._list(prefix), lambda _: 0)
+
+    def _delete(self, paths):
+        self._request(0, lambda: self.inner._delete(paths))
+
+
+def trajectory(layers: int, steps: int, lr: float):
+    g = torch.Generator().manual_seed(0)
+    master = {
+        n: (torch.ones(s) if len(s) == 1 else torch.randn(s, generator=g) * 0.02)
+        for n, s in qwen3_shapes(layers).items()
+    }
+    for step in range(steps + 1):
+        if step:
+            for w in master.values():
+                w.add_(torch.randn(w.shape, generator=g).sign_(), alpha=-lr)
+        yield master
+
+
+def run_ours(root: Path, links: bool, subscribers: int, encoding: str, args) -> list[dict]:
+    """Publishes args.steps deltas after an anchor; one row per delta step."""
+    storage = LocalStorage(root)
+    client = (lambda: Link(storage, args.bandwidth, args.latency)) if links else (lambda: storage)
+    publisher = Publisher(client(), model="qwen3-0.6b-shapes", config=PublisherConfig(encoding=encoding))
+    followers, stop = [], threading.Event()
+    rows = []
+    for step, master in enumerate(trajectory(args.layers, args.steps, args.lr)):
+        copy_start = time.perf_counter()
+        {n: w.bfloat16() for n, w in master.items()}
+        copy_s = time.perf_counter() - copy_start
+        published_at = time.time()
+        start = time.perf_counter()
+        publisher.publish(master, step=step)
+        blocked_s = time.perf_counter() - start
+        if step == 0:  # the subscribers start on the anchor, then follow; bytes are counted from step 1
+            publisher.flush()
+            for i in range(subscribers):
+                target = {n: torch.empty(w.shape, dtype=torch.bfloat16) for n, w in master.items()}
+                sub = Subscriber(client(), TensorsApplier(target), replica=f"bench-{i}", verify_every=1 << 30)
+                sub.sync()
+                followers.append(sub)
+            for sub in followers:
+                threading.Thread(target=sub.follow, args=(stop, 0.0), daemon=True).start()
+            reset_counters([publisher, *followers])
+            continue
+        while not all(s.step == step for s in followers):
+            time.sleep(0.002)
+        done = [next(a for a in s.history if a.step == step) for s in followers]
+        entry = publisher.head.entry(step, "delta")
+        record = json.loads((root / f"telemetry/trainer/step-{step:08d}.json").read_text())
+        rows.append(
+            {
+                "blocked_s": blocked_s,
+                "copy_s": copy_s,
+                "e2e_s": max(a.applied_at for a in done) - published_at,
+                "encode_s": record["encode_s"],
+                "apply_s": max(a.apply_s for a in done),
+                "payload": entry.bytes,
+                "changed": entry.changed,
+                "moved": sum(getattr(c.storage, "bytes", 0) for c in [publisher, *followers]),
+            }
+        )
+        reset_counters([publisher, *followers])
+    stop.set()
+    publisher.close()
+    return rows
+
+
+def reset_counters(clients) -> None:
+    for c in clients:
+        if isinstance(c.storage, Link):
+            c.storage.bytes = 0
+
+
+def run_dense(root: Path, links: bool, subscribers: int, args) -> list[dict]:
+    """The dense alternative: the whole bf16 state and a pointer per step; readers poll, download, load."""
+    storage = LocalStorage(root)
+    client = (lambda: Link(storage, args.bandwidth, args.latency)) if links else (lambda: storage)
+    writer, readers = client(), [client() for _ in range(subscribers)]
+    rows = []
+    for step, master in enumerate(trajectory(args.layers, args.steps, args.lr)):
+        published_at = time.time()
+        start = time.perf_counter()
+        state = {n: w.bfloat16() for n, w in master.items()}
+        blocked_s = time.perf_counter() - start
+        done_at = []
+
+        def publish(state=state, step=step):  # in the background, like ours
+            writer.write_bytes(f"dense/step-{step}.safetensors", save(state))
+            writer.write_bytes("dense/latest", str(step).encode())
+
+        def follow(reader, step=step, done_at=done_at):
+            while _pointer(reader) != step:
+                pass
+            loaded = load(reader.read_bytes(f"dense/step-{step}.safetensors"))
+            target = {n: torch.empty_like(t) for n, t in loaded.items()}
+            for n, t in loaded.items():
+                target[n].copy_(t)
+            done_at.append(time.time())
+
+        threads = [threading.Thread(target=publish)] + [
+            threading.Thread(target=follow, args=(r,)) for r in readers
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if step:
+            moved = sum(getattr(c, "bytes", 0) for c in [writer, *readers])
+            rows.append({"blocked_s": blocked_s, "e2e_s": max(done_at) - published_at, "moved": moved})
+        for c in [writer, *readers]:
+            if isinstance(c, Link):
+                c.bytes = 0
+        storage.delete([f"dense/step-{step}.safetensors"])
+    return rows
+
+
+def _pointer(reader: Storage) -> int | None:
+    try:
+        return int(reader.read_bytes("dense/latest"))
+    except FileNotFoundError:
+        return None
+
+
+def megabytes(n: float) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers of Qwen3-0.6B (it has 28)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=2.5e-7, help="Adam-like step size (~1%% of bf16 change)")
+    parser.add_argument("--bandwidth-mb", type=float, default=100)
+    parser.add_argument("--latency-ms", type=float, default=50)
+    args = parser.parse_args()
+    args.bandwidth, args.latency = args.bandwidth_mb * 1e6, args.latency_ms / 1e3
+    numel = sum(torch.Size(s).numel() for s in qwen3_shapes(args.layers).values())
+    link = f"link {args.bandwidth_mb:g} MB/s, {args.latency_ms:g} ms"
+    print(f"Qwen3-0.6B shapes, {args.layers} layers: {numel / 1e6:.0f}M parameters, {2 * numel / 1e6:.0f} MB")
+    print(
+        "| storage | encoding | subscribers | density | payload | caller blocked / bf16 copy "
+        "| end to end: ours | dense | dense / ours | bytes moved: ours | dense | dense / ours "
+        "| encode | decode + apply | overhead |"
+    )
+    print("|---" * 15 + "|")
+    dense_rows = {}
+    for links, subscribers, encoding in [
+        (False, 1, "compact"),
+        (True, 1, "compact"),
+        (True, 4, "compact"),
+        (True, 1, "raw"),
+        (True, 4, "raw"),
+    ]:
+        with tempfile.TemporaryDirectory() as tmp:
+            ours = run_ours(Path(tmp) / "ours", links, subscribers, encoding, args)
+            if (links, subscribers) not in dense_rows:
+                dense_rows[links, subscribers] = run_dense(Path(tmp) / "dense", links, subscribers, args)
+        dense = dense_rows[links, subscribers]
+        med = {k: statistics.median(r[k] for r in ours) for k in ours[0]}
+        dense_e2e = statistics.median(r["e2e_s"] for r in dense)
+        ratio = med["blocked_s"] / med["copy_s"]
+        blocked = f"{med['blocked_s'] * 1e3:.0f} / {med['copy_s'] * 1e3:.0f} ms ({ratio:.2f}x)"
+        cells = [link if links else "local folder", encoding, subscribers, f"{med['changed'] / numel:.2%}"]
+        cells += [megabytes(med["payload"]), blocked, f"{med['e2e_s']:.2f} s", f"{dense_e2e:.2f} s"]
+        cells += [f"**{dense_e2e / med['e2e_s']:.1f}x**"]
+        if links:
+            dense_moved = statistics.median(r["moved"] for r in dense)
+            wire = 2 * med["payload"] / args.bandwidth  # up, then down (each client has its own link)
+            overhead = med["e2e_s"] - med["encode_s"] - med["apply_s"] - wire
+            cells += [
+                megabytes(med["moved"]),
+                megabytes(dense_moved),
+                f"**{dense_moved / med['moved']:.0f}x**",
+            ]
+            cells += [
+                f"{med['encode_s']:.2f} s",
+                f"{med['apply_s']:.2f} s",
+                f"{overhead / args.latency:.1f} latencies",
+            ]
+        else:
+            cells += ["-", "-", "-", f"{med['encode_s']:.2f} s", f"{med['apply_s']:.2f} s", "-"]
+        print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
