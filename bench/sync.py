@@ -12,7 +12,8 @@ the pointer, download and load.
 Columns: caller's blocked time per publish, and one bf16 copy of the weights (the cast from fp32) measured in
 the same run; end-to-end latency from the publish call to the last subscriber's verified apply; bytes moved
 over the link per step (uploads and downloads, polls included); for ours, the protocol overhead: end to end
-minus encode, decode+apply and bytes/bandwidth, in request latencies.
+minus the caller's copy, encode (change detection included), decode+apply and bytes/bandwidth, in request
+latencies (the fewest possible is about 4: upload the delta, write the head, poll it, download the delta).
 """
 
 from __future__ import annotations
@@ -236,7 +237,7 @@ def main() -> None:
         if links:
             dense_moved = statistics.median(r["moved"] for r in dense)
             wire = 2 * med["payload"] / args.bandwidth  # up, then down (each client has its own link)
-            overhead = med["e2e_s"] - med["encode_s"] - med["apply_s"] - wire
+            overhead = med["e2e_s"] - med["blocked_s"] - med["encode_s"] - med["apply_s"] - wire
             cells += [
                 megabytes(med["moved"]),
                 megabytes(dense_moved),
