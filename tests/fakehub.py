@@ -6,19 +6,27 @@ stores and fetches chunks in a local folder itself. The fake reads a file back (
 a plain GET) through the client's own Xet session, and the local CAS is locked per process: the fake must run
 in the process that uses the client.
 
+Space repos (for the deploy command): create, README metadata validation, commits of regular (base64) files,
+the file tree, variables, secrets and hardware requests. Files are kept in memory.
+
 Not modelled: pagination, copies, listing/moving/settings of buckets, the live event feed, visibility, rate
-limits.
+limits; LFS/Xet files in repos (preupload answers "regular" for every file), model and dataset repos, Space
+runtimes and builds.
 """
 
+import base64
+import hashlib
 import json
 import socket
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
 import uvicorn
+import yaml
 from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 
@@ -31,6 +39,19 @@ def _now() -> str:
     return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
 
 
+@dataclass
+class Space:
+    """A Space repo on the fake Hub."""
+
+    sdk: str
+    private: bool
+    hardware: str | None = None
+    files: dict[str, bytes] = field(default_factory=dict)
+    variables: dict[str, str] = field(default_factory=dict)
+    secrets: dict[str, str] = field(default_factory=dict)
+    commits: int = 0
+
+
 class FakeHub:
     """The Hub at `endpoint`, accepting `token` only. Start with `start()`; tests may set `fail_status`."""
 
@@ -38,6 +59,7 @@ class FakeHub:
         self.token = token
         self.cas_url = f"local://{cas_dir}"
         self.buckets: dict[str, dict[str, dict]] = {}  # bucket id -> path -> file entry (wire format)
+        self.spaces: dict[str, Space] = {}  # Space id -> what was created, committed and configured
         self.requests: list[str] = []  # "METHOD /path" of every request, so tests can count round trips
         self.fail_status: int | None = None  # when set, every request fails with it (an outage)
         self.endpoint = ""
@@ -46,6 +68,7 @@ class FakeHub:
 
     def reset(self) -> None:
         self.buckets.clear()
+        self.spaces.clear()
         self.requests.clear()
         self.fail_status = None
 
@@ -81,6 +104,12 @@ class FakeHub:
             return self.buckets[f"{ns}/{name}"]
         except KeyError:
             # The client maps RepoNotFound on a bucket URL to BucketNotFoundError.
+            raise HTTPException(404, headers={"X-Error-Code": "RepoNotFound"}) from None
+
+    def _space(self, ns: str, name: str) -> Space:
+        try:
+            return self.spaces[f"{ns}/{name}"]
+        except KeyError:
             raise HTTPException(404, headers={"X-Error-Code": "RepoNotFound"}) from None
 
     def _build_app(self) -> FastAPI:
@@ -170,6 +199,84 @@ class FakeHub:
                         folders.add(folder)
                         out.append({"type": "directory", "path": folder, "uploadedAt": entry["uploadedAt"]})
             return out
+
+        @app.post("/api/repos/create")
+        async def create_repo(request: Request):
+            body = await request.json()
+            if body.get("type") != "space":
+                raise HTTPException(400, "the fake Hub models Space repos only")
+            space_id = f"{body.get('organization') or USER}/{body['name']}"
+            url = f"{self.endpoint}/spaces/{space_id}"
+            if space_id in self.spaces:
+                return JSONResponse({"error": "You already created this repo", "url": url}, status_code=409)
+            self.spaces[space_id] = Space(
+                sdk=body["sdk"], private=body.get("visibility") == "private", hardware=body.get("hardware")
+            )
+            return {"url": url}
+
+        @app.post("/api/validate-yaml")
+        async def validate_yaml(request: Request):
+            # The Hub parses a README's front matter before a commit; the client stops on errors.
+            content = (await request.json())["content"]
+            if not content.startswith("---\n"):
+                return {"errors": [], "warnings": [{"message": "empty or missing yaml metadata"}]}
+            try:
+                yaml.safe_load(content[4:].split("\n---\n", 1)[0])
+            except yaml.YAMLError as e:
+                return JSONResponse({"errors": [{"message": str(e)}], "warnings": []}, status_code=400)
+            return {"errors": [], "warnings": []}
+
+        @app.post("/api/spaces/{ns}/{name}/preupload/{revision}")
+        async def preupload(ns: str, name: str, revision: str, request: Request):
+            self._space(ns, name)
+            files = (await request.json())["files"]
+            modes = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]
+            return {"files": modes}
+
+        @app.post("/api/spaces/{ns}/{name}/commit/{revision}")
+        async def commit(ns: str, name: str, revision: str, request: Request):
+            space = self._space(ns, name)
+            files = dict(space.files)
+            for line in (await request.body()).decode().splitlines():
+                item = json.loads(line)
+                key, value = item["key"], item["value"]
+                if key == "file" and value["encoding"] == "base64":
+                    files[value["path"]] = base64.b64decode(value["content"])
+                elif key == "deletedFile":
+                    files.pop(value["path"], None)
+                elif key == "deletedFolder":
+                    folder = value["path"].rstrip("/") + "/"
+                    files = {p: d for p, d in files.items() if not p.startswith(folder)}
+                elif key != "header":
+                    raise HTTPException(400, f"commit item {key!r} is not modelled")
+            space.files, space.commits = files, space.commits + 1
+            oid = hashlib.sha1(f"{ns}/{name}#{space.commits}".encode()).hexdigest()
+            return {"commitUrl": f"{self.endpoint}/spaces/{ns}/{name}/commit/{oid}", "commitOid": oid}
+
+        @app.get("/api/spaces/{ns}/{name}/tree/{revision}")
+        async def repo_tree(ns: str, name: str, revision: str):
+            return [
+                {"type": "file", "path": p, "size": len(d), "oid": hashlib.sha1(d).hexdigest()}
+                for p, d in sorted(self._space(ns, name).files.items())
+            ]
+
+        @app.post("/api/spaces/{ns}/{name}/variables")
+        async def add_variable(ns: str, name: str, request: Request):
+            space, body = self._space(ns, name), await request.json()
+            space.variables[body["key"]] = body["value"]
+            return {k: {"value": v} for k, v in space.variables.items()}
+
+        @app.post("/api/spaces/{ns}/{name}/secrets")
+        async def add_secret(ns: str, name: str, request: Request):
+            body = await request.json()
+            self._space(ns, name).secrets[body["key"]] = body["value"]
+            return {}
+
+        @app.post("/api/spaces/{ns}/{name}/hardware")
+        async def request_hardware(ns: str, name: str, request: Request):
+            space = self._space(ns, name)
+            space.hardware = (await request.json())["flavor"]
+            return {"stage": "BUILDING", "hardware": {"current": None, "requested": space.hardware}}
 
         @app.api_route("/buckets/{ns}/{name}/resolve/{path:path}", methods=["GET", "HEAD"])
         async def resolve(ns: str, name: str, path: str, request: Request):

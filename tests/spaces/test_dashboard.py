@@ -5,9 +5,6 @@ import importlib.util
 import json
 import os
 import random
-import shutil
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -20,6 +17,8 @@ import requests
 from shared.storage import Storage, TransientStorageError, open_storage
 from shared.telemetry import ReplicaRecord, TrainerRecord, write
 from shared.telemetry_reader import TelemetryReader
+from trainer.demo import free_port, start_process, stop_process, wait_healthy
+from trainer.deploy import build_bundle
 
 REPO = Path(__file__).resolve().parents[2]
 APP = REPO / "spaces" / "dashboard" / "app.py"
@@ -365,24 +364,16 @@ def test_board_renders_while_a_poll_hangs(dashboard, tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------- the Space, live
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def space(tmp_path_factory):
-    """The dashboard started from a Space bundle (app.py with a copy of shared/ beside it) over a sync root
-    holding a 20-step run. Yields (base URL, sync root storage, the run's start time)."""
+    """The dashboard started from its Space bundle (as the deploy builds it: app.py with a copy of shared/
+    beside it) over a sync root holding a 20-step run. Yields (base URL, sync root storage, run start)."""
     base = tmp_path_factory.mktemp("dashboard")
-    bundle = base / "bundle"
-    shutil.copytree(APP.parent, bundle, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(REPO / "shared", bundle / "shared", ignore=shutil.ignore_patterns("__pycache__"))
+    bundle = build_bundle("dashboard", base / "bundle")
     storage = open_storage(base / "root")
     t0 = time.time() - 3 * 25  # steps are 3 s apart: the 5 appended later are not in the future either
     write_run(storage, range(0, 20), t0)
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "SYNC_ROOT": str(base / "root"),
@@ -391,31 +382,13 @@ def space(tmp_path_factory):
         "REFRESH_S": "1",
     }
     log = base / "server.log"
-    with open(log, "w") as out:
-        server = subprocess.Popen(
-            [sys.executable, "app.py"], cwd=bundle, env=env, stdout=out, stderr=subprocess.STDOUT
-        )
+    server = start_process([sys.executable, "app.py"], log, env, cwd=bundle)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while not _up(url):
-        if server.poll() is not None or time.monotonic() > deadline:
-            server.kill()
-            pytest.fail(f"the dashboard did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.3)
-    yield url, storage, t0
-    server.terminate()
     try:
-        server.wait(10)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
-
-
-def _up(url: str) -> bool:
-    try:
-        return requests.get(f"{url}/api/summary", timeout=2).ok
-    except requests.ConnectionError:
-        return False
+        wait_healthy(server, f"{url}/api/summary", log, timeout=90)
+        yield url, storage, t0
+    finally:
+        stop_process(server)
 
 
 def test_json_api(space):

@@ -2,10 +2,7 @@
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ from websockets.sync.client import connect
 
 from shared.wordle import PROMPT, answer_for_seed
 from shared.wordle_models import WordleAction
+from trainer.demo import free_port, start_process, stop_process, wait_healthy
 from trainer.wordle_client import WordleEnvClient
 
 APP = Path(__file__).resolve().parents[2] / "spaces" / "env" / "app.py"
@@ -26,30 +24,16 @@ MISSES = ["crane", "slate", "doubt", "fight", "mount", "pride", "lymph"]  # vali
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = tmp_path_factory.mktemp("env-space") / "server.log"
     env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port)}
-    with open(log, "w") as out:
-        server = subprocess.Popen([sys.executable, str(APP)], env=env, stdout=out, stderr=subprocess.STDOUT)
+    server = start_process([sys.executable, str(APP)], log, env)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while not _healthy(base):
-        if server.poll() is not None or time.monotonic() > deadline:
-            server.kill()
-            pytest.fail(f"the Space did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
-    yield base
-    server.kill()  # graceful shutdown would wait for the play page's heartbeat stream
-    server.wait()
-
-
-def _healthy(base: str) -> bool:
     try:
-        return requests.get(f"{base}/health", timeout=1).ok
-    except requests.ConnectionError:
-        return False
+        wait_healthy(server, f"{base}/health", log, timeout=60)
+        yield base
+    finally:
+        stop_process(server, grace_s=0)  # graceful shutdown would wait for the play page's heartbeat stream
 
 
 @pytest.fixture

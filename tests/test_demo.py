@@ -1,0 +1,90 @@
+"""`make demo`'s pieces that run in seconds: the summary read from a sync root's telemetry, and the process
+helpers (their own session, stopped whole). The whole demo (vLLM, trainer) is run by `make demo`, not here."""
+
+import os
+import sys
+import time
+
+import pytest
+
+from shared.storage import open_storage
+from shared.telemetry import ReplicaRecord, TrainerRecord, write
+from trainer.demo import format_summary, start_process, stop_process, summarize, wait_healthy
+
+NUMEL, FULL = 1000, 2000
+
+
+def trainer_record(step: int, kind: str, changed: int, payload: int, reward: float | None) -> TrainerRecord:
+    info = {} if reward is None else {"reward_mean": reward}
+    return TrainerRecord(step, kind, 100.0 + step, NUMEL, changed, payload, FULL, 0.01, 0.02, 0.0, info=info)
+
+
+def test_summary_from_telemetry(tmp_path):
+    storage = open_storage(tmp_path)
+    write(storage, trainer_record(0, "anchor", NUMEL, FULL, None))
+    write(storage, trainer_record(1, "delta", 10, 20, 0.25))
+    write(storage, trainer_record(2, "skipped", 0, 0, 0.4))  # folded into step 3: not published
+    write(storage, trainer_record(3, "delta", 30, 40, 0.5))
+    for step, lag in [(0, 1.0), (1, 0.5), (3, 2.0)]:
+        write(storage, ReplicaRecord("r", step, "delta", 100.0 + step, 100.0 + step + lag, 0.1, 0.1, True, 0))
+    write(storage, ReplicaRecord("late", 0, "anchor", 100.0, 101.0, 0.1, 0.1, True, 0))
+    refused = ReplicaRecord("late", 1, "delta", 101.0, 104.0, 0.1, 0.1, False, 0, error="bad fingerprint")
+    write(storage, refused)
+
+    s = summarize(tmp_path)
+    assert (s["steps"], s["anchors"], s["skipped_steps"], s["latest_step"]) == (3, 1, 1, 3)
+    assert s["mean_sparsity"] == pytest.approx((10 + 30) / 2 / NUMEL)
+    assert (s["mean_payload_bytes"], s["full_bytes"], s["payload_share"]) == (30, FULL, 30 / FULL)
+    assert s["median_sync_latency_s"] == pytest.approx(1.0)  # verified applies: 1.0, 0.5, 2.0 and 1.0
+    assert s["unverified_steps"] == {"late": [1, 3], "r": []}
+    assert (s["final_reward"], s["final_reward_step"]) == (0.5, 3)
+    text = format_summary(s)
+    assert "3 (1 anchors; 1 more folded into later ones)" in text
+    assert "30 B = 1.50% of the full bf16 model (2.0 KB)" in text
+    assert "3/3 steps (r)" in text and "1/3 steps (late); not verified: [1, 3]" in text
+    assert "0.500 (reward_mean at step 3)" in text
+
+
+def test_summary_of_an_empty_root(tmp_path):
+    s = summarize(tmp_path)
+    assert (s["steps"], s["final_reward"], s["unverified_steps"]) == (0, None, {})
+    assert "no replica reported" in format_summary(s)
+
+
+def test_stop_process_ends_the_whole_group(tmp_path):
+    # A parent that ignores SIGTERM and a child of its own: both must be gone after stop_process.
+    script = (
+        "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        "print(child.pid, flush=True); time.sleep(600)"
+    )
+    log = tmp_path / "parent.log"
+    proc = start_process([sys.executable, "-c", script], log)
+    deadline = time.monotonic() + 30
+    while not log.read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(log.read_text())
+    assert os.getpgid(child) == proc.pid  # the child is in the parent's own session and group
+    stop_process(proc, grace_s=0.5)
+    assert proc.returncode is not None
+    deadline = time.monotonic() + 10
+    while alive(child):
+        assert time.monotonic() < deadline, "the child survived"
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    """Running, and not a zombie waiting for a reaper."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_wait_healthy_reports_an_early_exit(tmp_path):
+    log = tmp_path / "broken.log"
+    proc = start_process([sys.executable, "-c", "raise SystemExit('no model here')"], log)
+    with pytest.raises(RuntimeError, match="(?s)broken exited with status 1.*no model here"):
+        wait_healthy(proc, "http://127.0.0.1:9/health", log, timeout=30)

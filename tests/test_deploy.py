@@ -1,0 +1,108 @@
+"""`python -m trainer.deploy`: the bundles it writes (--dry-run), and a whole deploy through the real
+huggingface_hub client against the fake Hub (tests/fakehub.py). The live Hub is not reached from here."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainer import deploy
+
+REPO = Path(__file__).resolve().parents[1]
+API_TOKEN = "api-token-never-printed"
+SPACE_TOKEN = "hf_space_token_never_printed"
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    """Relative path -> bytes of every file under `folder`."""
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
+
+
+def expected_bundle(app: str) -> dict[str, bytes]:
+    """The app's folder plus shared/, without caches."""
+    files = {**tree(REPO / "spaces" / app), **{f"shared/{p}": d for p, d in tree(REPO / "shared").items()}}
+    return {p: d for p, d in files.items() if "__pycache__" not in p and not p.endswith(".pyc")}
+
+
+def test_dry_run_writes_self_contained_bundles(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("API_TOKEN", raising=False)
+    out = tmp_path / "bundles"
+    (out / "env").mkdir(parents=True)
+    (out / "env" / "stale.py").write_text("a file from an earlier dry run")
+    deploy.main(["--namespace", "alice", "--dry-run", str(out)])
+    printed = capsys.readouterr().out
+    for app in deploy.APPS:
+        files = tree(out / app)
+        assert files == expected_bundle(app), app
+        assert deploy.front_matter(out / app / "README.md")["sdk"] == {"inference": "docker"}.get(
+            app, "gradio"
+        )
+    plan = json.loads((out / "plan.json").read_text())
+    command = (
+        "python -m trainer --sync-root hf://buckets/alice/deltasync"
+        " --inference-url https://alice-deltasync-inference.hf.space"
+        " --env-url https://alice-deltasync-env.hf.space --model Qwen/Qwen3-0.6B"
+    )
+    assert plan["trainer_command"] == command and command in printed
+    inference, env, dashboard = plan["spaces"]
+    assert inference == {
+        "app": "inference",
+        "repo_id": "alice/deltasync-inference",
+        "sdk": "docker",
+        "variables": {"SYNC_ROOT": "hf://buckets/alice/deltasync", "MODEL": "Qwen/Qwen3-0.6B"},
+        "secrets": ["HF_TOKEN"],
+        "hardware": "l4x1",
+    }
+    assert (env["variables"], env["secrets"], env["hardware"]) == ({}, [], None)
+    assert (dashboard["variables"], dashboard["secrets"]) == (
+        {"SYNC_ROOT": "hf://buckets/alice/deltasync"},
+        ["HF_TOKEN"],
+    )
+    assert "nothing was sent to the Hub" in printed
+
+
+def test_space_host():
+    assert deploy.space_host("Alice_B/my.space") == "alice-b-my-space.hf.space"
+
+
+def test_deploy_through_the_hub_client(fake_hub, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("API_TOKEN", API_TOKEN)
+    monkeypatch.setenv("SPACE_HF_TOKEN", SPACE_TOKEN)
+    argv = ["--namespace", "alice", "--private", "--hardware", "a10g-small", "--model", "org/policy"]
+    deploy.main(argv)
+    # A second deploy reuses what exists and mirrors the bundles: a file gone from a bundle leaves the Space.
+    fake_hub.spaces["alice/deltasync-env"].files["stray.txt"] = b"left by hand"
+    deploy.main(argv)
+    printed = capsys.readouterr()
+
+    assert "alice/deltasync" in fake_hub.buckets
+    sync_root = {"SYNC_ROOT": "hf://buckets/alice/deltasync"}
+    want = {
+        "inference": (
+            "docker",
+            {**sync_root, "MODEL": "org/policy"},
+            {"HF_TOKEN": SPACE_TOKEN, "API_TOKEN": API_TOKEN},
+        ),
+        "env": ("gradio", {}, {}),
+        "dashboard": ("gradio", sync_root, {"HF_TOKEN": SPACE_TOKEN}),
+    }
+    for app, (sdk, variables, secrets) in want.items():
+        space = fake_hub.spaces[f"alice/deltasync-{app}"]
+        assert (space.sdk, space.private, space.variables, space.secrets) == (sdk, True, variables, secrets)
+        assert space.files == expected_bundle(app), app
+        assert space.hardware == ("a10g-small" if app == "inference" else None)
+        assert f"https://alice-deltasync-{app}.hf.space" in printed.out
+
+    assert "--model org/policy" in printed.out and "API_TOKEN is set" in printed.out
+    assert "are private" in printed.out
+    for token in (API_TOKEN, SPACE_TOKEN, fake_hub.token):
+        assert token not in printed.out + printed.err
+        assert not any(token in request for request in fake_hub.requests)
+
+
+def test_deploy_without_a_token(monkeypatch):
+    monkeypatch.setattr(deploy, "get_token", lambda: None)  # neither HF_TOKEN nor a login cache
+    with pytest.raises(SystemExit, match="No Hugging Face token"):
+        deploy.main(["--namespace", "alice"])

