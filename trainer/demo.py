@@ -9,8 +9,8 @@ SIGTERM.
 
 Environment:
     DEMO_STEPS         trainer steps (30)
-    DEMO_DIR           where the sync root (`sync-root/`, emptied at each start), the logs (`logs/`) and
-                       `summary.json` go (demo-run)
+    DEMO_DIR           where the sync root (`sync-root/`, emptied at each start), the logs (`logs/`), TRL's
+                       output (`trainer/`) and `summary.json` go (demo-run)
     DEMO_HEADLESS      1: open no browser and exit after the run; else keep the apps up until Ctrl-C
     DEMO_MODEL         the policy's folder (default: the warm-started tiny Qwen3, built once into the cache of
                        trainer.tiny_model.default_model_dir(): $DELTASYNC_CACHE or ~/.cache/deltasync)
@@ -282,6 +282,14 @@ class Demo:
             stop_process(self.procs.pop(name))
 
 
+def has_display() -> bool:
+    """Whether a graphical browser can open: without a display, `webbrowser` falls back to a text-mode browser
+    that would take over the terminal the demo prints to."""
+    return sys.platform in ("darwin", "win32") or bool(
+        os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
+    )
+
+
 def follow(demo: Demo, reader: TelemetryReader, trainer: subprocess.Popen, total: int) -> int:
     """Print records as they arrive until the trainer exits; its exit status."""
     while True:
@@ -336,12 +344,14 @@ def run(settings: Settings, demo: Demo) -> int:
     print("starting the env, vLLM and the dashboard (vLLM takes ~20-60 s on CPU) ...", flush=True)
     demo.wait_apps()
     print(f"\nDashboard: {demo.urls['dashboard']}\n", flush=True)
-    if not settings.headless:
+    if not settings.headless and has_display():
         webbrowser.open(demo.urls["dashboard"])
 
     argv = [sys.executable, "-m", "trainer", "--sync-root", str(demo.root)]
     argv += ["--inference-url", demo.urls["inference"], "--env-url", demo.urls["env"]]
-    argv += ["--model", str(model), "--max-steps", str(settings.steps), *settings.trainer_args]
+    # "tiny": the trainer resolves the same cached folder, and applies its defaults for the tiny model
+    argv += ["--model", "tiny" if settings.model is None else str(model), "--max-steps", str(settings.steps)]
+    argv += ["--output-dir", str(settings.dir / "trainer"), *settings.trainer_args]
     print(f"training: {shlex.join(argv)}\n  (log: {demo.logs / 'trainer.log'})", flush=True)
     reader = TelemetryReader(open_storage(str(demo.root)))
     status = follow(demo, reader, demo.start("trainer", argv), settings.steps)

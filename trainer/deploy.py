@@ -13,8 +13,8 @@ Tokens, read from the environment and never printed or logged:
     HF_TOKEN        authenticates this deploy (else the login cache of `hf auth login`); write access to NS
     SPACE_HF_TOKEN  the token the Spaces get as their HF_TOKEN secret (default: the deploying token). Better:
                     a fine-grained token with write access to the bucket only (the replica writes telemetry)
-    API_TOKEN       optional: bearer token the inference Space demands on /v1/* (TRL's rollout worker sends
-                    none, so leave it unset for training)
+    API_TOKEN       optional: bearer token the inference Space demands on /v1/*; the trainer sends it when
+                    run with INFERENCE_API_TOKEN set to the same value
 """
 
 from __future__ import annotations
@@ -196,11 +196,15 @@ def report(plan: Plan, endpoint: str, dry_run: Path | None) -> str:
     if plan.private:
         lines += [
             "",
-            "The Spaces are private: their hosts answer only requests that carry an HF token, and TRL's",
-            "rollout worker sends none. Make the inference and env Spaces public (or add a proxy) to train.",
+            "The Spaces are private: their hosts answer only requests that carry an HF token, and the",
+            "trainer sends none to them. Make the inference and env Spaces public (or add a proxy) to train.",
         ]
     if "API_TOKEN" in plan.space("inference").secrets:
-        lines += ["", "API_TOKEN is set: the inference Space answers /v1/* only with it as a bearer token."]
+        lines += [
+            "",
+            "API_TOKEN is set: the inference Space answers /v1/* only with it as a bearer token. Run the",
+            "trainer with INFERENCE_API_TOKEN set to the same value (it is read from the environment only).",
+        ]
     if dry_run is not None:
         lines += ["", f"Dry run: bundles and plan.json written to {dry_run}; nothing was sent to the Hub."]
     return "\n".join(lines)
