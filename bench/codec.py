@@ -138,14 +138,18 @@ def measure(old: dict, new: dict) -> dict:
     base_fp = state_fingerprint(old)  # publishers and subscribers track it; not part of a step's cost
     row = {"numel": sum(t.numel() for t in old.values())}
     for encoding in patches.ENCODINGS:
-        patch, t_diff = timed(patches.make_patch, old, new, 1, 0, base_fp)
-        data, t_encode = timed(patches.encode, patch, old, encoding)
-        target = {n: t.clone() for n, t in old.items()}
-        _, t_decode = timed(decode_and_apply, data, target, base_fp)
-        assert all(torch.equal(bits(target[n]), bits(new[n])) for n in new), "round trip not exact"
+        encode_s, decode_s = [], []
+        for _ in range(3):  # best of three, like the floor: this machine's other work only adds time
+            patch, t_diff = timed(patches.make_patch, old, new, 1, 0, base_fp)
+            data, t_encode = timed(patches.encode, patch, old, encoding)
+            target = {n: t.clone() for n, t in old.items()}
+            _, t_decode = timed(decode_and_apply, data, target, base_fp)
+            assert all(torch.equal(bits(target[n]), bits(new[n])) for n in new), "round trip not exact"
+            encode_s.append(t_diff + t_encode)
+            decode_s.append(t_decode)
         row[encoding] = len(data)
-        row[f"{encoding}_encode_x"] = (t_diff + t_encode) / floor
-        row[f"{encoding}_decode_x"] = t_decode / floor
+        row[f"{encoding}_encode_x"] = min(encode_s) / floor
+        row[f"{encoding}_decode_x"] = min(decode_s) / floor
     row["changed"] = patch.changed
     row["floor_ms"] = floor * 1000
     return row | peer_bytes(old, new)
