@@ -16,11 +16,11 @@ old bits, counting each class's elements as it goes; a patch with one class per 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
 import constriction
-import numba
 import numpy as np
 import torch
 
@@ -83,7 +83,25 @@ def _limits(bounds: list[int]) -> np.ndarray:
     return np.array([b << 7 for b in bounds] + [1 << 15] * (MAX_CLASSES - 1 - len(bounds)), np.int64)
 
 
-@numba.njit(nogil=True, cache=True)
+def _jit(fn):
+    """`fn` compiled by numba at its first call. Lazily, because numba must not be loaded in the inference
+    Space before vLLM starts: vLLM's CPU worker, forked from the app (which imports this module), scans every
+    loaded module for Triton kernels at start-up and crashes on llvmlite's function wrappers."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args):
+        nonlocal compiled
+        if compiled is None:
+            import numba
+
+            compiled = numba.njit(nogil=True, cache=True)(fn)
+        return compiled(*args)
+
+    return call
+
+
+@_jit
 def _class_ranks(old_bits, limits, idx):
     """Class and in-class rank of each sorted position in `idx`, and the size of each class."""
     sizes = np.zeros(MAX_CLASSES, np.int64)
@@ -101,7 +119,7 @@ def _class_ranks(old_bits, limits, idx):
     return cls, ranks, sizes
 
 
-@numba.njit(nogil=True, cache=True)
+@_jit
 def _class_positions(old_bits, limits, ranks, starts):
     """The inverse: class c's ranks are ranks[starts[c]:starts[c + 1]], ascending. Returns the positions in
     ascending order, for each the index of its rank in `ranks`, and whether every rank was found."""
