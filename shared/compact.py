@@ -157,7 +157,7 @@ def choose_bounds(old_bits: torch.Tensor, changed_exponents: np.ndarray) -> tupl
     An exact dynamic program over the exponent histogram; the population histogram comes from a
     strided sample of large tensors (only the choice depends on it, never correctness).
     """
-    stride = max(1, old_bits.numel() >> 16)
+    stride = max(1, old_bits.numel() >> 14)
     sample = exponents(old_bits[::stride])
     population = torch.bincount(sample, minlength=256).cpu().numpy().astype(np.float64) * stride
     changed = np.bincount(changed_exponents, minlength=256).astype(np.float64)
