@@ -14,8 +14,8 @@ Environment:
     DEMO_HEADLESS      1: open no browser and exit after the run; else keep the apps up until Ctrl-C
     DEMO_MODEL         the policy's folder (default: the warm-started tiny Qwen3, built once into the cache of
                        trainer.tiny_model.default_model_dir(): $DELTASYNC_CACHE or ~/.cache/deltasync)
-    DEMO_TRAINER_ARGS  more trainer flags, e.g. "--learning-rate 1e-5"
-    VLLM_ARGS          flags for the inference replica's vLLM (default "--enforce-eager": faster start on CPU)
+    DEMO_TRAINER_ARGS  more trainer flags (default: DEFAULT_TRAINER_ARGS), e.g. "--reward vowels"
+    VLLM_ARGS          flags for the inference replica's vLLM (default: DEFAULT_VLLM_ARGS)
 
 Exit status: 0 when the trainer finished and the replica verified every published step, else 1.
 """
@@ -48,6 +48,13 @@ REPO = Path(__file__).resolve().parents[1]
 SPACES = REPO / "spaces"
 REPLICA_ID = "local-replica"
 REWARD_KEY = "reward_mean"  # the trainer's `info` key the dashboard plots as reward
+# --enforce-eager: no torch.compile, half the CPU start-up. --no-enable-chunked-prefill: TRL seeds every
+# request, and vLLM 0.32 on CPU crashes its engine when a seeded request's prefill is split across steps ("CPU
+# Generator does not use offset"); whole prefills avoid it (vLLM disables chunking on CPU for MLA models too).
+DEFAULT_VLLM_ARGS = "--enforce-eager --no-enable-chunked-prefill"
+# The tiny model never wins a game in a few steps: with the win reward alone every group's rewards are equal,
+# GRPO's advantages are zero and no weight changes. Partial credit (greens and yellows) gives it a gradient.
+DEFAULT_TRAINER_ARGS = "--reward wordle-partial"
 
 
 # ---------------------------------------------------------------------------- processes (also used by tests)
@@ -227,8 +234,8 @@ class Settings:
             dir=Path(env.get("DEMO_DIR", "demo-run")).resolve(),
             headless=env.get("DEMO_HEADLESS", "") not in ("", "0"),
             model=Path(env["DEMO_MODEL"]).resolve() if env.get("DEMO_MODEL") else None,
-            trainer_args=shlex.split(env.get("DEMO_TRAINER_ARGS", "")),
-            vllm_args=env.get("VLLM_ARGS", "--enforce-eager"),
+            trainer_args=shlex.split(env.get("DEMO_TRAINER_ARGS", DEFAULT_TRAINER_ARGS)),
+            vllm_args=env.get("VLLM_ARGS", DEFAULT_VLLM_ARGS),
         )
 
 
