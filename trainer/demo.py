@@ -333,7 +333,7 @@ def run(settings: Settings, demo: Demo) -> int:
     )  # each run starts a fresh sync root: step 0 is an anchor again
     demo.root.mkdir()
     if settings.model is None:
-        print("the tiny model: built once (about a minute), then cached", flush=True)
+        print("the tiny model: built on first use (about a minute), then cached", flush=True)
     model = settings.model or ensure_tiny_model(default_model_dir())
     print(f"model      {model}\nsync root  {demo.root}\nlogs       {demo.logs}", flush=True)
 
