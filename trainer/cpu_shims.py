@@ -1,0 +1,87 @@
+"""Shims that let TRL 1.16's AsyncGRPOTrainer run where it expects CUDA, FA3 and a local vLLM.
+
+They replace private names of `trl.experimental.async_grpo`, which is why pyproject pins trl==1.16.0 and
+tests/trainer/test_cpu_shims.py fails loudly if the names move:
+
+- `packing._flash_attn`: tree attention calls `_flash_attn().flash_attn_varlen_func`, the FA3 kernel fetched
+  from the Hub by `kernels`. Replaced by `varlen_sdpa`, in torch (on CPU, or on CUDA without `kernels`).
+- `async_grpo_trainer.get_peak_flops_per_device`: asks `torch.cuda` for the device name. On CPU it returns
+  None: MFU metrics are skipped, as the trainer does for unknown devices.
+- `async_rollout_worker.is_vllm_available`: the rollout worker refuses to start without vLLM installed,
+  although it only speaks HTTP to a remote server. Claimed available when vLLM is absent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import types
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+
+def varlen_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float | None = None,
+    **_: object,
+) -> torch.Tensor:
+    """flash_attn_varlen_func in torch: q (Nq, H, D), k and v (Nk, Hkv, D) -> (Nq, H, D).
+
+    Segment s: queries q[cu_q[s]:cu_q[s+1]] attend to keys k[cu_k[s]:cu_k[s+1]], the causal mask aligned
+    bottom-right (query t of Lq sees key u of Lk iff u <= Lk - Lq + t), as in flash-attn >= 2.1. One SDPA call
+    with a dense block mask: O(Nq * Nk) memory, fine for rows of a few thousand tokens.
+    """
+    if softcap:
+        raise NotImplementedError("varlen_sdpa: softcap is not supported")
+    mask = torch.zeros(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for s in range(len(starts_q) - 1):
+        lq, lk = starts_q[s + 1] - starts_q[s], starts_k[s + 1] - starts_k[s]
+        t = torch.arange(lq, device=q.device)[:, None]
+        u = torch.arange(lk, device=q.device)[None, :]
+        last = lk - lq + t  # the newest key query t may see
+        block = u <= last if causal else torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+        if window_size[0] >= 0:
+            block &= u >= last - window_size[0]
+        mask[starts_q[s] : starts_q[s + 1], starts_k[s] : starts_k[s + 1]] = block
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=softmax_scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
+    return out[0].transpose(0, 1)
+
+
+def apply(device: torch.device | str) -> list[str]:
+    """Install the shims this machine needs before building AsyncGRPOTrainer; returns what was replaced."""
+    from trl.experimental.async_grpo import async_grpo_trainer, async_rollout_worker, packing
+
+    device = torch.device(device)
+    applied = []
+    if device.type != "cuda" or importlib.util.find_spec("kernels") is None:
+        packing._flash_attn = lambda: types.SimpleNamespace(flash_attn_varlen_func=varlen_sdpa)
+        applied.append("packing._flash_attn")
+    if device.type != "cuda":
+        async_grpo_trainer.get_peak_flops_per_device = lambda *args, **kwargs: None
+        applied.append("async_grpo_trainer.get_peak_flops_per_device")
+    if importlib.util.find_spec("vllm") is None:
+        async_rollout_worker.is_vllm_available = lambda *args, **kwargs: True
+        applied.append("async_rollout_worker.is_vllm_available")
+    if applied:
+        log.info("TRL shims for %s: %s", device, ", ".join(applied))
+    return applied
