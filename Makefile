@@ -45,5 +45,9 @@ test: lint
 bench: setup
 	$(BIN)/python bench/codec.py
 
+# DEMO_STEPS, DEMO_DIR, DEMO_HEADLESS, ...: see trainer/demo.py
+demo: setup
+	$(BIN)/python -m trainer.demo
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

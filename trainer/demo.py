@@ -48,10 +48,8 @@ REPO = Path(__file__).resolve().parents[1]
 SPACES = REPO / "spaces"
 REPLICA_ID = "local-replica"
 REWARD_KEY = "reward_mean"  # the trainer's `info` key the dashboard plots as reward
-# --enforce-eager: no torch.compile, half the CPU start-up. --no-enable-chunked-prefill: TRL seeds every
-# request, and vLLM 0.32 on CPU crashes its engine when a seeded request's prefill is split across steps ("CPU
-# Generator does not use offset"); whole prefills avoid it (vLLM disables chunking on CPU for MLA models too).
-DEFAULT_VLLM_ARGS = "--enforce-eager --no-enable-chunked-prefill"
+# --enforce-eager: no torch.compile, half the CPU start-up (the app itself keeps CPU prefills whole).
+DEFAULT_VLLM_ARGS = "--enforce-eager"
 # The tiny model never wins a game in a few steps: with the win reward alone every group's rewards are equal,
 # GRPO's advantages are zero and no weight changes. Partial credit (greens and yellows) gives it a gradient.
 DEFAULT_TRAINER_ARGS = "--reward wordle-partial"

@@ -61,6 +61,7 @@ from vllm.entrypoints.launchers.api_server.app_state import init_app_state  # no
 from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client  # noqa: E402
 from vllm.entrypoints.launchers.app import build_app  # noqa: E402
 from vllm.entrypoints.launchers.cli_args import make_arg_parser  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
 from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
 
 from shared.changes import TensorChanges  # noqa: E402
@@ -348,6 +349,8 @@ def engine_args(cfg: Config):
     argv = ["--model", cfg.model, "--dtype", "bfloat16", "--served-model-name", *cfg.served_names]
     argv += ["--worker-extension-cls", "patch_worker.PatchWorkerExtension", "--disable-fastapi-docs"]
     argv += ["--enable-scale-out"]  # for /inference/v1/generate; the other scale-out routes are dropped
+    if current_platform.is_cpu():  # vLLM 0.32's CPU engine crashes on a seeded request (TRL seeds them all)
+        argv += ["--no-enable-chunked-prefill"]  # whose prefill is split across steps; VLLM_ARGS may override
     args = make_arg_parser(FlexibleArgumentParser()).parse_args([*argv, *cfg.vllm_args])
     args.api_key = [cfg.api_token] if cfg.api_token else None  # vLLM's own bearer check, kept out of argv
     return args
