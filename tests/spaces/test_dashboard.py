@@ -422,7 +422,8 @@ def _headline(page) -> dict[str, float]:
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is not installed (apt-get install chromium)")
 def test_page_in_chromium(space, tmp_path):
-    sync_api = pytest.importorskip("playwright.sync_api")
+    from playwright import sync_api  # with Debian's Chromium: `make setup` installs both
+
     url, storage, t0 = space
     artifacts = Path(os.environ.get("TEST_ARTIFACTS", tmp_path))
     artifacts.mkdir(parents=True, exist_ok=True)
