@@ -1,0 +1,99 @@
+"""VersionedRolloutLoop: TRL's rollout loop, stamping samples with the weight version the server reported.
+
+The server here is a few lines of HTTP that answer TRL's exact /v1/completions request the way the inference
+Space labels it (x-weight-version, x-weight-version-end); the real Space is exercised in test_train_e2e.py.
+"""
+
+import multiprocessing
+import threading
+import time
+
+import pytest
+import uvicorn
+from accelerate import PartialState
+from datasets import Dataset
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from transformers import AutoTokenizer
+
+from trainer.rollout import REWARD_SQ, VERSION_KNOWN, WEIGHT_VERSION, VersionedRolloutLoop, parse_version
+from trainer.tiny_model import build_tokenizer
+
+TOKEN = "sekret"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    build_tokenizer().save_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture
+def server(tokenizer):
+    """Answers each completion with one EOS token, labelled as produced while step 5 became step 6."""
+    app = FastAPI()
+    seen = {"auth": [], "calls": 0}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        seen["auth"].append(request.headers.get("authorization"))
+        seen["calls"] += 1
+        choice = {"token_ids": [tokenizer.eos_token_id], "logprobs": {"token_logprobs": [-0.5]}, "text": ""}
+        headers = {"x-weight-version": "5", "x-weight-version-end": "6"}
+        return JSONResponse({"choices": [choice]}, headers=headers)
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", seen
+    server.should_exit = True
+    thread.join(10)
+
+
+def reward_by_length(completions, **kwargs):
+    return [float(i) for i in range(len(completions))]
+
+
+def test_parse_version():
+    assert [parse_version(v) for v in ("12", "0", "model", None, "-1")] == [12, 0, None, None, None]
+
+
+def test_samples_carry_the_servers_weight_version(server, tokenizer, monkeypatch):
+    url, seen = server
+    monkeypatch.setenv("INFERENCE_API_TOKEN", TOKEN)
+    PartialState()  # TRL logs through accelerate
+    ctx = multiprocessing.get_context("spawn")
+    buffer = ctx.Queue()
+    loop = VersionedRolloutLoop(
+        version_base=2,  # TRL's version 1 is published step 2
+        model_name="tiny",
+        dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "Play."}]] * 4}),
+        reward_funcs=[reward_by_length],
+        processing_class=tokenizer,
+        eos_token_ids=[tokenizer.eos_token_id],
+        rollout_buffer=buffer,
+        model_version_value=ctx.Value("i", 1),
+        heartbeat_value=ctx.Value("d", 0.0),
+        failed_event=ctx.Event(),
+        exception_info_queue=ctx.Queue(maxsize=1),
+        metrics_queue=ctx.Queue(),
+        num_generations=2,
+        max_inflight_tasks=2,
+        vllm_server_url=url,
+        max_tokens=1,
+    )
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    try:
+        samples = [buffer.get(timeout=60) for _ in range(4)]
+    finally:
+        loop._loop.call_soon_threadsafe(loop._stop_event.set)
+        thread.join(30)
+    assert seen["auth"] and set(seen["auth"]) == {f"Bearer {TOKEN}"}
+    for sample in samples:  # the oldest version that produced any of its tokens
+        assert sample.metrics[WEIGHT_VERSION] == 5.0 and sample.metrics[VERSION_KNOWN] == 1.0
+        assert sample.model_version == 5 - 2 + 1  # so TRL's staleness counts real versions
+        assert sample.metrics[REWARD_SQ] == sample.metrics["reward"] ** 2

@@ -1,0 +1,139 @@
+"""BucketWeightTransfer: TRL's weight-transfer calls, published to a sync root exactly (bf16) and in order."""
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from shared import telemetry
+from shared.fingerprint import format_fingerprint, state_fingerprint
+from shared.publisher import PublisherConfig
+from shared.subscriber import Subscriber
+from trainer.transfer import BucketWeightTransfer
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def small_qwen3(tied: bool, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    config = Qwen3Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config).to(device=device, dtype=dtype)
+
+
+def trl_stream(model: torch.nn.Module):
+    """What AsyncGRPOTrainer._streaming_iter yields: live parameters (tied ones once), HF names."""
+    return ((name, p.detach()) for name, p in model.named_parameters())
+
+
+def sync(transfer: BucketWeightTransfer, model: torch.nn.Module) -> None:
+    transfer.pause()
+    transfer.send_weights(trl_stream(model))
+    transfer.resume()
+
+
+def optimizer_step(model: torch.nn.Module, lr: float = 2e-5) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(lr * torch.randn_like(p))
+
+
+def published_state(root) -> dict[str, torch.Tensor]:
+    reader = Subscriber(str(root))
+    reader.sync()
+    return reader.state
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_sync_is_published_exactly(tmp_path, device, tied, dtype):
+    model = small_qwen3(tied, dtype, device)
+    infos = iter([{"reward_mean": 0.5}, {"reward_mean": 0.75}, {"reward_mean": 1.0}])
+    transfer = BucketWeightTransfer(tmp_path / "root", model_id="small", info=lambda: next(infos))
+    transfer.init_weight_transfer()
+    sync(transfer, model)  # the cold sync before step 1
+    for _ in range(2):
+        transfer.publisher.flush()  # as slow as a real step: no coalescing of pending steps
+        optimizer_step(model)
+        sync(transfer, model)
+    transfer.destroy()
+
+    assert (transfer.first_step, transfer.last_step) == (0, 2) and len(transfer.blocked_s) == 3
+    state = published_state(tmp_path / "root")
+    names = [n for n, _ in model.named_parameters()]
+    assert list(state) == names and ("lm_head.weight" in names) != tied  # tied: the embedding only
+    for name, p in model.named_parameters():
+        assert torch.equal(state[name], p.detach().cpu().to(torch.bfloat16)), name
+    assert format_fingerprint(transfer.fingerprint_now()) == transfer.publisher.head.fingerprint
+    files = [tmp_path / "root" / telemetry.TRAINER_DIR / f"step-{s:08d}.json" for s in range(3)]
+    records = [telemetry.from_json(telemetry.TrainerRecord, f.read_bytes()) for f in files]
+    assert records[0].kind == "anchor" and [r.kind for r in records[1:]] == ["delta", "delta"]
+    assert [r.info["reward_mean"] for r in records] == [0.5, 0.75, 1.0]
+    assert all(r.blocked_s > 0 for r in records)
+
+
+def test_send_weights_copies_the_live_tensors(tmp_path):
+    # The trainer goes on updating its parameters right after send_weights returns.
+    model = small_qwen3(True, torch.float32, "cpu")
+    transfer = BucketWeightTransfer(tmp_path / "root", config=PublisherConfig(encoding="raw"))
+    sync(transfer, model)
+    expected = {n: p.detach().to(torch.bfloat16).clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-3.0)  # while the publisher may still be encoding
+    transfer.destroy()
+    state = published_state(tmp_path / "root")
+    assert all(torch.equal(state[n], t) for n, t in expected.items())
+
+
+def test_restart_continues_the_chain_from_the_head(tmp_path):
+    root = tmp_path / "root"
+    model = small_qwen3(True, torch.float32, "cpu")
+    first = BucketWeightTransfer(root)
+    for _ in range(3):
+        sync(first, model)
+        optimizer_step(model)
+    first.destroy()  # head: step 2; the model has moved on once more since
+
+    # A restart whose weights are the head's (what the trainer loads on resume): the cold sync adds no step.
+    resumed = small_qwen3(True, torch.float32, "cpu")
+    state = published_state(root)
+    with torch.no_grad():
+        for name, p in resumed.named_parameters():
+            p.copy_(state[name])
+    second = BucketWeightTransfer(root)
+    sync(second, resumed)
+    assert second.first_step == 2 and second.last_step == 2
+    optimizer_step(resumed)
+    sync(second, resumed)
+    assert second.last_step == 3
+    # Different weights on restart are a new step of their own.
+    third_model = small_qwen3(True, torch.float32, "cpu")
+    second.destroy()
+    third = BucketWeightTransfer(root)
+    sync(third, third_model)
+    third.destroy()
+    assert third.first_step == 4
+    reader = Subscriber(str(root))
+    reader.sync()
+    expected = state_fingerprint(
+        {n: p.detach().to(torch.bfloat16) for n, p in third_model.named_parameters()}
+    )
+    assert reader.step == 4 and reader.fingerprint == expected
+
+
+def test_pause_and_resume_never_block(tmp_path):
+    transfer = BucketWeightTransfer(tmp_path / "root")
+    transfer.init_weight_transfer()
+    transfer.pause()  # no inference to stop: returns at once, even with nothing published yet
+    transfer.resume()
+    transfer.destroy()
+    transfer.destroy()  # TRL's finally and the CLI may both close it

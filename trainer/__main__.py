@@ -1,0 +1,7 @@
+"""`python -m trainer`: see trainer/train.py."""
+
+import sys
+
+from trainer.train import main
+
+sys.exit(main())

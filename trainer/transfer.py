@@ -1,0 +1,106 @@
+"""`BucketWeightTransfer`: TRL's weight-transfer protocol, backed by the project's Publisher.
+
+AsyncGRPOTrainer(weight_transfer=...) calls, on the main process only:
+    init_weight_transfer()              once, at train begin
+    pause(); send_weights(it); resume()  once before step 1 (cold sync), then after every `weight_sync_steps`
+    destroy()                           when training ends, also on errors
+
+`send_weights` gets the LIVE trainer parameters (HF names; fp32 or bf16; CPU or CUDA; tied embeddings sent
+once, as `model.embed_tokens.weight`). It hands them to `Publisher.publish`, which copies them into a bf16
+host buffer and returns; change detection, encoding and upload run in the publisher's thread while training
+goes on.
+`pause`/`resume` do nothing: replicas apply steps on their own schedule, and inference never waits for the
+trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from shared.fingerprint import format_fingerprint, state_fingerprint
+from shared.publisher import Publisher, PublisherConfig
+from shared.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+class BucketWeightTransfer:
+    """Publishes each synced policy as the next step of the sync root `root`.
+
+    info: called at each sync for the step's numbers (reward, staleness) that go into its telemetry record.
+    guard: a context manager held around each publish, e.g. to defer Ctrl-C until the copy is whole.
+    on_first_step: told the step of the cold sync, before rollouts start.
+    """
+
+    def __init__(
+        self,
+        root: str | Path | Storage,
+        model_id: str = "",
+        config: PublisherConfig | None = None,
+        info: Callable[[], Mapping[str, float]] | None = None,
+        guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        on_first_step: Callable[[int], None] | None = None,
+    ):
+        self.root, self.model_id, self.config = root, model_id, config
+        self.info, self.guard, self.on_first_step = info, guard, on_first_step
+        self.publisher: Publisher | None = None
+        self.first_step: int | None = None  # the published step of the weights training started from
+        self.last_step: int | None = None
+        self.blocked_s: list[float] = []  # per sync: how long send_weights held the training loop
+        self.sent: list[
+            tuple[str, torch.Tensor]
+        ] = []  # the last sync's tensors (live: the trainer's weights)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    def init_weight_transfer(self) -> None:
+        if self.publisher is None:
+            self.publisher = Publisher(self.root, model=self.model_id, config=self.config)
+
+    def pause(self) -> None:
+        """Nothing to pause: replicas keep generating and apply the step when it lands."""
+
+    def resume(self) -> None:
+        """See `pause`."""
+
+    @torch.no_grad()
+    def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+        start = time.perf_counter()
+        self.init_weight_transfer()
+        params = list(iterator)  # the live tensors: publish() copies them before it returns
+        self.sent, self.shapes = params, {name: tuple(t.shape) for name, t in params}
+        if self.first_step is None and self._is_published_head(params):
+            # Restarted on a run whose head holds exactly these weights: the cold sync has nothing to add,
+            # and training continues the step numbering from the head.
+            step = self.publisher.last_step
+        else:
+            with self.guard():
+                step = self.publisher.publish(params, info=self.info() if self.info else None)
+        if self.first_step is None:
+            self.first_step = step
+            if self.on_first_step:
+                self.on_first_step(step)
+        self.last_step = step
+        self.blocked_s.append(time.perf_counter() - start)
+
+    def destroy(self) -> None:
+        """Publish what was handed over, then stop the publisher's thread."""
+        if self.publisher is not None:
+            self.publisher.close()
+
+    @torch.no_grad()
+    def fingerprint_now(self) -> int:
+        """Fingerprint of the trainer's weights as bf16, recomputed from them (one pass over the model)."""
+        return state_fingerprint((name, t.to(torch.bfloat16)) for name, t in self.sent)
+
+    def _is_published_head(self, params: list[tuple[str, torch.Tensor]]) -> bool:
+        head = self.publisher.head
+        if head is None:
+            return False
+        state = ((name, t.to(torch.bfloat16)) for name, t in params)  # one tensor at a time
+        return format_fingerprint(state_fingerprint(state)) == head.fingerprint
