@@ -1,0 +1,157 @@
+"""The whole loop on CPU: `python -m trainer` against the Wordle env Space and the vLLM inference Space.
+
+The trainer (TRL's AsyncGRPOTrainer, its AsyncRolloutWorker, the warm-started tiny Qwen3) plays Wordle through
+the env server, samples every turn from vLLM, and publishes each step to a local sync root that the inference
+server follows in place. The reward is a sanity one the tiny model learns in a few dozen steps (short
+completions: it drops the sentence it says before half its guesses), so the reward climbs only if the
+trainer's updates really reach the weights vLLM samples with.
+
+Checked: the reward rises; every step is published, then applied and verified (read back from vLLM) by the
+replica; the replica ends bitwise equal to the trainer's bf16 weights; a restart continues the step numbers.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import requests
+
+from shared import telemetry
+from trainer.tiny_model import default_model_dir, ensure_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+REPLICA = "replica-e2e"
+STEPS = 32  # first run; a restart adds RESUME_STEPS
+RESUME_STEPS = 3
+TRAINER_FLAGS = [
+    "--reward", "short",
+    "--learning-rate", "2e-4",  # a tiny model and a sanity reward: large steps
+    "--max-tool-calls", "1",  # a guess, the game's feedback, a second guess
+    "--max-staleness", "2",
+    "--max-inflight", "8",  # one step's rollouts: on 2 cores more only go stale
+    "--no-progress",
+]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"{url} did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+@contextmanager
+def server(args: list[str], env: dict, log: Path, timeout: float):
+    port = free_port()
+    env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), **env}
+    with open(log, "w") as out:  # own session: stopping it stops vLLM's engine process too
+        proc = subprocess.Popen(args, env=env, stdout=out, stderr=out, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, log, timeout)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_trainer(root: Path, inference: str, env: str, model: Path, out: Path, steps: int) -> dict:
+    args = [sys.executable, "-m", "trainer", "--sync-root", str(root), "--inference-url", inference]
+    args += ["--env-url", env, "--model", str(model), "--max-steps", str(steps), "--output-dir", str(out)]
+    log = out.parent / f"{out.name}.log"
+    with open(log, "w") as f:
+        proc = subprocess.run([*args, *TRAINER_FLAGS], cwd=REPO, stdout=f, stderr=f, timeout=900)
+    assert proc.returncode == 0, log.read_text()[-5000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+def records(root: Path, cls, folder: str) -> dict[int, telemetry.TrainerRecord | telemetry.ReplicaRecord]:
+    found = {}
+    for path in sorted((root / folder).glob("step-*.json")):
+        record = telemetry.from_json(cls, path.read_bytes(), str(path))
+        found[record.step] = record
+    return found
+
+
+def wait_for_replica(inference: str, step: int, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = requests.get(f"{inference}/weights", timeout=10).json()
+        if status["step"] == step and (status["readback"] or {}).get("step") == step:
+            return status
+        time.sleep(0.2)
+    raise AssertionError(f"replica not at step {step}: {status}")
+
+
+def test_trainer_end_to_end(tmp_path):
+    model = ensure_tiny_model(default_model_dir())  # built once per machine (about a minute), then cached
+    root = tmp_path / "root"
+    inference_env = {
+        "MODEL": str(model),
+        "SYNC_ROOT": str(root),
+        "REPLICA_ID": REPLICA,
+        "POLL_S": "0.1",
+        "VERIFY_EVERY": "1",  # read the weights back from vLLM after every step
+        "VLLM_ARGS": "--enforce-eager --max-model-len 2048 --max-num-seqs 16",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    env_app = [sys.executable, str(REPO / "spaces" / "env" / "app.py")]
+    inference_app = [sys.executable, str(REPO / "spaces" / "inference" / "app.py")]
+    with (
+        server(env_app, {}, tmp_path / "env.log", timeout=60) as env_url,
+        server(inference_app, inference_env, tmp_path / "inference.log", timeout=600) as inference_url,
+    ):
+        first = run_trainer(root, inference_url, env_url, model, tmp_path / "run1", STEPS)
+        assert (first["first_step"], first["last_step"], first["error"]) == (0, STEPS, None)
+        status = wait_for_replica(inference_url, STEPS)
+        # The replica's weights, read back from vLLM's memory, are bitwise the trainer's bf16 weights.
+        assert status["readback"]["fingerprint"] == first["fingerprint"] == first["head_fingerprint"]
+
+        # A restart on the same root continues the chain from the head's weights.
+        second = run_trainer(root, inference_url, env_url, model, tmp_path / "run2", RESUME_STEPS)
+        last = STEPS + RESUME_STEPS
+        assert (second["first_step"], second["last_step"]) == (STEPS, last)
+        status = wait_for_replica(inference_url, last)
+        assert status["readback"]["fingerprint"] == second["fingerprint"] == second["head_fingerprint"]
+
+    trainer_records = records(root, telemetry.TrainerRecord, telemetry.TRAINER_DIR)
+    replica_records = records(root, telemetry.ReplicaRecord, f"{telemetry.REPLICAS_DIR}/{REPLICA}")
+    # Every step published (none folded into a later one), applied, and verified against its fingerprint.
+    assert sorted(trainer_records) == list(range(last + 1))
+    assert {r.kind for r in trainer_records.values()} <= {"anchor", "delta"}
+    assert sorted(replica_records) == list(range(last + 1))
+    assert all(r.verified and r.error is None for r in replica_records.values())
+    # Training never waited for an upload: send_weights only copies.
+    assert max(first["blocked_s"]) < 1.0
+
+    # Staleness comes from the weight versions vLLM reported, and stays within what the trainer accepts.
+    infos = [trainer_records[s].info for s in range(1, STEPS + 1)]
+    assert all(i["version_known"] > 0.5 and 0 <= i["staleness_steps_max"] <= 2 for i in infos), infos
+    rewards = [i["reward_mean"] for i in infos]
+    quarter = STEPS // 4
+    early, late = sum(rewards[:quarter]) / quarter, sum(rewards[-quarter:]) / quarter
+    assert late > early + 0.1, rewards
