@@ -133,9 +133,12 @@ class TrainConfig:
             "trainer's (measured from the weight version the inference Space reports)."
         },
     )
-    max_inflight: int = field(
-        default=-1,
-        metadata={"help": "Rollouts in flight at once; -1: max_staleness x rollouts per step (TRL)."},
+    max_inflight: int | None = field(
+        default=None,
+        metadata={
+            "help": "Rollouts in flight at once. Default: TRL's max_staleness x rollouts per step with CUDA; "
+            "one step's rollouts on CPU, where more only queue up in vLLM and go stale."
+        },
     )
     weight_sync_steps: int = field(default=1, metadata={"help": "Optimizer steps between publishes."})
     dtype: str = field(
@@ -195,6 +198,8 @@ class TrainConfig:
         self.batch_size = self.batch_size or (32 if cuda else 8)
         self.max_completion_length = self.max_completion_length or (256 if cuda else 64)
         self.bf16 = cuda if self.bf16 is None else self.bf16
+        if self.max_inflight is None:
+            self.max_inflight = -1 if cuda else self.batch_size * self.gradient_accumulation_steps
         return self
 
 

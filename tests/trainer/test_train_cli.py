@@ -39,7 +39,7 @@ def test_flags_override_the_config_file(tmp_path):
 def test_device_defaults_on_cpu():
     cfg = parse(REQUIRED)
     assert cfg.model == "tiny" and cfg.learning_rate == 1e-5 and cfg.bf16 is False
-    assert (cfg.num_generations, cfg.batch_size, cfg.max_completion_length) == (4, 8, 64)
+    assert (cfg.num_generations, cfg.batch_size, cfg.max_completion_length, cfg.max_inflight) == (4, 8, 64, 8)
     assert parse([*REQUIRED, "--model", "Qwen/Qwen3-0.6B"]).learning_rate == 1e-6
 
 

@@ -35,7 +35,6 @@ TRAINER_FLAGS = [
     "--learning-rate", "2e-4",  # a tiny model and a sanity reward: large steps
     "--max-tool-calls", "1",  # a guess, the game's feedback, a second guess
     "--max-staleness", "2",
-    "--max-inflight", "8",  # one step's rollouts: on 2 cores more only go stale
     "--no-progress",
 ]  # fmt: skip
 
