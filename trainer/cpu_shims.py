@@ -41,30 +41,30 @@ def varlen_sdpa(
 
     Segment s: queries q[cu_q[s]:cu_q[s+1]] attend to keys k[cu_k[s]:cu_k[s+1]], the causal mask aligned
     bottom-right (query t of Lq sees key u of Lk iff u <= Lk - Lq + t), as in flash-attn >= 2.1. One SDPA call
-    with a dense block mask: O(Nq * Nk) memory, fine for rows of a few thousand tokens.
+    per segment: a packed tree repeats each segment's root path in k, so one dense (Nq x Nk) mask would cost
+    far more than the segments' own Lq x Lk blocks.
     """
     if softcap:
         raise NotImplementedError("varlen_sdpa: softcap is not supported")
-    mask = torch.zeros(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    gqa = k.shape[1] != q.shape[1]
+    outputs = []
     for s in range(len(starts_q) - 1):
-        lq, lk = starts_q[s + 1] - starts_q[s], starts_k[s + 1] - starts_k[s]
-        t = torch.arange(lq, device=q.device)[:, None]
-        u = torch.arange(lk, device=q.device)[None, :]
-        last = lk - lq + t  # the newest key query t may see
-        block = u <= last if causal else torch.ones(lq, lk, dtype=torch.bool, device=q.device)
-        if window_size[0] >= 0:
-            block &= u >= last - window_size[0]
-        mask[starts_q[s] : starts_q[s + 1], starts_k[s] : starts_k[s + 1]] = block
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        k.transpose(0, 1)[None],
-        v.transpose(0, 1)[None],
-        attn_mask=mask,
-        scale=softmax_scale,
-        enable_gqa=k.shape[1] != q.shape[1],
-    )
-    return out[0].transpose(0, 1)
+        qs = q[starts_q[s] : starts_q[s + 1]].transpose(0, 1)
+        ks = k[starts_k[s] : starts_k[s + 1]].transpose(0, 1)
+        vs = v[starts_k[s] : starts_k[s + 1]].transpose(0, 1)
+        lq, lk = qs.shape[1], ks.shape[1]
+        mask = None
+        if causal or window_size[0] >= 0:
+            t = torch.arange(lq, device=q.device)[:, None]
+            u = torch.arange(lk, device=q.device)[None, :]
+            last = lk - lq + t  # the newest key query t may see
+            mask = u <= last if causal else torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+            if window_size[0] >= 0:
+                mask &= u >= last - window_size[0]
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=softmax_scale, enable_gqa=gqa)
+        outputs.append(out.transpose(0, 1))
+    return torch.cat(outputs) if outputs else q.new_zeros(q.shape)
 
 
 def apply(device: torch.device | str) -> list[str]:

@@ -51,3 +51,65 @@ def test_varlen_sdpa_matches_per_segment_attention():
             scale=0.3,
         ).transpose(0, 1)
         torch.testing.assert_close(out[cu_q[s] : cu_q[s + 1]], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_tree_forward_matches_per_sample_forward(tmp_path, monkeypatch):
+    # TRL's own packing path (a prefix trie, tree attention) through the shim, against plain SDPA per sample.
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from trainer.tiny_model import build_tiny_model
+
+    monkeypatch.setattr(packing, "_flash_attn", packing._flash_attn)  # restored after the test
+    cpu_shims.apply("cpu")
+    packing.register_tree_attention()
+    path = build_tiny_model(tmp_path / "tiny")
+    tree = AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation=packing.TREE_ATTENTION, dtype=torch.float32
+    )
+    ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
+    add_fused_lm_head(tree, outputs=("log_probs", "entropy"))
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for group, prompt_len in enumerate((7, 5)):
+        prompt = torch.randint(3, 300, (prompt_len,), generator=g).tolist()
+        for i in range(3):  # three completions share the prompt; the third also part of the second's
+            completion = torch.randint(
+                3, 300, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g
+            ).tolist()
+            if i == 2:
+                completion = samples[-1]["input_ids"][prompt_len:][:2].tolist() + completion
+            ids = np.array(prompt + completion)
+            mask = np.array([0] * prompt_len + [1] * len(completion))
+            samples.append(
+                {"input_ids": ids, "completion_mask": mask, "old_log_probs": np.zeros(len(ids), np.float32)}
+                | {"advantage": 1.0, "group_id": group}
+            )
+    row = packing.TreeRow()
+    for sample in samples:
+        row.add(sample)
+    p = row.pack()
+    out = tree(
+        input_ids=p["input_ids"][None],
+        position_ids=p["position_ids"][None],
+        shift_labels=p["shift_labels"][None],
+        fused_lm_head=True,
+        tree_kv_index=p["tree_kv_index"],
+        tree_cu_seqlens_q=p["tree_cu_seqlens_q"],
+        tree_cu_seqlens_k=p["tree_cu_seqlens_k"],
+        tree_max_seqlen_q=int(p["tree_max_seqlens"][0]),
+        tree_max_seqlen_k=int(p["tree_max_seqlens"][1]),
+    )
+    packed = out.log_probs.flatten()[p["token_index"]]
+    expected = []
+    with torch.no_grad():
+        for sample in samples:
+            ids = torch.tensor(sample["input_ids"])[None]
+            logp = torch.log_softmax(ref(input_ids=ids).logits[0, :-1].float(), -1)
+            logp = logp.gather(-1, ids[0, 1:, None])[:, 0]
+            expected += [logp[i - 1].item() for i in range(1, ids.shape[1]) if sample["completion_mask"][i]]
+    assert len(p["tree_cu_seqlens_q"]) - 1 > len(samples) // 2  # really a tree: shared prefixes, branches
+    torch.testing.assert_close(packed.detach(), torch.tensor(expected), atol=1e-5, rtol=1e-5)
+    packed.sum().backward()  # gradients flow through the shim
+    assert tree.model.embed_tokens.weight.grad.abs().sum() > 0
