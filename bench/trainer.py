@@ -193,8 +193,7 @@ def bench_wordle(args) -> None:
         ]
         command += ["--env-url", env_url, "--model", str(model), "--max-steps", str(args.steps)]
         command += ["--output-dir", str(work / "trainer"), "--reward", args.reward, "--no-progress"]
-        if args.lr:
-            command += ["--learning-rate", str(args.lr)]
+        command += ["--learning-rate", str(args.lr)]
         start = time.perf_counter()
         with open(work / "trainer.log", "w") as log:
             subprocess.run(command, cwd=REPO, stdout=log, stderr=log, check=True)
@@ -203,7 +202,7 @@ def bench_wordle(args) -> None:
     trainer = _records(root / telemetry.TRAINER_DIR, telemetry.TrainerRecord)
     replica = _records(root / telemetry.REPLICAS_DIR / "bench-replica", telemetry.ReplicaRecord)
     print(
-        f"\nWordle on CPU: tiny Qwen3 ({trainer[0].numel:,} elements), reward {args.reward}, "
+        f"\nWordle on CPU: tiny Qwen3 ({trainer[0].numel:,} elements), reward {args.reward}, lr {args.lr}, "
         f"{args.steps} steps in {wall:.0f} s; sync root {root}\n"
     )
     print("| step | kind | changed | payload | B/changed | blocked | reward | staleness | replica lag |")
@@ -259,9 +258,7 @@ def main() -> None:
     send.add_argument("--lr", type=float, default=1e-6)
     wordle = sub.add_parser("wordle", help="a short Wordle run on CPU")
     wordle.add_argument("--steps", type=int, default=40)
-    wordle.add_argument(
-        "--lr", type=float, default=None, help="default: the trainer's (1e-5 for the tiny model)"
-    )
+    wordle.add_argument("--lr", type=float, default=1e-6, help="learning rate (1e-6: the RL default)")
     wordle.add_argument("--reward", default="wordle-partial")
     wordle.add_argument("--out", default=None, help="work folder (default: a new temporary one, kept)")
     args = parser.parse_args()
