@@ -47,12 +47,17 @@ def varlen_sdpa(
     if softcap:
         raise NotImplementedError("varlen_sdpa: softcap is not supported")
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    lengths_q = [b - a for a, b in zip(starts_q, starts_q[1:], strict=False)]
+    lengths_k = [b - a for a, b in zip(starts_k, starts_k[1:], strict=False)]
+    # split, not slicing: its backward concatenates the pieces' gradients instead of zero-filling a full-size
+    # gradient per segment. The last piece is what lies beyond the segments (padding), unused.
+    pieces_q = q.split([*lengths_q, q.shape[0] - starts_q[-1]])
+    pieces_k = k.split([*lengths_k, k.shape[0] - starts_k[-1]])
+    pieces_v = v.split([*lengths_k, v.shape[0] - starts_k[-1]])
     gqa = k.shape[1] != q.shape[1]
     outputs = []
-    for s in range(len(starts_q) - 1):
-        qs = q[starts_q[s] : starts_q[s + 1]].transpose(0, 1)
-        ks = k[starts_k[s] : starts_k[s + 1]].transpose(0, 1)
-        vs = v[starts_k[s] : starts_k[s + 1]].transpose(0, 1)
+    for s in range(len(lengths_q)):  # cu_seqlens start at 0, so piece s is segment s
+        qs, ks, vs = pieces_q[s].transpose(0, 1), pieces_k[s].transpose(0, 1), pieces_v[s].transpose(0, 1)
         lq, lk = qs.shape[1], ks.shape[1]
         mask = None
         if causal or window_size[0] >= 0:
@@ -64,7 +69,9 @@ def varlen_sdpa(
                 mask &= u >= last - window_size[0]
         out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=softmax_scale, enable_gqa=gqa)
         outputs.append(out.transpose(0, 1))
-    return torch.cat(outputs) if outputs else q.new_zeros(q.shape)
+    if starts_q[-1] < q.shape[0]:  # queries beyond the last segment attend to nothing
+        outputs.append(q.new_zeros(q.shape[0] - starts_q[-1], *q.shape[1:]))
+    return torch.cat(outputs)
 
 
 def apply(device: torch.device | str) -> list[str]:
