@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import contextvars
 import faulthandler
+import functools
 import multiprocessing
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
 from trl.experimental.async_grpo.async_rollout_worker import (
@@ -116,3 +118,15 @@ def use_versioned_loop(worker: AsyncRolloutWorker, version_base: int) -> None:
     """Make `worker` (not started yet) run `VersionedRolloutLoop`; TRL's version 1 is step `version_base`."""
     worker._loop_cls = VersionedRolloutLoop
     worker._loop_kwargs["version_base"] = version_base
+    if not isinstance(worker.stop, functools.partial):
+        worker.stop = functools.partial(_stop, worker, worker.stop)
+
+
+def _stop(worker: AsyncRolloutWorker, stop: Callable[[], None]) -> None:
+    """TRL's `stop()`, minus a hang: it sets a multiprocessing Event that a thread of the worker process waits
+    on, and when that process has died (an unreachable env or inference server fails it), `Event.set()`
+    blocks forever waiting for the dead waiter to wake. A dead worker needs no signal: reap it and go on."""
+    process = worker._process
+    if process is not None and not process.is_alive():
+        worker._process = None
+    stop()

@@ -97,3 +97,40 @@ def test_samples_carry_the_servers_weight_version(server, tokenizer, monkeypatch
         assert sample.metrics[WEIGHT_VERSION] == 5.0 and sample.metrics[VERSION_KNOWN] == 1.0
         assert sample.model_version == 5 - 2 + 1  # so TRL's staleness counts real versions
         assert sample.metrics[REWARD_SQ] == sample.metrics["reward"] ** 2
+
+
+def test_stop_returns_when_the_worker_process_died(server, tokenizer):
+    # An unreachable env server fails the worker process; TRL's stop() would then block forever on its
+    # multiprocessing stop event (the waiter is gone). The trainer must still get to publish and exit.
+    from functools import partial
+
+    from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
+
+    from trainer.rollout import use_versioned_loop
+    from trainer.wordle_client import WordleEnv
+
+    url, _ = server
+    PartialState()
+    worker = AsyncRolloutWorker(
+        model_name="tiny",
+        dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "Play."}]] * 4}),
+        reward_funcs=[],
+        processing_class=tokenizer,
+        eos_token_ids=[tokenizer.eos_token_id],
+        environment_factory=partial(WordleEnv, base_url="http://127.0.0.1:9"),  # nothing listens there
+        num_generations=2,
+        max_inflight_tasks=2,
+        vllm_server_url=url,
+        max_tokens=1,
+    )
+    use_versioned_loop(worker, 0)
+    worker.start()
+    deadline = time.monotonic() + 120
+    while worker._process.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    with pytest.raises(RuntimeError, match="child has failed"):
+        worker.check_health(300)
+    stopper = threading.Thread(target=worker.stop, daemon=True)
+    stopper.start()
+    stopper.join(30)
+    assert not stopper.is_alive(), "stop() hung on a dead worker"
