@@ -14,9 +14,4 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     """The int16 bit patterns of a bf16 tensor, flat. Comparing these is exact for NaN payloads and -0.0."""
     if t.dtype != torch.bfloat16:
         raise TypeError(f"expected a bfloat16 tensor, got {t.dtype}")
-    return t.contiguous().reshape(-1).view(torch.int16)
-
-
-def exponents(b: torch.Tensor) -> torch.Tensor:
-    """The 8-bit biased exponent of each bf16 bit pattern (sign dropped), as int32."""
-    return (b.to(torch.int32) >> 7) & 0xFF
+    return t.detach().contiguous().reshape(-1).view(torch.int16)

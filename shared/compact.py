@@ -10,21 +10,18 @@ hold. Small weights change far more often than large ones, so positions are code
 
 The categorical tables are pooled per class index over the whole patch (they are alike across tensors), so
 a tensor only carries a few varints: its class bounds, changed count and Rice parameter per class.
-Entropy stage: the ANS coder of `constriction`. Ranks and positions cost one compiled pass (numba) over the
-old bits, counting each class's elements as it goes; a patch with one class per tensor needs no pass.
+Entropy stage: the ANS coder of `constriction`. The per-element loops are compiled (shared.kernels):
+ranks and positions cost one branch-free pass over the old bits plus a short walk per change; a tensor with
+one class needs no pass.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import dataclass, field
 
 import constriction
 import numpy as np
 import torch
-
-from shared.bf16 import exponents
 
 MAX_CLASSES = 4
 Q_SYMBOLS = 32  # Rice quotients 0..30, 31 escapes to a raw 32-bit quotient
@@ -83,113 +80,7 @@ def _limits(bounds: list[int]) -> np.ndarray:
     return np.array([b << 7 for b in bounds] + [1 << 15] * (MAX_CLASSES - 1 - len(bounds)), np.int64)
 
 
-def _jit(fn):
-    """`fn` compiled by numba at its first call. Lazily, because numba must not be loaded in the inference
-    Space before vLLM starts: vLLM's CPU worker, forked from the app (which imports this module), scans every
-    loaded module for Triton kernels at start-up and crashes on llvmlite's function wrappers."""
-    compiled = None
-
-    @functools.wraps(fn)
-    def call(*args):
-        nonlocal compiled
-        if compiled is None:
-            import numba
-
-            compiled = numba.njit(nogil=True, cache=True)(fn)
-        return compiled(*args)
-
-    return call
-
-
-@_jit
-def _class_ranks(old_bits, limits, idx):
-    """Class and in-class rank of each sorted position in `idx`, and the size of each class."""
-    sizes = np.zeros(MAX_CLASSES, np.int64)
-    cls = np.empty(idx.size, np.int64)
-    ranks = np.empty(idx.size, np.int64)
-    j, nxt = 0, idx[0] if idx.size else -1
-    for i in range(old_bits.size):
-        m = old_bits[i] & 0x7FFF
-        c = (m >= limits[0]) + (m >= limits[1]) + (m >= limits[2])
-        if i == nxt:
-            cls[j], ranks[j] = c, sizes[c]
-            j += 1
-            nxt = idx[j] if j < idx.size else -1
-        sizes[c] += 1
-    return cls, ranks, sizes
-
-
-@_jit
-def _class_positions(old_bits, limits, ranks, starts):
-    """The inverse: class c's ranks are ranks[starts[c]:starts[c + 1]], ascending. Returns the positions in
-    ascending order, for each the index of its rank in `ranks`, and whether every rank was found."""
-    ptr, end = starts[:MAX_CLASSES].copy(), starts[1:].copy()
-    sizes = np.zeros(MAX_CLASSES, np.int64)
-    positions = np.empty(ranks.size, np.int64)
-    source = np.empty(ranks.size, np.int64)
-    found = 0
-    for i in range(old_bits.size):
-        if found == ranks.size:
-            break
-        m = old_bits[i] & 0x7FFF
-        c = (m >= limits[0]) + (m >= limits[1]) + (m >= limits[2])
-        p = ptr[c]
-        if p < end[c] and ranks[p] == sizes[c]:
-            positions[found], source[found] = i, p
-            found += 1
-            ptr[c] = p + 1
-        sizes[c] += 1
-    return positions[:found], source[:found], found == ranks.size
-
-
-def _binary_entropy_bits(k: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """Bits to code which k of n i.i.d. elements changed."""
-    n = np.maximum(n, k).astype(np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.where(n > 0, k / np.maximum(n, 1), 0.0)
-        bits = -(k * np.log2(np.where(p > 0, p, 1)) + (n - k) * np.log2(np.where(p < 1, 1 - p, 1)))
-    return np.nan_to_num(bits)
-
-
-def choose_bounds(old_bits: torch.Tensor, changed_exponents: np.ndarray) -> tuple[list[int], float]:
-    """Exponent bounds of up to MAX_CLASSES contiguous classes that minimise the position cost (bits).
-
-    An exact dynamic program over the exponent histogram; the population histogram comes from a
-    strided sample of large tensors (only the choice depends on it, never correctness).
-    """
-    stride = max(1, old_bits.numel() >> 14)
-    sample = exponents(old_bits[::stride])
-    population = torch.bincount(sample, minlength=256).cpu().numpy().astype(np.float64) * stride
-    changed = np.bincount(changed_exponents, minlength=256).astype(np.float64)
-    bins = np.nonzero((population > 0) | (changed > 0))[0]
-    cn = np.concatenate([[0.0], np.cumsum(population[bins])])
-    ck = np.concatenate([[0.0], np.cumsum(changed[bins])])
-    e = len(bins)
-    # cost[i, j]: one class holding bins i..j-1.
-    cost = _binary_entropy_bits(ck[None, :] - ck[:, None], cn[None, :] - cn[:, None]) + CLASS_COST_BITS
-    cost[np.tril_indices(e + 1)] = np.inf
-    best, arg = [cost[0]], []
-    for _ in range(1, MAX_CLASSES):
-        total = best[-1][:, None] + cost
-        arg.append(total.argmin(0))
-        best.append(total.min(0))
-    k = int(np.argmin([b[e] for b in best]))
-    bounds, j = [], e
-    for g in range(k, 0, -1):
-        j = int(arg[g - 1][j])
-        bounds.append(int(bins[j]))
-    return sorted(bounds), float(best[k][e])
-
-
 # ----------------------------------------------------------------------------------------------- symbols
-
-
-def _zigzag(d: np.ndarray) -> np.ndarray:
-    return (d << 1) ^ (d >> 31)
-
-
-def _unzigzag(z: np.ndarray) -> np.ndarray:
-    return (z >> 1) ^ -(z & 1)
 
 
 @dataclass
@@ -202,40 +93,38 @@ class TensorSymbols:
     q: list[np.ndarray]
     r: list[np.ndarray]
     v: list[np.ndarray]
+    q_hist: np.ndarray
+    v_hist: np.ndarray
     estimated_bits: float
 
 
 def to_symbols(old_bits: torch.Tensor, idx: torch.Tensor, new_bits: torch.Tensor) -> TensorSymbols:
     """Symbols for changed positions `idx` (sorted int64) with new patterns `new_bits` (int16)."""
-    old_bits, idx, new_bits = old_bits.cpu(), idx.cpu(), new_bits.cpu()
-    old_at = old_bits[idx]
-    bounds, position_bits = choose_bounds(old_bits, exponents(old_at).numpy())
-    if bounds:
-        cls, ranks, sizes = _class_ranks(old_bits.numpy(), _limits(bounds), idx.numpy())
-    else:
-        cls, ranks, sizes = np.zeros(idx.numel(), np.int64), idx.numpy(), [old_bits.numel()]
-    steps = _zigzag(new_bits.numpy().astype(np.int32) - old_at.numpy().astype(np.int32))
-    new_np = new_bits.numpy().astype(np.int32) & 0xFFFF
-    out = TensorSymbols(bounds, [], [], [], [], [], position_bits + 1.5 * idx.numel())
-    for c in range(len(bounds) + 1):
-        sel = cls == c
-        r_c = ranks[sel]  # ascending: idx is sorted and ranks are monotone within a class
-        gaps = np.diff(r_c, prepend=-1) - 1
-        k = int(r_c.size)
-        rice = 0 if k == 0 else min(MAX_RICE, max(0, int(math.log2(max(1.0, sizes[c] * math.log(2) / k)))))
-        q = gaps >> rice
-        out.counts.append(k)
-        out.rice.append(rice)
-        out.q.append(q)
-        out.r.append(gaps & ((1 << rice) - 1))
-        out.v.append(np.where(steps[sel] < V_SYMBOLS, steps[sel], new_np[sel] + (V_SYMBOLS << 16)))
-    return out
+    from shared import kernels  # not at import time: see shared.kernels
+
+    old_np, idx_np = old_bits.cpu().numpy(), idx.cpu().numpy()
+    bounds, position_bits = kernels.choose_bounds(*kernels.exponent_histograms(old_np, idx_np))
+    bounds = bounds.tolist()
+    starts, rice, q, r, v, q_hist, v_hist = kernels.encode_symbols(
+        old_np, _limits(bounds), idx_np, new_bits.cpu().numpy()
+    )
+    classes = [slice(starts[c], starts[c + 1]) for c in range(len(bounds) + 1)]
+    return TensorSymbols(
+        bounds=bounds,
+        counts=[int(starts[c + 1] - starts[c]) for c in range(len(classes))],
+        rice=rice[: len(classes)].tolist(),
+        q=[q[s] for s in classes],
+        r=[r[s] for s in classes],
+        v=[v[s] for s in classes],
+        q_hist=q_hist,
+        v_hist=v_hist,
+        estimated_bits=position_bits + 1.5 * idx.numel(),
+    )
 
 
 def tally(models: Models, s: TensorSymbols) -> None:
-    for c, (q, v) in enumerate(zip(s.q, s.v, strict=True)):
-        models.q[c] += np.bincount(np.minimum(q, Q_SYMBOLS - 1), minlength=Q_SYMBOLS)
-        models.v[c] += np.bincount(np.minimum(v - 1, V_SYMBOLS - 1), minlength=V_SYMBOLS)
+    models.q += s.q_hist
+    models.v += s.v_hist
 
 
 # ----------------------------------------------------------------------------------------------- streams
@@ -326,47 +215,36 @@ def decode_stream(
         if n and (q_models[c] is None or v_models[c] is None):
             raise CompactDecodeError(f"class {c} has changes but the patch has no model for it")
     coder = constriction.stream.stack.AnsCoder(np.frombuffer(data, "<u4", offset=pos).astype(np.uint32))
-    ranks, steps, raws = [], [], []
-    for c, n in enumerate(counts):
-        if not n:
+    starts = np.zeros(MAX_CLASSES + 1, np.int64)
+    starts[1 : k + 1] = np.cumsum(counts)
+    starts[k + 1 :] = starts[k]
+    q, r = np.empty(starts[-1], np.int64), np.zeros(starts[-1], np.int64)
+    steps, raws = np.empty(starts[-1], np.int64), np.zeros(starts[-1], np.int64)
+    classes = [slice(starts[c], starts[c + 1]) for c in range(k)]
+    for c, sel in enumerate(classes):
+        if not counts[c]:
             continue
-        q = coder.decode(q_models[c], n).astype(np.int64)
-        big = np.nonzero(q == Q_SYMBOLS - 1)[0]
+        q[sel] = coder.decode(q_models[c], counts[c])
+        big = np.nonzero(q[sel] == Q_SYMBOLS - 1)[0] + starts[c]
         if big.size:
             halves = coder.decode(_uniform16, 2 * big.size).astype(np.int64).reshape(-1, 2)
             q[big] += (halves[:, 0] << 16) | halves[:, 1]
-        r = coder.decode(_model.Uniform(1 << rice[c]), n).astype(np.int64) if rice[c] else 0
-        ranks.append(np.cumsum((q << rice[c]) + r + 1) - 1)
-    for c, n in enumerate(counts):
-        if not n:
+        if rice[c]:
+            r[sel] = coder.decode(_model.Uniform(1 << rice[c]), counts[c])
+    for c, sel in enumerate(classes):
+        if not counts[c]:
             continue
-        step = coder.decode(v_models[c], n).astype(np.int32) + 1
-        escaped = np.nonzero(step == V_SYMBOLS)[0]
-        raw = np.zeros(n, np.int32)
+        steps[sel] = coder.decode(v_models[c], counts[c])
+        steps[sel] += 1
+        escaped = np.nonzero(steps[sel] == V_SYMBOLS)[0] + starts[c]
         if escaped.size:
-            raw[escaped] = coder.decode(_uniform16, escaped.size)
-        steps.append(step)
-        raws.append(raw)
-    if not ranks:
-        return torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(
-            0, dtype=torch.int16, device=device
-        )
-    all_ranks = np.concatenate(ranks)
-    if k == 1:  # one class: ranks are positions
-        if all_ranks[-1] >= numel:
-            raise CompactDecodeError(f"position {int(all_ranks[-1])} beyond the tensor's {numel} elements")
-        idx, order = all_ranks, slice(None)
-    else:
-        starts = np.zeros(MAX_CLASSES + 1, np.int64)
-        starts[1 : k + 1] = np.cumsum(counts)
-        starts[k + 1 :] = starts[k]
-        idx, order, complete = _class_positions(old_bits.numpy(), _limits(bounds), all_ranks, starts)
-        if not complete:
-            raise CompactDecodeError("a class rank lies beyond that class's elements")
-    step, raw = np.concatenate(steps)[order], np.concatenate(raws)[order]
-    old = old_bits.numpy()[idx].astype(np.int32)
-    new = np.where(step == V_SYMBOLS, raw, old + _unzigzag(step))
-    if (new < -(1 << 15)).any() or (new >= 1 << 16).any() or ((new >= 1 << 15) & (step != V_SYMBOLS)).any():
-        raise CompactDecodeError("a value step leaves the 16-bit range")
-    new_bits = torch.from_numpy(new.astype(np.uint16).view(np.int16))
-    return torch.from_numpy(idx).to(device), new_bits.to(device)
+            raws[escaped] = coder.decode(_uniform16, escaped.size)
+    from shared import kernels  # not at import time: see shared.kernels
+
+    rice = np.array(rice + [0] * (MAX_CLASSES - k), np.int64)
+    idx, new, status = kernels.decode_symbols(
+        old_bits.numpy(), _limits(bounds), starts, rice, q, r, steps, raws
+    )
+    if status:
+        raise CompactDecodeError(kernels.DECODE_ERRORS[status])
+    return torch.from_numpy(idx).to(device), torch.from_numpy(new.view(np.int16)).to(device)

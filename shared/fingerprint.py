@@ -36,9 +36,12 @@ _R1 = (_splitmix64(np.arange(ROW, dtype=np.uint64)) >> np.uint64(32)) | np.uint6
 _R1_TORCH = torch.from_numpy(_R1.astype(np.int64))
 
 
+def _seed(name: str) -> np.uint64:
+    return np.uint64(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
+
+
 def _row_weights(name: str, rows: np.ndarray) -> np.ndarray:
-    seed = np.uint64(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
-    return _splitmix64(rows.astype(np.uint64) ^ seed) | np.uint64(1)
+    return _splitmix64(rows.astype(np.uint64) ^ _seed(name)) | np.uint64(1)
 
 
 def _weighted_sum(name: str, rows: np.ndarray, row_sums: np.ndarray) -> int:
@@ -65,11 +68,9 @@ def state_fingerprint(state: Mapping[str, torch.Tensor] | Iterable[tuple[str, to
 
 def delta(name: str, positions: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:
     """How F moves when tensor `name` changes from `old` to `new` bit patterns (int16) at `positions`."""
-    positions = positions.astype(np.int64)
-    diff = new.astype(np.int64) - old.astype(np.int64)
-    with np.errstate(over="ignore"):
-        weighted = diff.astype(np.uint64) * _R1[positions % ROW]
-        return int((weighted * _row_weights(name, positions // ROW)).sum(dtype=np.uint64))
+    from shared import kernels  # not at import time: see shared.kernels
+
+    return int(kernels.fingerprint_delta(_seed(name), _R1, positions.astype(np.int64), old, new))
 
 
 def format_fingerprint(fp: int) -> str:

@@ -1,0 +1,324 @@
+"""The compiled per-element loops (numba) of change detection, the fingerprint and the compact encoding.
+
+Import this module inside the functions that use it, never at module level: numba must not be loaded in the
+inference Space before vLLM starts. vLLM's CPU worker, forked from the app (which imports shared.*), scans
+every loaded module for Triton kernels at start-up and crashes on llvmlite's function wrappers.
+
+The loops work on blocks of BLOCK elements and 64-bit masks (bit i: element start + i), built by branch-free
+passes the compiler vectorizes; only blocks that hold changes are looked at element by element.
+
+Compact classes: class c of an element is how many of the three magnitude limits its old bit pattern reaches
+(see shared.compact). A rank is a position counted among the elements of one class.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from shared.compact import CLASS_COST_BITS, MAX_CLASSES, MAX_RICE, Q_SYMBOLS, V_SYMBOLS
+
+BLOCK = 64
+_jit = numba.njit(nogil=True, cache=True)
+_inline = numba.njit(nogil=True, cache=True, inline="always")  # helpers of hot loops: keeps them vectorizable
+_ONE = np.uint64(1)
+
+
+@_inline
+def _popcount(x):
+    x = x - ((x >> _ONE) & np.uint64(0x5555555555555555))
+    x = (x & np.uint64(0x3333333333333333)) + ((x >> np.uint64(2)) & np.uint64(0x3333333333333333))
+    x = (x + (x >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    return np.int64((x * np.uint64(0x0101010101010101)) >> np.uint64(56))
+
+
+@_inline
+def _lowest_bit(x):
+    """Index of the lowest set bit of x (x != 0)."""
+    return _popcount((x & (~x + _ONE)) - _ONE)
+
+
+# ----------------------------------------------------------------------------------------------- changes
+
+
+@_jit
+def changed_positions(old_bits, new_bits):
+    """Positions (ascending) where two int16 pattern arrays differ, and the new patterns there."""
+    n = old_bits.size
+    masks = np.empty((n + BLOCK - 1) // BLOCK, np.uint64)
+    total = 0
+    for b in range(masks.size):
+        start, mask = b * BLOCK, np.uint64(0)
+        if start + BLOCK <= n:  # a constant trip count lets the compiler vectorize
+            for i in range(BLOCK):
+                mask |= np.uint64(old_bits[start + i] != new_bits[start + i]) << np.uint64(i)
+        else:
+            for i in range(n - start):
+                mask |= np.uint64(old_bits[start + i] != new_bits[start + i]) << np.uint64(i)
+        masks[b] = mask
+        total += _popcount(mask)
+    positions, values = np.empty(total, np.int64), np.empty(total, np.int16)
+    j = 0
+    for b in range(masks.size):
+        mask = masks[b]
+        while mask:
+            positions[j] = b * BLOCK + _lowest_bit(mask)
+            values[j] = new_bits[positions[j]]
+            mask &= mask - _ONE
+            j += 1
+    return positions, values
+
+
+# ----------------------------------------------------------------------------------------------- fingerprint
+
+
+@_inline
+def _splitmix64(x):
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+@_jit
+def fingerprint_delta(seed, r1, positions, old, new):
+    """sum((new - old) * r1[p % ROW] * (splitmix64(p // ROW ^ seed) | 1)) mod 2^64: see shared.fingerprint."""
+    row_len = np.uint64(r1.size)
+    total = np.uint64(0)
+    for j in range(positions.size):
+        p = np.uint64(positions[j])
+        step = np.uint64(np.int64(new[j]) - np.int64(old[j]))
+        total += step * r1[p % row_len] * (_splitmix64((p // row_len) ^ seed) | _ONE)
+    return total
+
+
+# ----------------------------------------------------------------------------------------------- compact
+
+
+@_jit
+def exponent_histograms(old_bits, idx):
+    """Exponent histograms of the whole tensor (from a strided sample of 2^14 elements, scaled back) and of
+    the old values at the changed positions `idx`. Only the choice of classes depends on the sample."""
+    stride = max(1, old_bits.size >> 14)
+    population = np.zeros(256, np.float64)
+    changed = np.zeros(256, np.float64)
+    for i in range(0, old_bits.size, stride):
+        population[(old_bits[i] >> 7) & 0xFF] += stride
+    for p in idx:
+        changed[(old_bits[p] >> 7) & 0xFF] += 1
+    return population, changed
+
+
+@_jit
+def _subset_bits(k, n):
+    """Bits to code which k of n i.i.d. elements changed."""
+    n = max(n, k)
+    if k == 0 or k == n:
+        return 0.0
+    p = k / n
+    return -(k * math.log2(p) + (n - k) * math.log2(1 - p))
+
+
+@_jit
+def choose_bounds(population, changed):
+    """Exponent bounds of up to MAX_CLASSES contiguous classes that minimise the position cost (bits): an
+    exact dynamic program over the exponent histograms. Returns the ascending bounds and the cost."""
+    bins = np.nonzero((population > 0) | (changed > 0))[0]
+    e = bins.size
+    cn = np.zeros(e + 1)
+    ck = np.zeros(e + 1)
+    for i in range(e):
+        cn[i + 1] = cn[i] + population[bins[i]]
+        ck[i + 1] = ck[i] + changed[bins[i]]
+    cost = np.full((e + 1, e + 1), np.inf)  # cost[i, j]: one class holding bins i..j-1
+    for i in range(e + 1):
+        for j in range(i + 1, e + 1):
+            cost[i, j] = _subset_bits(ck[j] - ck[i], cn[j] - cn[i]) + CLASS_COST_BITS
+    best = np.full((MAX_CLASSES, e + 1), np.inf)  # best[g, j]: bins 0..j-1 in g + 1 classes
+    arg = np.zeros((MAX_CLASSES, e + 1), np.int64)
+    best[0] = cost[0]
+    for g in range(1, MAX_CLASSES):
+        for j in range(e + 1):
+            for i in range(e + 1):
+                total = best[g - 1, i] + cost[i, j]
+                if total < best[g, j]:
+                    best[g, j], arg[g, j] = total, i
+    k = 0
+    for g in range(1, MAX_CLASSES):
+        if best[g, e] < best[k, e]:
+            k = g
+    bounds = np.empty(k, np.int64)
+    j = e
+    for g in range(k, 0, -1):
+        j = arg[g, j]
+        bounds[g - 1] = bins[j]
+    return bounds, best[k, e]
+
+
+@_inline
+def _class(x, limits):
+    m = x & 0x7FFF
+    return int(m >= limits[0]) + int(m >= limits[1]) + int(m >= limits[2])
+
+
+@_inline
+def _block_classes(old_bits, limits, start):
+    """Masks of the block's elements in class 0, 1, 2, 3."""
+    count = min(BLOCK, old_bits.size - start)
+    l0, l1, l2 = limits[0], limits[1], limits[2]
+    m0 = m1 = m2 = np.uint64(0)  # elements reaching limit 0, 1, 2
+    if count == BLOCK:  # a constant trip count lets the compiler vectorize
+        for i in range(BLOCK):
+            m = np.int32(old_bits[start + i]) & 0x7FFF
+            m0 |= np.uint64(m >= l0) << np.uint64(i)
+            m1 |= np.uint64(m >= l1) << np.uint64(i)
+            m2 |= np.uint64(m >= l2) << np.uint64(i)
+        valid = ~np.uint64(0)
+    else:
+        for i in range(count):
+            m = np.int32(old_bits[start + i]) & 0x7FFF
+            m0 |= np.uint64(m >= l0) << np.uint64(i)
+            m1 |= np.uint64(m >= l1) << np.uint64(i)
+            m2 |= np.uint64(m >= l2) << np.uint64(i)
+        valid = (_ONE << np.uint64(count)) - _ONE
+    return (valid & ~m0, m0 & ~m1, m1 & ~m2, m2)
+
+
+@_jit
+def _ranks(old_bits, limits, idx):
+    """Class, in-class rank and old pattern at each sorted position in `idx`, and each class's size."""
+    k = idx.size
+    cls, ranks, old = np.empty(k, np.int64), np.empty(k, np.int64), np.empty(k, np.int64)
+    before = np.zeros(MAX_CLASSES, np.int64)  # per class, elements before the block
+    j = 0
+    for b in range((old_bits.size + BLOCK - 1) // BLOCK):  # (a range with a step compiles slower)
+        start = b * BLOCK
+        classes = _block_classes(old_bits, limits, start)
+        while j < k and idx[j] < start + BLOCK:
+            old[j] = old_bits[idx[j]]
+            cls[j] = _class(old[j], limits)
+            below = (_ONE << np.uint64(idx[j] - start)) - _ONE
+            ranks[j] = before[cls[j]] + _popcount(classes[cls[j]] & below)
+            j += 1
+        for c in range(MAX_CLASSES):
+            before[c] += _popcount(classes[c])
+    return cls, ranks, before, old
+
+
+@_jit
+def encode_symbols(old_bits, limits, idx, new_bits):
+    """Symbols of the changes at sorted positions `idx` (new patterns `new_bits`), grouped by class.
+
+    Returns starts (class c's symbols are [starts[c], starts[c + 1])), Rice parameters, Rice quotients and
+    remainders of the rank gaps, value symbols (zigzag step, or V_SYMBOLS << 16 | raw pattern), and the
+    per-class histograms of the capped quotient and value symbols that the patch-wide models pool.
+    """
+    k = idx.size
+    if limits[0] >= 1 << 15:  # one class: ranks are positions
+        cls, ranks, old = np.zeros(k, np.int64), idx, np.empty(k, np.int64)
+        for j in range(k):
+            old[j] = old_bits[idx[j]]
+        sizes = np.zeros(MAX_CLASSES, np.int64)
+        sizes[0] = old_bits.size
+    else:
+        cls, ranks, sizes, old = _ranks(old_bits, limits, idx)
+    starts = np.zeros(MAX_CLASSES + 1, np.int64)
+    for j in range(k):
+        starts[cls[j] + 1] += 1
+    rice = np.zeros(MAX_CLASSES, np.int64)
+    for c in range(MAX_CLASSES):
+        count = starts[c + 1]
+        if count:
+            rice[c] = min(MAX_RICE, max(0, int(math.log2(max(1.0, sizes[c] * math.log(2) / count)))))
+        starts[c + 1] += starts[c]
+    fill, last = starts[:MAX_CLASSES].copy(), np.full(MAX_CLASSES, -1)
+    q, r, v = np.empty(k, np.int64), np.empty(k, np.int64), np.empty(k, np.int64)
+    q_hist = np.zeros((MAX_CLASSES, Q_SYMBOLS), np.int64)
+    v_hist = np.zeros((MAX_CLASSES, V_SYMBOLS), np.int64)
+    for j in range(k):
+        c = cls[j]
+        t = fill[c]
+        fill[c] += 1
+        gap = ranks[j] - last[c] - 1
+        last[c] = ranks[j]
+        q[t], r[t] = gap >> rice[c], gap & ((1 << rice[c]) - 1)
+        step = np.int64(new_bits[j]) - old[j]
+        zigzag = (step << 1) ^ (step >> 63)
+        v[t] = zigzag if zigzag < V_SYMBOLS else (new_bits[j] & 0xFFFF) + (V_SYMBOLS << 16)
+        q_hist[c, min(q[t], Q_SYMBOLS - 1)] += 1
+        v_hist[c, min(v[t], V_SYMBOLS) - 1] += 1
+    return starts, rice, q, r, v, q_hist, v_hist
+
+
+DECODE_ERRORS = {
+    1: "a position lies beyond its class or the tensor",
+    2: "a value step leaves the 16-bit range",
+}
+
+
+@_inline
+def _new_pattern(old, step, raw):
+    """The new pattern (as 0..65535), or -1 when a step leaves the 16-bit range."""
+    if step == V_SYMBOLS:
+        return raw
+    value = np.int64(old) + ((step >> 1) ^ -(step & 1))
+    return value & 0xFFFF if -(1 << 15) <= value < 1 << 15 else -1
+
+
+@_jit
+def decode_symbols(old_bits, limits, starts, rice, q, r, steps, raws):
+    """The inverse of encode_symbols (escapes already resolved: q the full quotients, raws the raw patterns
+    where steps == V_SYMBOLS). Returns ascending positions, new patterns (uint16) and a status: 0, or a key
+    of DECODE_ERRORS."""
+    n, k = old_bits.size, q.size
+    positions, new = np.empty(k, np.int64), np.empty(k, np.uint16)
+    ranks = np.empty(k, np.int64)
+    for c in range(MAX_CLASSES):
+        rank = -1
+        for t in range(starts[c], starts[c + 1]):
+            rank += (q[t] << rice[c]) + r[t] + 1  # q < 2^33, rice <= MAX_RICE: no overflow below n
+            if rank >= n:
+                return positions, new, 1
+            ranks[t] = rank
+    if limits[0] >= 1 << 15:  # one class: ranks are positions
+        for j in range(k):
+            positions[j], pattern = ranks[j], _new_pattern(old_bits[ranks[j]], steps[j], raws[j])
+            if pattern < 0:
+                return positions, new, 2
+            new[j] = pattern
+        return positions, new, 0
+    pending = starts[:MAX_CLASSES].copy()  # per class, the next rank to place
+    before = np.zeros(MAX_CLASSES, np.int64)  # per class, elements before the block
+    source = np.empty(BLOCK, np.int64)  # the symbol index of each changed element of the block
+    j = 0
+    for b in range((n + BLOCK - 1) // BLOCK):
+        start = b * BLOCK
+        classes = _block_classes(old_bits, limits, start)
+        hits = np.uint64(0)
+        for c in range(MAX_CLASSES):
+            # Walk the block's class-c elements (set bits, lowest first) up to each rank in the block.
+            mask, counted, t = classes[c], before[c], pending[c]
+            before[c] += _popcount(mask)
+            while t < starts[c + 1] and ranks[t] < before[c]:
+                while counted < ranks[t]:  # ranks ascend, so counted never passes one
+                    mask &= mask - _ONE
+                    counted += 1
+                bit = _lowest_bit(mask)
+                source[bit], hits = t, hits | (_ONE << np.uint64(bit))
+                mask &= mask - _ONE
+                counted, t = counted + 1, t + 1
+            pending[c] = t
+        while hits:  # in position order
+            bit = _lowest_bit(hits)
+            t = source[bit]
+            positions[j], pattern = start + bit, _new_pattern(old_bits[start + bit], steps[t], raws[t])
+            if pattern < 0:
+                return positions, new, 2
+            new[j] = pattern
+            hits &= hits - _ONE
+            j += 1
+    if j < k:
+        return positions, new, 1
+    return positions, new, 0
