@@ -24,14 +24,12 @@ import argparse
 import json
 import math
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -123,44 +121,8 @@ def bench_send(args) -> None:
 # ---------------------------------------------------------------------------------------------- wordle
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def server(app: Path, env: dict, log: Path, timeout: float):
-    import requests
-
-    port = free_port()
-    env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), **env}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, str(app)], env=env, stdout=out, stderr=out, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if requests.get(f"{url}/health", timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"{app} did not start, see {log}")
-            time.sleep(0.5)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
 def bench_wordle(args) -> None:
+    from trainer.demo import serving
     from trainer.tiny_model import default_model_dir, ensure_tiny_model
 
     model = ensure_tiny_model(default_model_dir())
@@ -178,10 +140,10 @@ def bench_wordle(args) -> None:
         "TOKENIZERS_PARALLELISM": "false",
     }
     with ExitStack() as stack:
-        env_url = stack.enter_context(server(REPO / "spaces/env/app.py", {}, work / "env.log", 60))
-        inference_url = stack.enter_context(
-            server(REPO / "spaces/inference/app.py", inference_env, work / "inference.log", 600)
-        )
+        app = [sys.executable, str(REPO / "spaces/env/app.py")]
+        env_url = stack.enter_context(serving(app, work / "env.log", {}, 60))
+        app = [sys.executable, str(REPO / "spaces/inference/app.py")]
+        inference_url = stack.enter_context(serving(app, work / "inference.log", inference_env, 600))
         command = [
             sys.executable,
             "-m",

@@ -35,7 +35,7 @@ import time
 import urllib.error
 import urllib.request
 import webbrowser
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,6 +110,20 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float, in
         if time.monotonic() > deadline:
             raise RuntimeError(f"{url} did not answer within {timeout:.0f} s; end of {log}:\n{log_tail(log)}")
         time.sleep(interval)
+
+
+@contextlib.contextmanager
+def serving(argv: Sequence[str], log: Path, env: Mapping[str, str], timeout: float) -> Iterator[str]:
+    """Run the app `argv` on a free loopback port (HOST and PORT in its environment) until the block ends;
+    yields its URL once /health answers."""
+    port = free_port()
+    proc = start_process(argv, log, {**os.environ, **env, "HOST": "127.0.0.1", "PORT": str(port)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, f"{url}/health", log, timeout)
+        yield url
+    finally:
+        stop_process(proc, grace_s=30)
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

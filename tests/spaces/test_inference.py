@@ -7,9 +7,6 @@ a corrupt delta, security); server B starts late, catches up from an anchor and 
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -25,6 +22,7 @@ from shared import telemetry
 from shared.fingerprint import format_fingerprint, state_fingerprint
 from shared.protocol import HEAD_PATH, RUN_PATH, Head, step_of
 from shared.publisher import Publisher, PublisherConfig
+from trainer.demo import serving
 from trainer.tiny_model import build_tiny_model
 
 APP = Path(__file__).resolve().parents[2] / "spaces" / "inference" / "app.py"
@@ -70,19 +68,24 @@ class Run:
         self.fingerprints: dict[int, str] = {}
 
     def step(self, corrupt: bool = False) -> int:
+        step = self.stage()
+        self.mirror(corrupt_step=step if corrupt else None)
+        return step
+
+    def stage(self) -> int:
+        """Publish the next step to the staging root only: the servers see it at the next `mirror`."""
         step = self.publisher.last_step + 1
         if step:
             self.state = perturb(self.state, step, big=step == BIG_STEP)
         self.publisher.publish(self.state, step)
         self.publisher.flush()
         self.fingerprints[step] = format_fingerprint(state_fingerprint(self.state))
-        self.mirror(corrupt_step=step if corrupt else None)
         return step
 
     def head(self) -> Head:
         return Head.from_json((self.served / HEAD_PATH).read_bytes())
 
-    def mirror(self, corrupt_step: int | None) -> None:
+    def mirror(self, corrupt_step: int | None = None) -> None:
         head = Head.from_json((self.staging / HEAD_PATH).read_bytes())
         for path in [RUN_PATH, *sorted(head.files())]:
             if not (self.served / path).exists():
@@ -142,15 +145,9 @@ class Server:
 
 @contextmanager
 def running_server(run: Run, log: Path, **env):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {
-        **os.environ,
         "MODEL": str(run.model_dir),
         "SYNC_ROOT": str(run.served),
-        "HOST": "127.0.0.1",
-        "PORT": str(port),
         "POLL_S": "0.2",
         "VERIFY_EVERY": "1",  # read the weights back from vLLM after every step
         "VLLM_ARGS": "--enforce-eager --max-model-len 8192 --max-num-seqs 8",
@@ -158,32 +155,8 @@ def running_server(run: Run, log: Path, **env):
         "TOKENIZERS_PARALLELISM": "false",
         **env,
     }
-    with open(log, "w") as out:  # its own session: stopping it stops vLLM's engine processes too
-        proc = subprocess.Popen(
-            [sys.executable, str(APP)], env=env, stdout=out, stderr=out, start_new_session=True
-        )
-    server = Server(f"http://127.0.0.1:{port}", str(run.model_dir), log, AUTH if env.get("API_TOKEN") else {})
-    try:
-        deadline = time.monotonic() + 600
-        while not _healthy(server.url):
-            assert proc.poll() is None, f"server exited: {server.tail()}"
-            assert time.monotonic() < deadline, f"server not up: {server.tail()}"
-            time.sleep(1)
-        yield server
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return requests.get(f"{url}/health", timeout=2).status_code == 200
-    except requests.ConnectionError:
-        return False
+    with serving([sys.executable, str(APP)], log, env, timeout=600) as url:
+        yield Server(url, str(run.model_dir), log, AUTH if env.get("API_TOKEN") else {})
 
 
 def replica_record(run: Run, replica: str, step: int) -> telemetry.ReplicaRecord:
@@ -247,10 +220,13 @@ class TestFollowingServer:
                 result["response"] = requests.post(url, json=body, headers=server.headers, timeout=300)
                 result["ended_at"] = time.time()
 
+            # While vLLM's CPU engine generates, it leaves this process little CPU: the step is made before
+            # the request starts and only copied into the root the server follows (two small files) during it.
+            step = run.stage()
             thread = threading.Thread(target=generate)
             thread.start()
             time.sleep(0.5)
-            step = run.step()
+            run.mirror()
             status = server.wait_for(lambda s, step=step: s["step"] == step, f"step {step}")
             thread.join()
             applied_at = status["recent"][-1]["applied_at"]

@@ -11,19 +11,15 @@ replica; the replica ends bitwise equal to the trainer's bf16 weights; a restart
 """
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
 import requests
 
 from shared import telemetry
+from trainer.demo import serving
 from trainer.tiny_model import default_model_dir, ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,44 +33,6 @@ TRAINER_FLAGS = [
     "--max-staleness", "2",
     "--no-progress",
 ]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"{url} did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
-
-
-@contextmanager
-def server(args: list[str], env: dict, log: Path, timeout: float):
-    port = free_port()
-    env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), **env}
-    with open(log, "w") as out:  # own session: stopping it stops vLLM's engine process too
-        proc = subprocess.Popen(args, env=env, stdout=out, stderr=out, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, log, timeout)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def run_trainer(root: Path, inference: str, env: str, model: Path, out: Path, steps: int) -> dict:
@@ -121,8 +79,8 @@ def test_trainer_end_to_end(tmp_path):
     env_app = [sys.executable, str(REPO / "spaces" / "env" / "app.py")]
     inference_app = [sys.executable, str(REPO / "spaces" / "inference" / "app.py")]
     with (
-        server(env_app, {}, tmp_path / "env.log", timeout=60) as env_url,
-        server(inference_app, inference_env, tmp_path / "inference.log", timeout=600) as inference_url,
+        serving(env_app, tmp_path / "env.log", {}, timeout=60) as env_url,
+        serving(inference_app, tmp_path / "inference.log", inference_env, timeout=600) as inference_url,
     ):
         first = run_trainer(root, inference_url, env_url, model, tmp_path / "run1", STEPS)
         assert (first["first_step"], first["last_step"], first["error"]) == (0, STEPS, None)
