@@ -1,6 +1,6 @@
 """Sync end to end: publisher -> storage -> subscribers, against a full bf16 checkpoint per step, in one run.
 
-    python bench/sync.py [--layers 4] [--steps 3] [--bandwidth-mb 100] [--latency-ms 50]
+    python bench/sync.py [--layers 2] [--steps 8] [--bandwidth-mb 100] [--latency-ms 50]
 
 A Qwen3-0.6B-shaped model (real shapes, N(0, 0.02) weights, fp32 master weights) takes Adam-like steps that
 change ~1% of its bf16 elements. Each step is published and waited for until every subscriber has applied it
@@ -13,7 +13,9 @@ Columns: caller's blocked time per publish, and one bf16 copy of the weights (th
 the same run; end-to-end latency from the publish call to the last subscriber's verified apply; bytes moved
 over the link per step (uploads and downloads, polls included); for ours, the protocol overhead: end to end
 minus the caller's copy, encode (change detection included), decode+apply and bytes/bandwidth, in request
-latencies (the fewest possible is about 4: upload the delta, write the head, poll it, download the delta).
+latencies (the fewest possible is about 3.5: the delta's upload 1, the head landing 0.5, a poll seeing it 1 on
+average, the delta's download 1). Subscribers poll back to back over the link (each poll costs a latency)
+and every 10 ms on the local folder, like the dense readers.
 """
 
 from __future__ import annotations
@@ -109,8 +111,11 @@ def run_ours(root: Path, links: bool, subscribers: int, encoding: str, args) -> 
                 sub = Subscriber(client(), TensorsApplier(target), replica=f"bench-{i}", verify_every=1 << 30)
                 sub.sync()
                 followers.append(sub)
+            # Over a link each poll costs a latency, so poll back to back; on the local folder that would be
+            # a busy loop stealing the publisher's CPU.
+            interval = 0.0 if links else 0.01
             for sub in followers:
-                threading.Thread(target=sub.follow, args=(stop, 0.0), daemon=True).start()
+                threading.Thread(target=sub.follow, args=(stop, interval), daemon=True).start()
             reset_counters([publisher, *followers])
             continue
         while not all(s.step == step for s in followers):
@@ -161,7 +166,7 @@ def run_dense(root: Path, links: bool, subscribers: int, args) -> list[dict]:
 
         def follow(reader, step=step, done_at=done_at):
             while _pointer(reader) != step:
-                pass
+                time.sleep(0.0 if links else 0.01)  # as ours poll
             loaded = load(reader.read_bytes(f"dense/step-{step}.safetensors"))
             target = {n: torch.empty_like(t) for n, t in loaded.items()}
             for n, t in loaded.items():
@@ -199,7 +204,7 @@ def megabytes(n: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of Qwen3-0.6B (it has 28)")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2.5e-7, help="Adam-like step size (~1%% of bf16 change)")
     parser.add_argument("--bandwidth-mb", type=float, default=100)
     parser.add_argument("--latency-ms", type=float, default=50)
