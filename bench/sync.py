@@ -76,6 +76,12 @@ class Link(Storage):
         self._request(0, lambda: self.inner._delete(paths))
 
 
+def poll_s(links: bool) -> float:
+    """Over a link each poll costs a latency, so readers poll back to back; on the local folder that would be
+    a busy loop stealing the publisher's CPU."""
+    return 0.0 if links else 0.01
+
+
 def trajectory(layers: int, steps: int, lr: float):
     g = torch.Generator().manual_seed(0)
     master = {
@@ -111,11 +117,8 @@ def run_ours(root: Path, links: bool, subscribers: int, encoding: str, args) -> 
                 sub = Subscriber(client(), TensorsApplier(target), replica=f"bench-{i}", verify_every=1 << 30)
                 sub.sync()
                 followers.append(sub)
-            # Over a link each poll costs a latency, so poll back to back; on the local folder that would be
-            # a busy loop stealing the publisher's CPU.
-            interval = 0.0 if links else 0.01
             for sub in followers:
-                threading.Thread(target=sub.follow, args=(stop, interval), daemon=True).start()
+                threading.Thread(target=sub.follow, args=(stop, poll_s(links)), daemon=True).start()
             reset_counters([publisher, *followers])
             continue
         while not all(s.step == step for s in followers):
@@ -166,7 +169,7 @@ def run_dense(root: Path, links: bool, subscribers: int, args) -> list[dict]:
 
         def follow(reader, step=step, done_at=done_at):
             while _pointer(reader) != step:
-                time.sleep(0.0 if links else 0.01)  # as ours poll
+                time.sleep(poll_s(links))
             loaded = load(reader.read_bytes(f"dense/step-{step}.safetensors"))
             target = {n: torch.empty_like(t) for n, t in loaded.items()}
             for n, t in loaded.items():
