@@ -46,19 +46,19 @@ def diff(
 
     new = dict(new.items() if isinstance(new, Mapping) else new)
     check_schema(old, new)
-    found, masks, new_bits = {}, {}, {}
+    found, on_device = {}, {}  # on_device: name -> (mask, new bits)
     for name, t in new.items():
-        new_bits[name], old_bits = bits(as_bf16(t)), bits(old[name])
-        if old_bits.device.type == new_bits[name].device.type == "cpu":  # one compiled pass, no mask
-            idx, values = kernels.changed_positions(old_bits.numpy(), new_bits[name].numpy())
+        new_bits, old_bits = bits(as_bf16(t)), bits(old[name])
+        if old_bits.device.type == new_bits.device.type == "cpu":  # one compiled pass, no mask
+            idx, values = kernels.changed_positions(old_bits.numpy(), new_bits.numpy())
             found[name] = TensorChanges(torch.from_numpy(idx), torch.from_numpy(values).view(torch.bfloat16))
         else:
-            masks[name] = new_bits[name] != old_bits
-    if masks:  # one host sync for all tensors, to size the outputs
-        counts = torch.stack([torch.count_nonzero(m) for m in masks.values()]).tolist()
-        for (name, mask), count in zip(masks.items(), counts, strict=True):
+            on_device[name] = (new_bits != old_bits, new_bits)
+    if on_device:  # one host sync for all tensors, to size the outputs
+        counts = torch.stack([torch.count_nonzero(m) for m, _ in on_device.values()]).tolist()
+        for (name, (mask, new_bits)), count in zip(on_device.items(), counts, strict=True):
             idx = torch.nonzero_static(mask, size=count).squeeze(1)
-            found[name] = TensorChanges(idx, new_bits[name][idx].view(torch.bfloat16))
+            found[name] = TensorChanges(idx, new_bits[idx].view(torch.bfloat16))
     return {name: found[name] for name in new if len(found[name])}
 
 
