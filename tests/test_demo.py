@@ -7,9 +7,10 @@ import time
 
 import pytest
 
-from shared.storage import open_storage
-from shared.telemetry import ReplicaRecord, TrainerRecord, write
-from trainer.demo import format_summary, start_process, stop_process, summarize, wait_healthy
+from deltasync.sync.storage import open_storage
+from deltasync.telemetry import ReplicaRecord, TrainerRecord, write
+from trainer.demo import format_summary, summarize
+from trainer.processes import start_process, stop_process, wait_healthy
 
 NUMEL, FULL = 1000, 2000
 

@@ -22,27 +22,24 @@ Exit status: 0 when the trainer finished and the replica verified every publishe
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import webbrowser
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.storage import open_storage
-from shared.telemetry import ReplicaRecord, TrainerRecord
-from shared.telemetry_reader import TelemetryReader
+from deltasync.sync.storage import open_storage
+from deltasync.telemetry import ReplicaRecord, TrainerRecord
+from deltasync.telemetry.reader import TelemetryReader
+from trainer.processes import free_port, log_tail, start_process, stop_process, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 SPACES = REPO / "spaces"
@@ -53,88 +50,6 @@ DEFAULT_VLLM_ARGS = "--enforce-eager"
 # The tiny model never wins a game in a few steps: with the win reward alone every group's rewards are equal,
 # GRPO's advantages are zero and no weight changes. Partial credit (greens and yellows) gives it a gradient.
 DEFAULT_TRAINER_ARGS = "--reward wordle-partial"
-
-
-# ---------------------------------------------------------------------------- processes (also used by tests)
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_process(
-    argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None, cwd: Path | None = None
-) -> subprocess.Popen:
-    """Start `argv` with stdout and stderr going to `log`, in a session of its own: Ctrl-C in the terminal
-    reaches only the caller, which stops each process group whole (vLLM's engine processes included)."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ if env is None else env),
-            cwd=cwd,
-            start_new_session=True,
-        )
-
-
-def log_tail(log: Path, chars: int = 3000) -> str:
-    try:
-        return log.read_text(errors="replace")[-chars:]
-    except FileNotFoundError:
-        return ""
-
-
-def is_healthy(url: str) -> bool:
-    """Whether GET `url` answers 200 within 2 s."""
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except (OSError, urllib.error.HTTPError):  # refused, reset, timed out, or not 200 yet
-        return False
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float, interval: float = 0.5) -> None:
-    """Wait until `url` answers 200. RuntimeError, with the log's tail, if the process exits or time is up."""
-    deadline = time.monotonic() + timeout
-    while not is_healthy(url):
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"{log.stem} exited with status {proc.returncode}; end of {log}:\n{log_tail(log)}"
-            )
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not answer within {timeout:.0f} s; end of {log}:\n{log_tail(log)}")
-        time.sleep(interval)
-
-
-@contextlib.contextmanager
-def serving(argv: Sequence[str], log: Path, env: Mapping[str, str], timeout: float) -> Iterator[str]:
-    """Run the app `argv` on a free loopback port (HOST and PORT in its environment) until the block ends;
-    yields its URL once /health answers."""
-    port = free_port()
-    proc = start_process(argv, log, {**os.environ, **env, "HOST": "127.0.0.1", "PORT": str(port)})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, f"{url}/health", log, timeout)
-        yield url
-    finally:
-        stop_process(proc, grace_s=30)
-
-
-def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM the process group, SIGKILL whatever is left after `grace_s`."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(grace_s)
-    with contextlib.suppress(ProcessLookupError):  # also sweeps children that outlived their leader
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 # ------------------------------------------------------------------------------------------------ summary

@@ -34,8 +34,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from trl.chat_template_utils import get_training_chat_template, qwen3_chat_template
 
-from shared.wordle import ANSWERS, PROMPT, Game
 from trainer.task import CHAT_TEMPLATE_KWARGS, USER_PROMPT
+from wordle_env.rules import ANSWERS, PROMPT, Game
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def default_model_dir() -> Path:
 
 def guess_tool():
     """The tool TRL offers the model: `WordleEnv.guess`, bound to a client that never connects."""
-    from trainer.wordle_client import WordleEnv
+    from wordle_env.client import WordleEnv
 
     return WordleEnv(base_url="http://127.0.0.1:9").guess
 
@@ -265,7 +265,7 @@ def warm_start(
 @torch.no_grad()
 def valid_guess_rate(model, tokenizer, prompt: list[int], samples: int = 16) -> float:
     """Share of sampled (temperature 1) replies to `prompt` that call `guess` with a valid bracketed word."""
-    from shared.wordle import extract_word, invalid_reason
+    from wordle_env.rules import extract_word, invalid_reason
 
     ids = torch.tensor([prompt] * samples)
     torch.manual_seed(0)

@@ -46,8 +46,8 @@ warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions"
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from shared.fingerprint import format_fingerprint  # noqa: E402
-from shared.publisher import PublisherConfig  # noqa: E402
+from deltasync.codec.fingerprint import format_fingerprint  # noqa: E402
+from deltasync.sync.publisher import PublisherConfig  # noqa: E402
 from trainer import cpu_shims  # noqa: E402
 from trainer.rollout import REWARD_SQ, VERSION_KNOWN, use_versioned_loop  # noqa: E402
 from trainer.transfer import BucketWeightTransfer  # noqa: E402
@@ -347,9 +347,9 @@ def resolve_model(name: str) -> str:
 
 def continue_from_head(model: torch.nn.Module, root: str) -> int | None:
     """Load the newest published weights into `model` if the sync root holds a run; returns its step."""
-    from shared.protocol import HEAD_PATH
-    from shared.storage import open_storage
-    from shared.subscriber import Subscriber, TensorsApplier
+    from deltasync.sync.protocol import HEAD_PATH
+    from deltasync.sync.storage import open_storage
+    from deltasync.sync.subscriber import Subscriber, TensorsApplier
 
     storage = open_storage(root)
     try:
@@ -368,7 +368,7 @@ def build_trainer(cfg: TrainConfig, stop: GracefulStop):
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
     from trainer.task import CHAT_TEMPLATE_KWARGS, REWARDS, dataset_rows
-    from trainer.wordle_client import WordleEnv
+    from wordle_env.client import WordleEnv
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cpu_shims.apply(device)
@@ -479,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg, *_ = parser.parse_args_and_config(argv)  # TrlParser reads --config itself; the rest is its echo
     cfg.resolve()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "urllib3", "huggingface_hub", "shared.publisher"):
+    for noisy in ("httpx", "urllib3", "huggingface_hub", "deltasync.sync.publisher"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     log.info("config %s", json.dumps(asdict(cfg)))  # no secrets in it: tokens come from the environment

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from shared.fingerprint import format_fingerprint, state_fingerprint
-from shared.publisher import Publisher, PublisherConfig
-from shared.storage import Storage
+from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
+from deltasync.sync.publisher import Publisher, PublisherConfig
+from deltasync.sync.storage import Storage
 
 log = logging.getLogger(__name__)
 

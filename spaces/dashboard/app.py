@@ -13,28 +13,22 @@ from __future__ import annotations
 
 import html
 import os
-import sys
 import threading
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-if not (HERE / "shared").is_dir():  # a Space bundle has shared/ beside this file, the repo two levels up
-    sys.path.insert(0, str(HERE.parents[1]))
+import gradio as gr
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import plotly.io as pio
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
-import gradio as gr  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import plotly.graph_objects as go  # noqa: E402
-import plotly.io as pio  # noqa: E402
-import uvicorn  # noqa: E402
-from fastapi import FastAPI  # noqa: E402
-from fastapi.responses import JSONResponse  # noqa: E402
-
-from shared.storage import open_storage  # noqa: E402
-from shared.telemetry_reader import TelemetryReader  # noqa: E402
+from deltasync.sync.storage import open_storage
+from deltasync.telemetry.reader import TelemetryReader
 
 PLOTS = ["sparsity", "payload", "staleness-seconds", "staleness-steps", "reward", "trainer-time"]
 REPLICA_COLUMNS = [

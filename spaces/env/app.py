@@ -17,11 +17,11 @@ import uvicorn
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from openenv.core.env_server.http_server import create_app
-from play_page import build_page
-from wordle_env import WordleEnvironment
 
-from shared.wordle import NoGameInProgress
-from shared.wordle_models import WordleAction, WordleObservation, WordleState
+from wordle_env.environment import WordleEnvironment
+from wordle_env.models import WordleAction, WordleObservation, WordleState
+from wordle_env.play_page import build_page
+from wordle_env.rules import NoGameInProgress
 
 # Largest HTTP body and WebSocket message accepted: a move is at most 4096 characters, nothing else is larger.
 MAX_MESSAGE_BYTES = 64 * 1024

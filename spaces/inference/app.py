@@ -34,38 +34,26 @@ import os
 import re
 import shlex
 import socket
-import sys
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-# shared/ lies beside this file in the Space bundle, two levels up in the repo. vLLM's worker process imports
-# patch_worker (and, through it, shared) by name, so the folders go on PYTHONPATH as well.
-IMPORT_PATHS = [str(p) for p in (HERE, HERE.parents[1]) if p == HERE or (p / "shared").is_dir()]
-sys.path[:0] = [p for p in IMPORT_PATHS if p not in sys.path]
-os.environ["PYTHONPATH"] = os.pathsep.join([*IMPORT_PATHS, *filter(None, [os.environ.get("PYTHONPATH")])])
+import gradio as gr
+import uvicorn
+from starlette.datastructures import MutableHeaders
+from starlette.responses import JSONResponse
+from vllm import SamplingParams
+from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+from vllm.entrypoints.launchers.app import build_app
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.platforms import current_platform
+from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-import gradio as gr  # noqa: E402
-import torch  # noqa: E402
-import uvicorn  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-from starlette.datastructures import MutableHeaders  # noqa: E402
-from starlette.responses import JSONResponse  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.entrypoints.launchers.api_server.app_state import init_app_state  # noqa: E402
-from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client  # noqa: E402
-from vllm.entrypoints.launchers.app import build_app  # noqa: E402
-from vllm.entrypoints.launchers.cli_args import make_arg_parser  # noqa: E402
-from vllm.platforms import current_platform  # noqa: E402
-from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
-
-from shared.changes import TensorChanges  # noqa: E402
-from shared.subscriber import Applier, Subscriber  # noqa: E402
+from deltasync.sync.subscriber import Subscriber
+from deltasync.vllm.applier import VllmApplier
 
 log = logging.getLogger("deltasync.inference")
 PUBLIC_ROUTES = {
@@ -76,7 +64,6 @@ PUBLIC_ROUTES = {
     "/v1/chat/completions",
     "/inference/v1/generate",
 }
-SHARD_BYTES = 1 << 30  # an anchor reaches the worker in files of about this size, one RPC each
 
 
 @dataclass(frozen=True)
@@ -121,104 +108,6 @@ def default_replica_id(env: Mapping[str, str]) -> str:
     origin = env.get("SPACE_ID") or socket.gethostname()
     readable = re.sub(r"[^A-Za-z0-9._-]+", "-", origin).strip("-._")[:40] or "replica"
     return f"{readable}-{hashlib.blake2b(origin.encode(), digest_size=4).hexdigest()}"
-
-
-class WriteRefused(RuntimeError):
-    """The worker refused a weights file. Unless `VllmApplier.stuck`, it wrote nothing."""
-
-
-class VllmApplier(Applier):
-    """Writes verified weights into the engine through the worker extension (patch_worker.py), called from
-    the subscriber's thread. Files are written before generation pauses: the pause covers the write only."""
-
-    def __init__(
-        self, engine, loop: asyncio.AbstractEventLoop, layout: Mapping[str, list[int]], direct=False
-    ):
-        self.engine, self.loop, self.layout, self.direct = engine, loop, dict(layout), direct
-        self.names: list[str] = []  # the tensors of the run: what a readback covers
-        self.step: int | None = None  # the step last written
-        self.anchor_step: int | None = None
-        self.version: str = "model"  # the weight version label generation runs under
-        self.readback: dict | None = None  # the last fingerprint read back from the worker
-        self.last_write: dict | None = None  # the last write's timings: in the worker, and generation paused
-        # A write failed half-way: generation stays paused until an anchor loads. Never serve weights we
-        # cannot vouch for; the subscriber goes for an anchor as soon as a write fails.
-        self.stuck = False
-        self.tmp = Path(tempfile.mkdtemp(prefix="deltasync-apply-"))
-
-    def load(self, state: Mapping[str, torch.Tensor], step: int) -> float:
-        wrong = [n for n, t in state.items() if self.layout.get(n) != list(t.shape)]
-        if wrong:
-            shape = list(state[wrong[0]].shape)
-            raise ValueError(f"the served model has no tensor {wrong[0]!r} of shape {shape}")
-        shards, size = [{}], 0
-        for name, t in state.items():
-            if shards[-1] and size + t.nbytes > SHARD_BYTES:
-                shards, size = [*shards, {}], 0
-            shards[-1][name], size = t, size + t.nbytes
-        files = [self.tmp / f"anchor-{step}-{i}.safetensors" for i in range(len(shards))]
-        for shard, path in zip(shards, files, strict=True):
-            save_file(shard, path)
-        pause_s = self._write("deltasync_load", files, step)
-        self.names, self.anchor_step = list(state), step
-        return pause_s
-
-    def patch(self, changes: Mapping[str, TensorChanges], step: int) -> float:
-        entries = {}
-        for name, ch in changes.items():
-            entries[f"{name}/indices"] = ch.indices.to(torch.int32).cpu()
-            entries[f"{name}/values"] = ch.values.cpu()
-        path = self.tmp / f"delta-{step}.safetensors"
-        save_file(entries, path)  # the raw encoding of shared.patch, without its header metadata
-        return self._write("deltasync_patch", [path], step, direct=self.direct)
-
-    def fingerprint(self) -> int:
-        results = self._run(self.engine.collective_rpc("deltasync_fingerprint", args=(self.names,)))
-        failed = [r["error"] for r in results if not r["ok"]]
-        if failed:
-            raise RuntimeError(f"readback failed: {failed[0]}")
-        self.readback = {"step": self.step, "at": time.time(), **results[0]}
-        return int(results[0]["fingerprint"], 16)
-
-    def _run(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
-
-    def _write(self, method: str, files: list[Path], step: int, **kwargs) -> float:
-        try:
-            return self._run(self._paused_write(method, [str(f) for f in files], step, kwargs))
-        finally:
-            for f in files:
-                f.unlink(missing_ok=True)
-
-    async def _paused_write(self, method: str, files: list[str], step: int, kwargs: dict) -> float:
-        start = time.perf_counter()
-        # keep: running requests freeze and continue on the new weights; nothing is aborted
-        await self.engine.pause_generation(mode="keep", clear_cache=False)
-        write_s = 0.0
-        try:
-            for i, path in enumerate(files):
-                results = await self.engine.collective_rpc(method, args=(path,), kwargs=kwargs)
-                errors = [r for r in results if not r["ok"]]
-                if errors:
-                    self.stuck |= i > 0 or any(e["written"] for e in errors)
-                    raise WriteRefused(errors[0]["error"])
-                write_s += max(r["seconds"] for r in results)
-        except WriteRefused:
-            if not self.stuck:  # refused before any write: the last good weights are intact, serve on
-                await self.engine.resume_generation()
-            raise
-        except BaseException:
-            self.stuck = True  # the RPC itself failed: the worker may hold part of the write
-            raise
-        # KV computed by the old weights must not be reused: running requests are preempted and recompute
-        # their context on resume, and no new request can hit a stale prefix.
-        await self.engine.reset_prefix_cache(reset_running_requests=True)
-        self.version, self.step, self.stuck = str(step), step, False
-        await self.engine.update_weight_version(self.version)
-        await self.engine.resume_generation()
-        pause_s = time.perf_counter() - start
-        self.last_write = {"step": step, "method": method, "write_s": write_s, "pause_s": pause_s}
-        return pause_s
 
 
 def sync_status(cfg: Config, subscriber: Subscriber, applier: VllmApplier) -> dict:
@@ -347,7 +236,7 @@ async def public_app(cfg: Config, args, engine, status: Callable[[], dict], vers
 
 def engine_args(cfg: Config):
     argv = ["--model", cfg.model, "--dtype", "bfloat16", "--served-model-name", *cfg.served_names]
-    argv += ["--worker-extension-cls", "patch_worker.PatchWorkerExtension", "--disable-fastapi-docs"]
+    argv += ["--worker-extension-cls", "deltasync.vllm.worker.PatchWorkerExtension", "--disable-fastapi-docs"]
     argv += ["--enable-scale-out"]  # for /inference/v1/generate; the other scale-out routes are dropped
     if current_platform.is_cpu():  # vLLM 0.32's CPU engine crashes on a seeded request (TRL seeds them all)
         argv += ["--no-enable-chunked-prefill"]  # whose prefill is split across steps; VLLM_ARGS may override

@@ -3,27 +3,28 @@
 import numpy as np
 import torch
 
-from shared import fingerprint
-from shared.bf16 import bits
-from shared.changes import Snapshot, diff
+from deltasync.codec import fingerprint
+from deltasync.codec.bf16 import bits
+from deltasync.codec.changes import apply_changes, diff
 
 
-def test_snapshot_finds_exactly_the_elements_whose_bf16_pattern_changed():
+def test_diff_finds_exactly_the_elements_whose_bf16_pattern_changed():
     torch.manual_seed(0)
     params = {"w": torch.randn(300, 70), "b": torch.randn(70)}  # fp32 trainer weights
-    snapshot = Snapshot(params)
     published = {n: p.bfloat16() for n, p in params.items()}
+    snapshot = {n: p.clone() for n, p in published.items()}
     with torch.no_grad():
         params["w"] += torch.randn(300, 70) * 1e-3 * (torch.rand(300, 70) < 0.1)
         params["b"][3] *= 1.5
-    changes = snapshot.update(params.items())
+    changes = diff(snapshot, params.items())
+    apply_changes(snapshot, changes)
     for name, p in params.items():
         expected = torch.nonzero(bits(p.bfloat16()) != bits(published[name])).squeeze(1)
         assert torch.equal(changes[name].indices, expected)
         assert torch.equal(bits(changes[name].values), bits(p.bfloat16())[expected])
-        assert torch.equal(bits(snapshot.tensors[name]), bits(p.bfloat16()))
+        assert torch.equal(bits(snapshot[name]), bits(p.bfloat16()))
     assert changes["b"].indices.tolist() == [3]
-    assert snapshot.update(params) == {}
+    assert diff(snapshot, params) == {}
 
 
 def test_diff_is_bitwise():

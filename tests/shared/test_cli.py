@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 def run(*args):
     return subprocess.run(
-        [sys.executable, "-m", "shared.cli", *map(str, args)], capture_output=True, text=True
+        [sys.executable, "-m", "deltasync.cli", *map(str, args)], capture_output=True, text=True
     )
 
 

@@ -6,10 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import fingerprint
-from shared import patch as patches
-from shared.bf16 import bits
-from shared.changes import SchemaError, apply_changes
+from deltasync.codec import fingerprint
+from deltasync.codec import patch as patches
+from deltasync.codec.bf16 import bits
+from deltasync.codec.changes import SchemaError, apply_changes
 
 ENCODINGS = patches.ENCODINGS
 

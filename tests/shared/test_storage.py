@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.storage import (
+from deltasync.sync.storage import (
     TMP_MARK,
     FsspecStorage,
     HubBucketStorage,

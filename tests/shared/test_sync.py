@@ -13,11 +13,12 @@ import time
 import pytest
 import torch
 
-from shared import protocol, telemetry
-from shared.fingerprint import state_fingerprint
-from shared.publisher import Publisher, PublisherConfig, collect_garbage
-from shared.storage import LocalStorage, Storage, open_storage
-from shared.subscriber import Subscriber, SyncError, TensorsApplier
+from deltasync import telemetry
+from deltasync.codec.fingerprint import state_fingerprint
+from deltasync.sync import protocol
+from deltasync.sync.publisher import Publisher, PublisherConfig, collect_garbage
+from deltasync.sync.storage import LocalStorage, Storage, open_storage
+from deltasync.sync.subscriber import Subscriber, SyncError, TensorsApplier
 
 # Big enough that a chain of 20 deltas weighs less than an anchor (else the publisher anchors earlier).
 SHAPES = {
@@ -285,8 +286,8 @@ CRASHING_PUBLISHER = textwrap.dedent(
     import sys, time
     sys.path[:0] = {paths!r}
     from test_sync import make_params, train_step
-    from shared.publisher import Publisher
-    from shared.storage import LocalStorage
+    from deltasync.sync.publisher import Publisher
+    from deltasync.sync.storage import LocalStorage
 
     class Stalling(LocalStorage):  # the head write of step 5 never finishes: killed there
         def _write_bytes(self, path, data):
@@ -333,7 +334,7 @@ def test_publisher_killed_mid_upload_leaves_the_last_complete_step(tmp_path):
 FOLLOWER = textwrap.dedent(
     """
     import sys, threading
-    from shared.subscriber import Subscriber
+    from deltasync.sync.subscriber import Subscriber
     root, last, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     subscriber, stop = Subscriber(root, replica=out.rsplit("/", 1)[-1]), threading.Event()
     subscriber.follow(stop, interval=0.05, on_applied=lambda a: a.step == last and stop.set())

@@ -14,11 +14,11 @@ import gradio as gr
 import pytest
 import requests
 
-from shared.storage import Storage, TransientStorageError, open_storage
-from shared.telemetry import ReplicaRecord, TrainerRecord, write
-from shared.telemetry_reader import TelemetryReader
-from trainer.demo import free_port, start_process, stop_process, wait_healthy
+from deltasync.sync.storage import Storage, TransientStorageError, open_storage
+from deltasync.telemetry import ReplicaRecord, TrainerRecord, write
+from deltasync.telemetry.reader import TelemetryReader
 from trainer.deploy import build_bundle
+from trainer.processes import serving
 
 REPO = Path(__file__).resolve().parents[2]
 APP = REPO / "spaces" / "dashboard" / "app.py"
@@ -245,10 +245,10 @@ def test_summary_matches_records(tmp_path):
 
 
 def test_run_of_the_real_publisher_and_subscribers(tmp_path, dashboard):
-    """The dashboard reads what shared.publisher and shared.subscriber write, without a problem."""
+    """The dashboard reads what the real publisher and subscribers write, without a problem."""
     torch = pytest.importorskip("torch")
-    from shared.publisher import Publisher
-    from shared.subscriber import Subscriber
+    from deltasync.sync.publisher import Publisher
+    from deltasync.sync.subscriber import Subscriber
 
     g = torch.Generator().manual_seed(0)
     params = {
@@ -373,22 +373,10 @@ def space(tmp_path_factory):
     storage = open_storage(base / "root")
     t0 = time.time() - 3 * 25  # steps are 3 s apart: the 5 appended later are not in the future either
     write_run(storage, range(0, 20), t0)
-    port = free_port()
-    env = {
-        **os.environ,
-        "SYNC_ROOT": str(base / "root"),
-        "HOST": "127.0.0.1",
-        "PORT": str(port),
-        "REFRESH_S": "1",
-    }
-    log = base / "server.log"
-    server = start_process([sys.executable, "app.py"], log, env, cwd=bundle)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(server, f"{url}/api/summary", log, timeout=90)
+    env = {"SYNC_ROOT": str(base / "root"), "REFRESH_S": "1"}
+    argv, log = [sys.executable, "app.py"], base / "server.log"
+    with serving(argv, log, env, timeout=90, health="/api/summary", cwd=bundle, grace_s=10) as url:
         yield url, storage, t0
-    finally:
-        stop_process(server)
 
 
 def test_json_api(space):

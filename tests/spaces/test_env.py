@@ -1,7 +1,6 @@
 """The Wordle Space end to end: `python spaces/env/app.py` on a loopback port, played with OpenEnv clients."""
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -13,10 +12,10 @@ from openenv.core.generic_client import GenericEnvClient
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from shared.wordle import PROMPT, answer_for_seed
-from shared.wordle_models import WordleAction
-from trainer.demo import free_port, start_process, stop_process, wait_healthy
-from trainer.wordle_client import WordleEnvClient
+from trainer.processes import serving
+from wordle_env.client import WordleEnvClient
+from wordle_env.models import WordleAction
+from wordle_env.rules import PROMPT, answer_for_seed
 
 APP = Path(__file__).resolve().parents[2] / "spaces" / "env" / "app.py"
 MISSES = ["crane", "slate", "doubt", "fight", "mount", "pride", "lymph"]  # valid guesses, none shares a game
@@ -24,16 +23,10 @@ MISSES = ["crane", "slate", "doubt", "fight", "mount", "pride", "lymph"]  # vali
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    port = free_port()
     log = tmp_path_factory.mktemp("env-space") / "server.log"
-    env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port)}
-    server = start_process([sys.executable, str(APP)], log, env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(server, f"{base}/health", log, timeout=60)
+    # grace_s=0: a graceful shutdown would wait for the play page's heartbeat stream
+    with serving([sys.executable, str(APP)], log, {}, timeout=60, grace_s=0) as base:
         yield base
-    finally:
-        stop_process(server, grace_s=0)  # graceful shutdown would wait for the play page's heartbeat stream
 
 
 @pytest.fixture

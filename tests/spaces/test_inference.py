@@ -18,12 +18,14 @@ import requests
 import torch
 from safetensors.torch import load_file
 
-from shared import telemetry
-from shared.fingerprint import format_fingerprint, state_fingerprint
-from shared.protocol import HEAD_PATH, RUN_PATH, Head, step_of
-from shared.publisher import Publisher, PublisherConfig
-from trainer.demo import serving
+from deltasync import telemetry
+from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
+from deltasync.sync.protocol import HEAD_PATH, RUN_PATH, Head, step_of
+from deltasync.sync.publisher import Publisher, PublisherConfig
+from trainer.processes import serving
 from trainer.tiny_model import build_tiny_model
+
+pytestmark = pytest.mark.slow  # starts vLLM
 
 APP = Path(__file__).resolve().parents[2] / "spaces" / "inference" / "app.py"
 TOKEN = "test-token"

@@ -9,13 +9,13 @@ import threading
 import time
 
 import pytest
-import uvicorn
 from accelerate import PartialState
 from datasets import Dataset
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from transformers import AutoTokenizer
 
+from trainer.processes import serving_in_thread
 from trainer.rollout import REWARD_SQ, VERSION_KNOWN, WEIGHT_VERSION, VersionedRolloutLoop, parse_version
 from trainer.tiny_model import build_tokenizer
 
@@ -43,14 +43,8 @@ def server(tokenizer):
         headers = {"x-weight-version": "5", "x-weight-version-end": "6"}
         return JSONResponse({"choices": [choice]}, headers=headers)
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", seen
-    server.should_exit = True
-    thread.join(10)
+    with serving_in_thread(app) as url:
+        yield url, seen
 
 
 def reward_by_length(completions, **kwargs):
@@ -107,7 +101,7 @@ def test_stop_returns_when_the_worker_process_died(server, tokenizer):
     from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
 
     from trainer.rollout import use_versioned_loop
-    from trainer.wordle_client import WordleEnv
+    from wordle_env.client import WordleEnv
 
     url, _ = server
     PartialState()

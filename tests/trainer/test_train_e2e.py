@@ -16,11 +16,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import requests
 
-from shared import telemetry
-from trainer.demo import serving
+from deltasync import telemetry
+from trainer.processes import serving
 from trainer.tiny_model import default_model_dir, ensure_tiny_model
+
+pytestmark = pytest.mark.slow  # starts vLLM
 
 REPO = Path(__file__).resolve().parents[2]
 REPLICA = "replica-e2e"

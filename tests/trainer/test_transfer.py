@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from shared import telemetry
-from shared.fingerprint import format_fingerprint, state_fingerprint
-from shared.publisher import PublisherConfig
-from shared.subscriber import Subscriber
+from deltasync import telemetry
+from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
+from deltasync.sync.publisher import PublisherConfig
+from deltasync.sync.subscriber import Subscriber
 from trainer.transfer import BucketWeightTransfer
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

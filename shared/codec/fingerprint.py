@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import torch
 
-from shared.bf16 import bits
+from deltasync.codec.bf16 import bits
 
 ROW = 4096
 MASK64 = (1 << 64) - 1
@@ -68,7 +68,7 @@ def state_fingerprint(state: Mapping[str, torch.Tensor] | Iterable[tuple[str, to
 
 def delta(name: str, positions: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:
     """How F moves when tensor `name` changes from `old` to `new` bit patterns (int16) at `positions`."""
-    from shared import kernels  # not at import time: see shared.kernels
+    from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
 
     return int(kernels.fingerprint_delta(_seed(name), _R1, positions.astype(np.int64), old, new))
 

@@ -21,8 +21,8 @@ INVALID_MOVE_ALLOWANCE = 1
 
 
 def load_words(name: str) -> tuple[str, ...]:
-    """A word list shipped in shared/wordle_words/ (see its README for the source and the build)."""
-    return tuple((Path(__file__).parent / "wordle_words" / f"{name}.txt").read_text().split())
+    """A word list shipped in wordle_env/words/ (see its README for the source and the build)."""
+    return tuple((Path(__file__).parent / "words" / f"{name}.txt").read_text().split())
 
 
 ANSWERS = load_words("answers")

@@ -1,4 +1,4 @@
-"""Incremental reading of a sync root's telemetry (shared.telemetry) for the dashboard and scripts.
+"""Incremental reading of a sync root's telemetry (deltasync.telemetry) for the dashboard and scripts.
 
 A poll reads only files it has not seen. Listing `telemetry/` costs as much as the history (30,000 files at
 10,000 steps; many paged requests on the Hub), so a poll lists only if listing keeps under `listing_share` of
@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.storage import LocalStorage, Storage, TransientStorageError
-from shared.telemetry import (
+from deltasync.sync.storage import LocalStorage, Storage, TransientStorageError
+from deltasync.telemetry import (
     REPLICAS_DIR,
     TRAINER_DIR,
     RecordError,

@@ -1,21 +1,21 @@
 """vLLM worker extension: write bf16 weights given in HF checkpoint coordinates into the live model, and read
 them back in the same coordinates.
 
-vLLM imports this module in its worker process (`worker_extension_cls="patch_worker.PatchWorkerExtension"`);
-the server reaches the methods with `collective_rpc`. Every RPC takes a file path, never tensors. Writes go
-through vLLM's own `load_checkpoint_weight_patches`, so the model's loader maps HF names onto the fused
-`qkv_proj` / `gate_up_proj` parameters. RPCs return {"ok": False, "error": ...} instead of raising: a bad
+vLLM imports this module in its worker process
+(`worker_extension_cls="deltasync.vllm.worker.PatchWorkerExtension"`); the server reaches the methods with
+`collective_rpc`. Every RPC takes a file path, never tensors. Writes go through vLLM's own
+`load_checkpoint_weight_patches`, so the model's loader maps HF names onto the fused `qkv_proj` /
+`gate_up_proj` parameters. RPCs return {"ok": False, "error": ...} instead of raising: a bad
 file must not disturb the engine.
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from vllm.model_executor.layers import utils as layer_utils
 from vllm.model_executor.model_loader.checkpoint_weight_patch import (
@@ -24,7 +24,8 @@ from vllm.model_executor.model_loader.checkpoint_weight_patch import (
 )
 from vllm.platforms import current_platform
 
-from shared.fingerprint import format_fingerprint, state_fingerprint
+from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
+from deltasync.codec.patch import raw_changes
 
 if current_platform.is_cpu():
     # On CPUs with oneDNN (AVX-512) or AMX, vLLM runs linear layers and the tied LM head from packed copies
@@ -61,7 +62,7 @@ class PatchWorkerExtension:
         return self._deltasync_write(path, sparse=False)
 
     def deltasync_fingerprint(self, names: list[str] | None = None) -> dict:
-        """shared.fingerprint of the weights the model really holds (`names`, default all), read back in HF
+        """The fingerprint of the weights the model really holds (`names`, default all), read back in HF
         coordinates."""
         start = time.perf_counter()
         state = self._deltasync_state()
@@ -70,11 +71,6 @@ class PatchWorkerExtension:
             return {"ok": False, "error": f"cannot read back {missing[0]!r}"}
         fp = state_fingerprint((name, state[name]) for name in names or state)
         return {"ok": True, "fingerprint": format_fingerprint(fp), "seconds": time.perf_counter() - start}
-
-    def deltasync_dump(self, path: str) -> dict:
-        """Save the weights, read back in HF names and shapes, to a safetensors file (tests, debugging)."""
-        save_file({n: t.contiguous().cpu() for n, t in self._deltasync_state().items()}, path)
-        return {"ok": True}
 
     def _deltasync_views(self) -> dict[str, torch.Tensor]:
         """Where each HF tensor lands: run the model's own loader once per name with `Tensor.copy_`
@@ -138,29 +134,26 @@ def _checkpoint_shapes(hf_config) -> dict[str, torch.Size]:
 
 def _read_patches(path: str, views: dict[str, torch.Tensor], sparse: bool) -> list[CheckpointWeightPatch]:
     """The file's entries as vLLM patches, checked against the model's layout before anything is written."""
-    entries: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
     device = next(iter(views.values())).device
-    with safe_open(path, "pt", device=str(device)) as f:
-        for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-            name, _, part = key.rpartition("/") if sparse else (key, "", "values")
-            entries[name][part] = f.get_tensor(key)
-    patches = []
-    for name, parts in entries.items():
-        if name not in views:
-            raise ValueError(f"unknown tensor {name!r}")
-        shape, numel = tuple(views[name].shape), views[name].numel()
-        values, indices = parts.get("values"), parts.get("indices")
-        if set(parts) != ({"indices", "values"} if sparse else {"values"}) or values.dtype != torch.bfloat16:
-            raise ValueError(f"{name}: expected {'I32 indices and ' if sparse else ''}BF16 values")
-        if not sparse and tuple(values.shape) != shape:
-            raise ValueError(f"{name}: shape {list(values.shape)} != {list(shape)}")
-        if sparse:
-            if indices.dtype != torch.int32 or indices.dim() != 1 or indices.shape != values.shape:
-                raise ValueError(f"{name}: indices must be 1-D int32, one per value")
-            inside = not indices.numel() or (indices[0] >= 0 and indices[-1] < numel)
-            if not inside or (indices[1:] <= indices[:-1]).any():
-                raise ValueError(f"{name}: positions must increase strictly within its {numel} elements")
-            if torch.isnan(values).any():  # vLLM's sparse loader reads NaN as "leave unchanged"
+    entries = load_file(path, device=str(device))
+    shapes = {name: tuple(view.shape) for name, view in views.items()}
+    if sparse:
+        changes = raw_changes(entries, shapes)
+        for name, ch in changes.items():
+            if torch.isnan(ch.values).any():  # vLLM's sparse loader reads NaN as "leave unchanged"
                 raise ValueError(f"{name}: NaN values cannot be patched in place")
-        patches.append(CheckpointWeightPatch(name, shape, torch.bfloat16, values.reshape(-1), indices))
-    return patches
+        return [
+            CheckpointWeightPatch(name, shapes[name], torch.bfloat16, ch.values, ch.indices.to(torch.int32))
+            for name, ch in changes.items()
+        ]
+    for name, values in entries.items():
+        if name not in shapes:
+            raise ValueError(f"unknown tensor {name!r}")
+        if values.dtype != torch.bfloat16 or tuple(values.shape) != shapes[name]:
+            raise ValueError(
+                f"{name}: {values.dtype} {list(values.shape)}, expected bf16 {list(shapes[name])}"
+            )
+    return [
+        CheckpointWeightPatch(name, shapes[name], torch.bfloat16, v.reshape(-1), None)
+        for name, v in entries.items()
+    ]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.wordle import (
+from wordle_env.rules import (
     ALLOWED,
     ANSWERS,
     INVALID_MOVE_ALLOWANCE,

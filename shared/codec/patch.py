@@ -7,9 +7,9 @@ Layout (every patch is a valid safetensors file; the header's `__metadata__` hol
     step, base_step   the state this patch produces, and the one it applies to
     numel, changed    elements in the whole model, elements this patch changes
     schema            16 hex digits: hash of every tensor's name and shape in the model (see schema_hash)
-    fingerprint       16 hex digits: shared.fingerprint of the full state after the patch
+    fingerprint       16 hex digits: deltasync.codec.fingerprint of the full state after the patch
     base_fingerprint  the same for the state it applies to (a patch never applies anywhere else)
-    models            (compact only) JSON of the pooled categorical tables, see shared.compact
+    models            (compact only) JSON of the pooled categorical tables, see deltasync.codec.compact
     dense             (compact only) JSON {name: changed} for the tensors stored dense
 
 Entries, per changed tensor `name` (HF checkpoint names), by mode:
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,9 +33,9 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from shared import compact, fingerprint
-from shared.bf16 import bits
-from shared.changes import TensorChanges, diff
+from deltasync.codec import compact, fingerprint
+from deltasync.codec.bf16 import bits
+from deltasync.codec.changes import TensorChanges, diff
 
 FORMAT = "deltasync.patch"
 VERSION = "1"
@@ -103,13 +104,12 @@ def encode(patch: Patch, old: Mapping[str, torch.Tensor], encoding: str = "compa
     entries: dict[str, torch.Tensor] = {}
     extra: dict[str, str] = {}
     if encoding == "raw":
-        for name, ch in patch.changes.items():
-            if old[name].numel() >= 1 << 31:
-                raise ValueError(
-                    f"{name}: raw encoding needs int32 positions, tensor has {old[name].numel()}"
-                )
-            entries[f"{name}/indices"] = ch.indices.to(torch.int32).cpu()
-            entries[f"{name}/values"] = ch.values.cpu()
+        too_big = [name for name in patch.changes if old[name].numel() >= 1 << 31]
+        if too_big:
+            raise ValueError(
+                f"{too_big[0]}: raw encoding needs int32 positions, tensor has {old[too_big[0]].numel()}"
+            )
+        entries = raw_entries(patch.changes)
     else:
         models, symbols, dense_changed = compact.Models(), {}, {}
         for name, ch in patch.changes.items():
@@ -143,6 +143,58 @@ def encode(patch: Patch, old: Mapping[str, torch.Tensor], encoding: str = "compa
         **extra,
     }
     return save_safetensors(entries, metadata=metadata)
+
+
+def raw_entries(changes: Mapping[str, TensorChanges]) -> dict[str, torch.Tensor]:
+    """The raw encoding's entries (host tensors): `name/indices` I32 and `name/values` BF16 per tensor.
+
+    >>> raw_entries({"w": TensorChanges(torch.tensor([3]), torch.tensor([1.0], dtype=torch.bfloat16))})
+    {'w/indices': tensor([3], dtype=torch.int32), 'w/values': tensor([1.], dtype=torch.bfloat16)}
+    """
+    entries = {}
+    for name, ch in changes.items():
+        entries[f"{name}/indices"] = ch.indices.to(torch.int32).cpu()
+        entries[f"{name}/values"] = ch.values.cpu()
+    return entries
+
+
+def raw_changes(
+    entries: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...] | list[int]]
+) -> dict[str, TensorChanges]:
+    """Read raw entries (see `raw_entries`) as changes to tensors of `shapes`, checking everything first:
+    known names, both parts, 1-D I32 indices with one BF16 value each, positions strictly increasing inside
+    the tensor. Raises PatchError naming the entry. Used by `decode` and by vLLM's worker extension."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in entries.items():
+        name, _, part = key.rpartition("/")
+        if part not in ("indices", "values"):
+            raise PatchError(f"raw entry {key!r} is not name/indices or name/values")
+        if name not in shapes:
+            raise PatchError(f"raw entry {key!r} names unknown tensor {name!r}")
+        parts.setdefault(name, {})[part] = t
+    changes = {}
+    for name, p in parts.items():
+        idx, values = p.get("indices"), p.get("values")
+        if idx is None or values is None:
+            raise PatchError(f"raw patch lacks {name}/indices or {name}/values")
+        if (
+            idx.dtype != torch.int32
+            or values.dtype != torch.bfloat16
+            or idx.dim() != 1
+            or idx.shape != values.shape
+        ):
+            raise PatchError(f"{name}: raw entries must be 1-D I32 indices and BF16 values of one length")
+        idx = idx.to(torch.int64)
+        _check_positions(name, idx, math.prod(shapes[name]))
+        changes[name] = TensorChanges(idx, values)
+    return changes
+
+
+def _check_positions(name: str, idx: torch.Tensor, numel: int) -> None:
+    if idx.numel() and (idx[0] < 0 or idx[-1] >= numel or (idx[1:] <= idx[:-1]).any()):
+        raise PatchError(
+            f"{name}: positions must increase strictly and lie inside the tensor ({numel} elements)"
+        )
 
 
 # ----------------------------------------------------------------------------------------------- decode
@@ -283,6 +335,8 @@ def decode(data: bytes, base: Mapping[str, torch.Tensor], base_fingerprint: int 
     for name, t in info.tensors.items():
         try:
             changes[name] = _decode_tensor(name, t, entries, base[name], q_models, v_models)
+        except PatchError:
+            raise
         except (compact.CompactDecodeError, ValueError, RuntimeError, OverflowError) as e:
             raise PatchError(f"{name}: corrupt {t['mode']} data: {e}") from None
     fp = fingerprint_after(base_fingerprint, base, changes)
@@ -297,16 +351,9 @@ def decode(data: bytes, base: Mapping[str, torch.Tensor], base_fingerprint: int 
 def _decode_tensor(name, t, entries, old, q_models, v_models) -> TensorChanges:
     old_bits = bits(old)
     if t["mode"] == "raw":
-        idx, values = entries[f"{name}/indices"], entries[f"{name}/values"]
-        if (
-            idx.dtype != torch.int32
-            or values.dtype != torch.bfloat16
-            or idx.dim() != 1
-            or idx.shape != values.shape
-        ):
-            raise ValueError("raw entries must be 1-D int32 indices and bf16 values of one length")
-        idx = idx.to(torch.int64).to(old.device)
-        values = values.to(old.device)
+        raw = {f"{name}/{part}": entries[f"{name}/{part}"] for part in ("indices", "values")}
+        ch = raw_changes(raw, {name: old.shape})[name]
+        idx, values = ch.indices.to(old.device), ch.values.to(old.device)
     elif t["mode"] == "dense":
         dense = entries[name]
         if dense.dtype != torch.bfloat16 or list(dense.shape) != list(old.shape):
@@ -322,6 +369,5 @@ def _decode_tensor(name, t, entries, old, q_models, v_models) -> TensorChanges:
         values = new_bits.view(torch.bfloat16)
     if idx.numel() != t["changed"]:
         raise ValueError(f"{idx.numel()} changes decoded, metadata says {t['changed']}")
-    if idx.numel() and (idx[0] < 0 or idx[-1] >= old_bits.numel() or (idx[1:] <= idx[:-1]).any()):
-        raise ValueError("positions must be strictly increasing and inside the tensor")
+    _check_positions(name, idx, old_bits.numel())
     return TensorChanges(idx, values)

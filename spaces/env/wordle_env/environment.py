@@ -8,8 +8,8 @@ from uuid import uuid4
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import EnvironmentMetadata
 
-from shared.wordle import PROMPT, Game, NoGameInProgress, Turn
-from shared.wordle_models import WordleAction, WordleMessage, WordleObservation, WordleState
+from wordle_env.models import WordleAction, WordleMessage, WordleObservation, WordleState
+from wordle_env.rules import PROMPT, Game, NoGameInProgress, Turn
 
 
 class WordleEnvironment(Environment[WordleAction, WordleObservation, WordleState]):

@@ -14,7 +14,7 @@ from typing import Any
 from openenv.core.client_types import StepResult
 from openenv.core.env_client import EnvClient
 
-from shared.wordle_models import WordleAction, WordleObservation, WordleState
+from wordle_env.models import WordleAction, WordleObservation, WordleState
 
 DEFAULT_URL = "http://localhost:7860"  # `python spaces/env/app.py`
 

@@ -8,7 +8,7 @@ The loops work on blocks of BLOCK elements and 64-bit masks (bit i: element star
 passes the compiler vectorizes; only blocks that hold changes are looked at element by element.
 
 Compact classes: class c of an element is how many of the three magnitude limits its old bit pattern reaches
-(see shared.compact). A rank is a position counted among the elements of one class.
+(see deltasync.codec.compact). A rank is a position counted among the elements of one class.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import math
 import numba
 import numpy as np
 
-from shared.compact import CLASS_COST_BITS, MAX_CLASSES, MAX_RICE, Q_SYMBOLS, V_SYMBOLS
+from deltasync.codec.compact import CLASS_COST_BITS, MAX_CLASSES, MAX_RICE, Q_SYMBOLS, V_SYMBOLS
 
 BLOCK = 64
 _jit = numba.njit(nogil=True, cache=True)
@@ -84,7 +84,7 @@ def _splitmix64(x):
 
 @_jit
 def fingerprint_delta(seed, r1, positions, old, new):
-    """sum((new - old) * r1[p % ROW] * (splitmix64(p // ROW ^ seed) | 1)) mod 2^64: see shared.fingerprint."""
+    """sum((new - old) * r1[p % ROW] * (splitmix64(p // ROW ^ seed) | 1)) mod 2^64: see codec.fingerprint."""
     row_len = np.uint64(r1.size)
     total = np.uint64(0)
     for j in range(positions.size):

@@ -1,10 +1,10 @@
-"""The sync root's layout and its two manifests (DESIGN.md section 3).
+"""The sync root's layout and its two manifests.
 
     run.json                                   the model: id and parameter schema (names, shapes; all bf16)
     anchors/step-00000000/model*.safetensors   complete bf16 states (HF names; sharded above `shard_bytes`)
-    deltas/step-00000001.safetensors           patches (shared.patch) from the previous published step
+    deltas/step-00000001.safetensors           patches (codec.patch) from the previous published step
     heads/latest.json                          the newest step and every file a reader may use to reach it
-    telemetry/...                              shared.telemetry
+    telemetry/...                              deltasync.telemetry
 
 Writers upload data first and the head last; readers trust only what the head names. The head lists the
 retained anchors and the unbroken chain of deltas from the oldest of them to the newest step, with sizes and
@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from shared.storage import check_path
+from deltasync.sync.storage import check_path
 
 FORMAT_VERSION = 1
 RUN_PATH = "run.json"
@@ -130,7 +130,7 @@ class Entry:
     kind: str  # "anchor" | "delta"
     files: tuple[str, ...]
     bytes: int
-    fingerprint: str  # of the full bf16 state at `step` (shared.fingerprint.format_fingerprint)
+    fingerprint: str  # of the full bf16 state at `step` (deltasync.codec.fingerprint.format_fingerprint)
     published_at: float
     changed: int = 0  # deltas: elements changed since base_step
     base_step: int | None = None  # deltas only

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from shared.wordle import MAX_GUESSES, WORD_LENGTH, Game
+from wordle_env.rules import MAX_GUESSES, WORD_LENGTH, Game
 
 BOARD_CSS = """
 .row { display: flex; }

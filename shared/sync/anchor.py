@@ -13,18 +13,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from shared import fingerprint
-from shared.protocol import ANCHOR_FORMAT, FORMAT_VERSION, RunInfo, anchor_paths
+from deltasync.codec import fingerprint
+from deltasync.sync.protocol import ANCHOR_FORMAT, FORMAT_VERSION, RunInfo, anchor_paths
 
 
 class AnchorError(ValueError):
     """An anchor shard that is corrupt, incomplete or not the state the head promises."""
 
 
-def write_anchor(
-    state: Mapping[str, torch.Tensor], step: int, fp: int, folder: Path, shard_bytes: int = 2 << 30
-) -> list[tuple[Path, str]]:
-    """Save `state` (bf16) in shards of at most ~`shard_bytes`; returns (local file, sync-root path) pairs."""
+def shard(state: Mapping[str, torch.Tensor], shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """`state` split, in order, into groups of at most ~`shard_bytes` (a larger tensor gets a group alone)."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in state.items():
@@ -33,6 +31,14 @@ def write_anchor(
             size = 0
         shards[-1][name] = t
         size += t.nbytes
+    return shards
+
+
+def write_anchor(
+    state: Mapping[str, torch.Tensor], step: int, fp: int, folder: Path, shard_bytes: int = 2 << 30
+) -> list[tuple[Path, str]]:
+    """Save `state` (bf16) in shards of at most ~`shard_bytes`; returns (local file, sync-root path) pairs."""
+    shards = shard(state, shard_bytes)
     out = []
     for i, (tensors, path) in enumerate(zip(shards, anchor_paths(step, len(shards)), strict=True)):
         meta = {"format": ANCHOR_FORMAT, "version": str(FORMAT_VERSION), "step": str(step)}

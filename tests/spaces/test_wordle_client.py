@@ -2,24 +2,18 @@
 
 import inspect
 import pickle
-import sys
-import threading
-import time
 from functools import partial
-from pathlib import Path
 
 import pytest
-import uvicorn
 from openenv.core.client_types import StepResult
 from openenv.core.env_server.http_server import create_app
 from transformers.utils import get_json_schema
 
-from shared.wordle import answer_for_seed
-from shared.wordle_models import WordleAction, WordleMessage, WordleObservation, WordleState
-from trainer.wordle_client import WordleEnv
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "spaces" / "env"))
-from wordle_env import WordleEnvironment  # noqa: E402
+from trainer.processes import serving_in_thread
+from wordle_env.client import WordleEnv
+from wordle_env.environment import WordleEnvironment
+from wordle_env.models import WordleAction, WordleMessage, WordleObservation, WordleState
+from wordle_env.rules import answer_for_seed
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +22,8 @@ def url():
     app = create_app(
         WordleEnvironment, WordleAction, WordleObservation, max_concurrent_envs=4, state_cls=WordleState
     )
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    server.should_exit = True
-    thread.join(10)
+    with serving_in_thread(app) as url:
+        yield url
 
 
 def test_trl_finds_one_tool_guess_with_a_schema():

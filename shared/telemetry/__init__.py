@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.storage import Storage
+from deltasync.sync.storage import Storage
 
 TRAINER_DIR = "telemetry/trainer"
 REPLICAS_DIR = "telemetry/replicas"

@@ -22,12 +22,13 @@ from pathlib import Path
 
 import torch
 
-from shared import fingerprint, telemetry
-from shared.anchor import AnchorError, read_anchor
-from shared.changes import TensorChanges, apply_changes
-from shared.patch import Patch, PatchError, decode
-from shared.protocol import HEAD_PATH, RUN_PATH, Entry, Head, ManifestError, RunInfo
-from shared.storage import Storage, TransientStorageError, open_storage
+from deltasync import telemetry
+from deltasync.codec import fingerprint
+from deltasync.codec.changes import TensorChanges, apply_changes
+from deltasync.codec.patch import Patch, PatchError, decode
+from deltasync.sync.anchor import AnchorError, read_anchor
+from deltasync.sync.protocol import HEAD_PATH, RUN_PATH, Entry, Head, ManifestError, RunInfo
+from deltasync.sync.storage import Storage, TransientStorageError, open_storage
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.bf16 import as_bf16, bits
+from deltasync.codec.bf16 import as_bf16, bits
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def diff(
     Bitwise comparison, so NaN payloads and -0.0 count. On CUDA this syncs with the host once for all
     tensors (to size the outputs), not once per tensor.
     """
-    from shared import kernels  # not at import time: see shared.kernels
+    from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
 
     new = dict(new.items() if isinstance(new, Mapping) else new)
     check_schema(old, new)
@@ -66,17 +66,3 @@ def apply_changes(state: Mapping[str, torch.Tensor], changes: Mapping[str, Tenso
     """Write `changes` into the bf16 tensors of `state` in place."""
     for name, ch in changes.items():
         state[name].view(-1)[ch.indices.to(state[name].device)] = ch.values.to(state[name].device)
-
-
-class Snapshot:
-    """The bf16 state last published, on the device of the weights it was taken from."""
-
-    def __init__(self, params: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]):
-        items = params.items() if isinstance(params, Mapping) else params
-        self.tensors = {name: as_bf16(t).clone().view(t.shape) for name, t in items}
-
-    def update(self, params: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> dict:
-        """Changes from the snapshot to `params`; the snapshot becomes `params` (as bf16)."""
-        changes = diff(self.tensors, params)
-        apply_changes(self.tensors, changes)
-        return changes

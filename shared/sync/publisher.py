@@ -18,12 +18,13 @@ from pathlib import Path
 
 import torch
 
-from shared import fingerprint, telemetry
-from shared.anchor import write_anchor
-from shared.changes import SchemaError
-from shared.patch import encode, make_patch
-from shared.protocol import HEAD_PATH, RUN_PATH, Entry, Head, RunInfo, delta_path, step_of
-from shared.storage import Storage, TransientStorageError, open_storage
+from deltasync import telemetry
+from deltasync.codec import fingerprint
+from deltasync.codec.changes import SchemaError
+from deltasync.codec.patch import encode, make_patch
+from deltasync.sync.anchor import write_anchor
+from deltasync.sync.protocol import HEAD_PATH, RUN_PATH, Entry, Head, RunInfo, delta_path, step_of
+from deltasync.sync.storage import Storage, TransientStorageError, open_storage
 
 log = logging.getLogger(__name__)
 Params = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -265,7 +266,7 @@ class Publisher:
 
     def _resume(self) -> None:
         """Continue a run already in the sync root: its schema, head and last published state."""
-        from shared.subscriber import Subscriber  # the reader's verified path to the head state
+        from deltasync.sync.subscriber import Subscriber  # the reader's verified path to the head state
 
         try:
             head = Head.from_json(self.storage.read_bytes(HEAD_PATH))

@@ -10,7 +10,7 @@ hold. Small weights change far more often than large ones, so positions are code
 
 The categorical tables are pooled per class index over the whole patch (they are alike across tensors), so
 a tensor only carries a few varints: its class bounds, changed count and Rice parameter per class.
-Entropy stage: the ANS coder of `constriction`. The per-element loops are compiled (shared.kernels):
+Entropy stage: the ANS coder of `constriction`. The per-element loops are compiled (deltasync.codec.kernels):
 ranks and positions cost one branch-free pass over the old bits plus a short walk per change; a tensor with
 one class needs no pass.
 """
@@ -100,7 +100,7 @@ class TensorSymbols:
 
 def to_symbols(old_bits: torch.Tensor, idx: torch.Tensor, new_bits: torch.Tensor) -> TensorSymbols:
     """Symbols for changed positions `idx` (sorted int64) with new patterns `new_bits` (int16)."""
-    from shared import kernels  # not at import time: see shared.kernels
+    from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
 
     old_np, idx_np = old_bits.cpu().numpy(), idx.cpu().numpy()
     bounds, position_bits = kernels.choose_bounds(*kernels.exponent_histograms(old_np, idx_np))
@@ -239,7 +239,7 @@ def decode_stream(
         escaped = np.nonzero(steps[sel] == V_SYMBOLS)[0] + starts[c]
         if escaped.size:
             raws[escaped] = coder.decode(_uniform16, escaped.size)
-    from shared import kernels  # not at import time: see shared.kernels
+    from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
 
     rice = np.array(rice + [0] * (MAX_CLASSES - k), np.int64)
     idx, new, status = kernels.decode_symbols(
