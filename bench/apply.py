@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shlex
 import statistics
 import sys
 import tempfile
@@ -81,12 +82,11 @@ async def server_bench(model: Path, densities: list[float], repeat: int, vllm_ar
     from safetensors.torch import load_file
 
     inference = load_space_app("inference")
-    cfg = inference.Config(
+    cfg = inference.Settings(
         model=str(model),
         sync_root="-",  # unused: the bench drives the applier itself
         replica_id="bench",
-        served_names=[str(model)],
-        vllm_args=["--skip-tokenizer-init", *vllm_args],
+        vllm_args=shlex.join(["--skip-tokenizer-init", *vllm_args]),
     )
     args = inference.engine_args(cfg)
     rows = []

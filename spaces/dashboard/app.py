@@ -12,7 +12,6 @@ The UI is at `/`; scripts read `GET /api/summary` and `GET /api/series?since=STE
 from __future__ import annotations
 
 import html
-import os
 import threading
 import time
 from datetime import UTC, datetime
@@ -26,7 +25,9 @@ import plotly.io as pio
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from pydantic_settings import BaseSettings
 
+from deltasync.settings import from_env
 from deltasync.sync.storage import open_storage
 from deltasync.telemetry.reader import TelemetryReader
 
@@ -466,14 +467,20 @@ def build_app(root: str, refresh_s: float = 2.0, stale_after_s: float = 120.0) -
     return gr.mount_gradio_app(api, demo, path="/", css=CSS)
 
 
+class Settings(BaseSettings):
+    """The Space's configuration, from the environment variables of the same names in upper case."""
+
+    sync_root: str = ""  # unset: the page says so instead of failing
+    host: str = "0.0.0.0"
+    port: int = 7860
+    refresh_s: float = 2.0
+    stale_after_s: float = 120.0
+
+
 def main() -> None:
-    app = build_app(
-        os.environ.get("SYNC_ROOT", ""),
-        refresh_s=float(os.environ.get("REFRESH_S", "2")),
-        stale_after_s=float(os.environ.get("STALE_AFTER_S", "120")),
-    )
-    port = int(os.environ.get("PORT", "7860"))
-    uvicorn.run(app, host=os.environ.get("HOST", "0.0.0.0"), port=port, log_level="warning")
+    cfg = from_env(Settings)
+    app = build_app(cfg.sync_root, refresh_s=cfg.refresh_s, stale_after_s=cfg.stale_after_s)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
 
 
 if __name__ == "__main__":

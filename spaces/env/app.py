@@ -2,21 +2,19 @@
 
     python spaces/env/app.py
 
-Imports `shared` (the project's library): installed with the project in the repo (`make setup`), copied beside
-this file in the Space bundle.
+Serves the `wordle_env` package beside it (installed by `make setup` in the repo, by the Space's Dockerfile).
 
 Environment: PORT (default 7860), HOST (default 0.0.0.0), MAX_CONCURRENT_ENVS (WebSocket sessions, 512).
 """
 
 from __future__ import annotations
 
-import os
-
 import gradio as gr
 import uvicorn
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from openenv.core.env_server.http_server import create_app
+from pydantic_settings import BaseSettings
 
 from wordle_env.environment import WordleEnvironment
 from wordle_env.models import WordleAction, WordleObservation, WordleState
@@ -45,12 +43,21 @@ class BodyLimit:
         await self.app(scope, receive, send)
 
 
+class Settings(BaseSettings):
+    """The Space's configuration, from the environment variables of the same names in upper case."""
+
+    host: str = "0.0.0.0"
+    port: int = 7860
+    max_concurrent_envs: int = 512  # WebSocket sessions
+
+
+settings = Settings()
 app = create_app(
     WordleEnvironment,
     WordleAction,
     WordleObservation,
     env_name="wordle",
-    max_concurrent_envs=int(os.environ.get("MAX_CONCURRENT_ENVS", "512")),
+    max_concurrent_envs=settings.max_concurrent_envs,
     state_cls=WordleState,
 )
 app.add_middleware(BodyLimit)
@@ -68,8 +75,8 @@ app = gr.mount_gradio_app(app, build_page(), path="/")
 if __name__ == "__main__":
     uvicorn.run(
         app,
-        host=os.environ.get("HOST", "0.0.0.0"),
-        port=int(os.environ.get("PORT", "7860")),
+        host=settings.host,
+        port=settings.port,
         ws_max_size=MAX_MESSAGE_BYTES,
         timeout_graceful_shutdown=5,  # an open play page holds a Gradio heartbeat stream that never ends
     )

@@ -30,18 +30,20 @@ import asyncio
 import hashlib
 import hmac
 import logging
-import os
 import re
 import shlex
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Literal
 
 import gradio as gr
 import uvicorn
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
 from starlette.datastructures import MutableHeaders
 from starlette.responses import JSONResponse
 from vllm import SamplingParams
@@ -52,6 +54,7 @@ from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.platforms import current_platform
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from deltasync.settings import from_env
 from deltasync.sync.subscriber import Subscriber
 from deltasync.vllm.applier import VllmApplier
 
@@ -66,51 +69,42 @@ PUBLIC_ROUTES = {
 }
 
 
-@dataclass(frozen=True)
-class Config:
+class Settings(BaseSettings):
+    """The Space's configuration, from the environment variables of the same names in upper case."""
+
+    model_config = SettingsConfigDict(frozen=True)
+
     model: str
     sync_root: str
-    replica_id: str
-    served_names: list[str]
     host: str = "0.0.0.0"
     port: int = 7860
-    api_token: str | None = field(default=None, repr=False)
+    api_token: SecretStr | None = None
+    space_id: str = ""  # set by the Hub in a Space
+    replica_id: str = Field(default_factory=lambda data: default_replica_id(data["space_id"]))
+    served_model_name: str = ""
     poll_s: float = 1.0
     verify_every: int = 10
     max_request_bytes: int = 4 << 20
-    direct_write: bool = False
-    vllm_args: list[str] = field(default_factory=list)
+    patch_write: Literal["vllm", "direct"] = "vllm"
+    vllm_args: str = ""
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> Config:
-        missing = [key for key in ("MODEL", "SYNC_ROOT") if not env.get(key)]
-        if missing:
-            raise SystemExit(f"set {' and '.join(missing)} (see the docstring of {__file__})")
-        names = env.get("SERVED_MODEL_NAME", "")
-        return cls(
-            model=env["MODEL"],
-            sync_root=env["SYNC_ROOT"],
-            replica_id=env.get("REPLICA_ID") or default_replica_id(env),
-            served_names=[n.strip() for n in names.split(",") if n.strip()] or [env["MODEL"]],
-            host=env.get("HOST", "0.0.0.0"),
-            port=int(env.get("PORT", 7860)),
-            api_token=env.get("API_TOKEN") or None,
-            poll_s=float(env.get("POLL_S", 1.0)),
-            verify_every=int(env.get("VERIFY_EVERY", 10)),
-            max_request_bytes=int(env.get("MAX_REQUEST_BYTES", 4 << 20)),
-            direct_write={"vllm": False, "direct": True}[env.get("PATCH_WRITE", "vllm")],
-            vllm_args=shlex.split(env.get("VLLM_ARGS", "")),
-        )
+    @property
+    def served_names(self) -> list[str]:
+        return [n.strip() for n in self.served_model_name.split(",") if n.strip()] or [self.model]
+
+    @property
+    def token(self) -> str | None:
+        return self.api_token.get_secret_value() if self.api_token else None
 
 
-def default_replica_id(env: Mapping[str, str]) -> str:
+def default_replica_id(space_id: str) -> str:
     """Stable across restarts: derived from the Space id, else the host name."""
-    origin = env.get("SPACE_ID") or socket.gethostname()
+    origin = space_id or socket.gethostname()
     readable = re.sub(r"[^A-Za-z0-9._-]+", "-", origin).strip("-._")[:40] or "replica"
     return f"{readable}-{hashlib.blake2b(origin.encode(), digest_size=4).hexdigest()}"
 
 
-def sync_status(cfg: Config, subscriber: Subscriber, applier: VllmApplier) -> dict:
+def sync_status(cfg: Settings, subscriber: Subscriber, applier: VllmApplier) -> dict:
     """What GET /weights and the front page report."""
     head, step, now = subscriber.head, subscriber.step, time.time()
     recent = list(subscriber.history)[-20:]
@@ -172,7 +166,7 @@ class WeightVersionHeaders:
         await self.app(scope, receive, send_labelled)
 
 
-def front_page(cfg: Config, engine, status: Callable[[], dict]) -> gr.Blocks:
+def front_page(cfg: Settings, engine, status: Callable[[], dict]) -> gr.Blocks:
     """Gradio page: sync status, recent apply timings, a small greedy completion box."""
 
     def refresh():
@@ -218,7 +212,7 @@ def front_page(cfg: Config, engine, status: Callable[[], dict]) -> gr.Blocks:
     return page
 
 
-async def public_app(cfg: Config, args, engine, status: Callable[[], dict], version: Callable[[], str]):
+async def public_app(cfg: Settings, args, engine, status: Callable[[], dict], version: Callable[[], str]):
     tasks = await engine.get_supported_tasks()
     app = build_app(args, tasks, engine.model_config)
     await init_app_state(engine, app.state, args, tasks)
@@ -226,7 +220,7 @@ async def public_app(cfg: Config, args, engine, status: Callable[[], dict], vers
     # the public API, so anything else falls through to Gradio's 404.
     app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) in PUBLIC_ROUTES]
     app.add_api_route("/weights", status, methods=["GET"])
-    token = cfg.api_token
+    token = cfg.token
     auth = (lambda user, password: hmac.compare_digest(password.encode(), token.encode())) if token else None
     no_docs = {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = gr.mount_gradio_app(app, front_page(cfg, engine, status), path="/", auth=auth, app_kwargs=no_docs)
@@ -234,22 +228,22 @@ async def public_app(cfg: Config, args, engine, status: Callable[[], dict], vers
     return BodyLimit(WeightVersionHeaders(app, version), cfg.max_request_bytes)
 
 
-def engine_args(cfg: Config):
+def engine_args(cfg: Settings):
     argv = ["--model", cfg.model, "--dtype", "bfloat16", "--served-model-name", *cfg.served_names]
     argv += ["--worker-extension-cls", "deltasync.vllm.worker.PatchWorkerExtension", "--disable-fastapi-docs"]
     argv += ["--enable-scale-out"]  # for /inference/v1/generate; the other scale-out routes are dropped
     if current_platform.is_cpu():  # vLLM 0.32's CPU engine crashes on a seeded request (TRL seeds them all)
         argv += ["--no-enable-chunked-prefill"]  # whose prefill is split across steps; VLLM_ARGS may override
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args([*argv, *cfg.vllm_args])
-    args.api_key = [cfg.api_token] if cfg.api_token else None  # vLLM's own bearer check, kept out of argv
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args([*argv, *shlex.split(cfg.vllm_args)])
+    args.api_key = [cfg.token] if cfg.token else None  # vLLM's own bearer check, kept out of argv
     return args
 
 
-async def serve(cfg: Config) -> None:
+async def serve(cfg: Settings) -> None:
     args = engine_args(cfg)
     async with build_async_engine_client(args) as engine:
         layout = (await engine.collective_rpc("deltasync_layout"))[0]
-        applier = VllmApplier(engine, asyncio.get_running_loop(), layout, cfg.direct_write)
+        applier = VllmApplier(engine, asyncio.get_running_loop(), layout, cfg.patch_write == "direct")
         await engine.update_weight_version(applier.version)
         subscriber = Subscriber(cfg.sync_root, applier, replica=cfg.replica_id, verify_every=cfg.verify_every)
         app = await public_app(
@@ -267,7 +261,7 @@ async def serve(cfg: Config) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = Config.from_env()
+    cfg = from_env(Settings)
     log.info("starting %s", cfg)  # the repr leaves out API_TOKEN; HF_TOKEN is never read here
     asyncio.run(serve(cfg))
 
