@@ -1,7 +1,9 @@
 """`python -m trainer.deploy`: the bundles it writes (--dry-run), and a whole deploy through the real
 huggingface_hub client against the fake Hub (tests/fakehub.py). The live Hub is not reached from here."""
 
+import io
 import json
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -20,10 +22,24 @@ def tree(folder: Path) -> dict[str, bytes]:
     }
 
 
-def expected_bundle(app: str) -> dict[str, bytes]:
-    """The app's folder plus shared/, without caches."""
-    files = {**tree(REPO / "spaces" / app), **{f"shared/{p}": d for p, d in tree(REPO / "shared").items()}}
+def without_caches(files: dict[str, bytes]) -> dict[str, bytes]:
     return {p: d for p, d in files.items() if "__pycache__" not in p and not p.endswith(".pyc")}
+
+
+def check_bundle(app: str, files: dict[str, bytes]) -> None:
+    """The app's folder, plus the library wheel (exactly shared/'s modules) where the app uses it."""
+    wheels = {p: files.pop(p) for p in list(files) if p.startswith("wheels/")}
+    assert files == without_caches(tree(REPO / "spaces" / app)), app
+    if app not in deploy.USES_LIBRARY:
+        assert wheels == {}, app
+        return
+    ((name, wheel),) = wheels.items()
+    assert name == "wheels/deltasync-0.1.0-py3-none-any.whl"
+    with zipfile.ZipFile(io.BytesIO(wheel)) as z:
+        modules = {
+            n.removeprefix("deltasync/"): z.read(n) for n in z.namelist() if n.startswith("deltasync/")
+        }
+    assert modules == without_caches(tree(REPO / "shared")), app
 
 
 def test_dry_run_writes_self_contained_bundles(tmp_path, capsys, monkeypatch):
@@ -34,11 +50,8 @@ def test_dry_run_writes_self_contained_bundles(tmp_path, capsys, monkeypatch):
     deploy.main(["--namespace", "alice", "--dry-run", str(out)])
     printed = capsys.readouterr().out
     for app in deploy.APPS:
-        files = tree(out / app)
-        assert files == expected_bundle(app), app
-        assert deploy.front_matter(out / app / "README.md")["sdk"] == {"inference": "docker"}.get(
-            app, "gradio"
-        )
+        check_bundle(app, tree(out / app))
+        assert deploy.front_matter(out / app / "README.md")["sdk"] == "docker"
     plan = json.loads((out / "plan.json").read_text())
     command = (
         "python -m trainer --sync-root hf://buckets/alice/deltasync"
@@ -85,13 +98,13 @@ def test_deploy_through_the_hub_client(fake_hub, tmp_path, capsys, monkeypatch):
             {**sync_root, "MODEL": "org/policy"},
             {"HF_TOKEN": SPACE_TOKEN, "API_TOKEN": API_TOKEN},
         ),
-        "env": ("gradio", {}, {}),
-        "dashboard": ("gradio", sync_root, {"HF_TOKEN": SPACE_TOKEN}),
+        "env": ("docker", {}, {}),
+        "dashboard": ("docker", sync_root, {"HF_TOKEN": SPACE_TOKEN}),
     }
     for app, (sdk, variables, secrets) in want.items():
         space = fake_hub.spaces[f"alice/deltasync-{app}"]
         assert (space.sdk, space.private, space.variables, space.secrets) == (sdk, True, variables, secrets)
-        assert space.files == expected_bundle(app), app
+        check_bundle(app, dict(space.files))
         assert space.hardware == ("a10g-small" if app == "inference" else None)
         assert f"https://alice-deltasync-{app}.hf.space" in printed.out
 

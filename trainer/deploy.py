@@ -3,11 +3,11 @@
     python -m trainer.deploy --namespace NS [--private] [--hardware l4x1] [--model Qwen/Qwen3-0.6B]
     python -m trainer.deploy --namespace NS --dry-run DIR      # write the bundles to DIR, contact nothing
 
-Creates (or reuses) the bucket `NS/<bucket>` and the Spaces `NS/<prefix>-inference` (Docker, vLLM on a GPU),
-`NS/<prefix>-env` (Wordle, Gradio SDK) and `NS/<prefix>-dashboard` (Gradio SDK); uploads each Space's bundle
-(its folder under `spaces/` plus a copy of the project's `shared/` library beside `app.py`), sets the Space
-variables (SYNC_ROOT, MODEL) and secrets, requests the inference Space's GPU, and prints the URLs and the
-trainer command. Re-running updates everything in place; files dropped from a bundle leave its Space too.
+Creates (or reuses) the bucket `NS/<bucket>` and three Docker Spaces: `NS/<prefix>-inference` (vLLM on a
+GPU), `NS/<prefix>-env` (Wordle, CPU) and `NS/<prefix>-dashboard` (CPU); uploads each Space's bundle (its
+folder under `spaces/`, plus the deltasync wheel where the app uses the library), sets the Space variables
+(SYNC_ROOT, MODEL) and secrets, requests the inference Space's GPU, and prints the URLs and the trainer
+command. Re-running updates everything in place; files dropped from a bundle leave its Space too.
 
 Tokens, read from the environment and never printed or logged:
     HF_TOKEN        authenticates this deploy (else the login cache of `hf auth login`); write access to NS
@@ -25,6 +25,7 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -35,6 +36,7 @@ from huggingface_hub import HfApi, SpaceHardware, get_token
 
 REPO = Path(__file__).resolve().parents[1]
 APPS = ("inference", "env", "dashboard")
+USES_LIBRARY = {"inference", "dashboard"}  # the env Space is the wordle_env package alone
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 DEFAULT_HARDWARE = "l4x1"  # vLLM's bf16 needs compute capability >= 8.0: not T4
 # Never part of a bundle: caches, and anything a local run left beside the apps.
@@ -134,17 +136,31 @@ def make_plan(
 
 def build_bundle(app: str, dest: Path) -> Path:
     """Write a self-contained Space bundle for `app` to `dest` (replaced if present): the app's folder
-    (app.py, README.md with the Space front matter, requirements.txt, ...) plus `shared/` beside app.py."""
+    (app.py, README.md with the Space front matter, Dockerfile, requirements.txt, ...) plus, for the apps that
+    use the library, its wheel in `wheels/`, which the Dockerfile installs."""
     source = REPO / "spaces" / app
-    for needed in ("app.py", "README.md", "requirements.txt"):
+    for needed in ("app.py", "README.md", "requirements.txt", "Dockerfile"):
         if not (source / needed).is_file():
             raise FileNotFoundError(f"{source / needed} is missing")
     front_matter(source / "README.md")
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(source, dest, ignore=BUNDLE_IGNORE)
-    shutil.copytree(REPO / "shared", dest / "shared", ignore=BUNDLE_IGNORE)
+    if app in USES_LIBRARY:
+        build_library_wheel(dest / "wheels")
     return dest
+
+
+def build_library_wheel(out: Path) -> Path:
+    """The deltasync wheel, built from a clean copy of its sources (a reused build/ keeps stale files)."""
+    with tempfile.TemporaryDirectory(prefix="deltasync-wheel-") as tmp:
+        src = Path(tmp) / "src"
+        shutil.copytree(REPO / "shared", src / "shared", ignore=BUNDLE_IGNORE)
+        for name in ("pyproject.toml", "README.md"):
+            shutil.copy(REPO / name, src / name)
+        pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+        subprocess.run([*pip, "-w", str(out), str(src)], check=True, stdout=subprocess.DEVNULL)
+    return next(out.glob("deltasync-*.whl"))
 
 
 def build_bundles(plan: Plan, out: Path) -> dict[str, Path]:
