@@ -143,18 +143,11 @@ def bench_wordle(args) -> None:
         env_url = stack.enter_context(serving(app, work / "env.log", {}, 60))
         app = [sys.executable, str(REPO / "spaces/inference/app.py")]
         inference_url = stack.enter_context(serving(app, work / "inference.log", inference_env, 600))
-        command = [
-            sys.executable,
-            "-m",
-            "trainer",
-            "--sync-root",
-            str(root),
-            "--inference-url",
-            inference_url,
-        ]
-        command += ["--env-url", env_url, "--model", str(model), "--max-steps", str(args.steps)]
-        command += ["--output-dir", str(work / "trainer"), "--reward", args.reward, "--no-progress"]
-        command += ["--learning-rate", str(args.lr)]
+        command = [sys.executable, "-m", "trainer", "--sync_root", str(root)]
+        command += ["--inference_url", inference_url]
+        command += ["--env_url", env_url, "--model", str(model), "--max_steps", str(args.steps)]
+        command += ["--output_dir", str(work / "trainer"), "--reward", args.reward, "--no_progress"]
+        command += ["--learning_rate", str(args.lr)]
         start = time.perf_counter()
         with open(work / "trainer.log", "w") as log:
             subprocess.run(command, cwd=REPO, stdout=log, stderr=log, check=True)

@@ -31,11 +31,13 @@ import subprocess
 import sys
 import time
 import webbrowser
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from deltasync.settings import from_env
 from deltasync.sync.storage import open_storage
 from deltasync.telemetry import ReplicaRecord, TrainerRecord
 from deltasync.telemetry.reader import TelemetryReader
@@ -145,25 +147,17 @@ def progress_line(record: TrainerRecord | ReplicaRecord, total_steps: int) -> st
 # ------------------------------------------------------------------------------------------------- the run
 
 
-@dataclass(frozen=True)
-class Settings:
-    steps: int
-    dir: Path
-    headless: bool
-    model: Path | None  # None: the cached tiny model
-    trainer_args: list[str]
-    vllm_args: str
+class Settings(BaseSettings):
+    """The demo's options, from the environment variables of the same names in upper case (see the top)."""
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> Settings:
-        return cls(
-            steps=int(env.get("DEMO_STEPS", "30")),
-            dir=Path(env.get("DEMO_DIR", "demo-run")).resolve(),
-            headless=env.get("DEMO_HEADLESS", "") not in ("", "0"),
-            model=Path(env["DEMO_MODEL"]).resolve() if env.get("DEMO_MODEL") else None,
-            trainer_args=shlex.split(env.get("DEMO_TRAINER_ARGS", DEFAULT_TRAINER_ARGS)),
-            vllm_args=env.get("VLLM_ARGS", DEFAULT_VLLM_ARGS),
-        )
+    model_config = SettingsConfigDict(env_ignore_empty=True)  # DEMO_HEADLESS= is the default, as unset
+
+    demo_steps: int = 30
+    demo_dir: Path = Path("demo-run")
+    demo_headless: bool = False
+    demo_model: Path | None = None  # None: the cached tiny model
+    demo_trainer_args: str = DEFAULT_TRAINER_ARGS
+    vllm_args: str = DEFAULT_VLLM_ARGS
 
 
 class Demo:
@@ -171,8 +165,9 @@ class Demo:
 
     def __init__(self, settings: Settings):
         self.settings = settings
-        self.logs = settings.dir / "logs"
-        self.root = settings.dir / "sync-root"
+        self.dir = settings.demo_dir.resolve()
+        self.logs = self.dir / "logs"
+        self.root = self.dir / "sync-root"
         self.procs: dict[str, subprocess.Popen] = {}
         self.urls: dict[str, str] = {}
         self.health: dict[str, str] = {}  # app name -> its health route
@@ -254,14 +249,14 @@ def run(settings: Settings, demo: Demo) -> int:
     # torch and transformers: imported only when running
     from trainer.tiny_model import default_model_dir, ensure_tiny_model
 
-    settings.dir.mkdir(parents=True, exist_ok=True)
+    demo.dir.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(
         demo.root, ignore_errors=True
     )  # each run starts a fresh sync root: step 0 is an anchor again
     demo.root.mkdir()
-    if settings.model is None:
+    if settings.demo_model is None:
         print("the tiny model: built on first use (about a minute), then cached", flush=True)
-    model = settings.model or ensure_tiny_model(default_model_dir())
+    model = settings.demo_model.resolve() if settings.demo_model else ensure_tiny_model(default_model_dir())
     print(f"model      {model}\nsync root  {demo.root}\nlogs       {demo.logs}", flush=True)
 
     demo.start_app("env", "/health")
@@ -278,30 +273,31 @@ def run(settings: Settings, demo: Demo) -> int:
     print("starting the env, vLLM and the dashboard (vLLM takes ~20-60 s on CPU) ...", flush=True)
     demo.wait_apps()
     print(f"\nDashboard: {demo.urls['dashboard']}\n", flush=True)
-    if not settings.headless and has_display():
+    if not settings.demo_headless and has_display():
         webbrowser.open(demo.urls["dashboard"])
 
-    argv = [sys.executable, "-m", "trainer", "--sync-root", str(demo.root)]
-    argv += ["--inference-url", demo.urls["inference"], "--env-url", demo.urls["env"]]
+    argv = [sys.executable, "-m", "trainer", "--sync_root", str(demo.root)]
+    argv += ["--inference_url", demo.urls["inference"], "--env_url", demo.urls["env"]]
     # "tiny": the trainer resolves the same cached folder, and applies its defaults for the tiny model
-    argv += ["--model", "tiny" if settings.model is None else str(model), "--max-steps", str(settings.steps)]
-    argv += ["--output-dir", str(settings.dir / "trainer"), *settings.trainer_args]
+    argv += ["--model", "tiny" if settings.demo_model is None else str(model)]
+    argv += ["--max_steps", str(settings.demo_steps), "--output_dir", str(demo.dir / "trainer")]
+    argv += shlex.split(settings.demo_trainer_args)
     print(f"training: {shlex.join(argv)}\n  (log: {demo.logs / 'trainer.log'})", flush=True)
     reader = TelemetryReader(open_storage(str(demo.root)))
-    status = follow(demo, reader, demo.start("trainer", argv), settings.steps)
+    status = follow(demo, reader, demo.start("trainer", argv), settings.demo_steps)
     if status != 0:
         log = demo.logs / "trainer.log"
         print(f"\nthe trainer exited with status {status}; end of {log}:\n{log_tail(log)}")
         return 1
-    wait_for_replica(demo, reader, settings.steps)
+    wait_for_replica(demo, reader, settings.demo_steps)
 
     summary = summarize(demo.root)
-    (settings.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (demo.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print("\n" + format_summary(summary), flush=True)
     ok = summary["steps"] > 0 and summary["unverified_steps"].get(REPLICA_ID) == []
     if not ok:
         print(f"\nthe replica did not verify every published step: see {demo.logs / 'inference.log'}")
-    if not settings.headless:
+    if not settings.demo_headless:
         print(f"\nThe apps stay up: dashboard {demo.urls['dashboard']}, Wordle {demo.urls['env']}, ", end="")
         print(f"vLLM {demo.urls['inference']}. Ctrl-C stops them.", flush=True)
         try:
@@ -314,7 +310,7 @@ def run(settings: Settings, demo: Demo) -> int:
 
 
 def main() -> None:
-    settings = Settings.from_env()
+    settings = from_env(Settings)
     demo = Demo(settings)
     # SIGTERM and SIGHUP unwind like Ctrl-C, through the `finally` that stops every process group.
     for sig in (signal.SIGTERM, signal.SIGHUP):

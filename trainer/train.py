@@ -1,8 +1,13 @@
 """The local trainer: TRL's AsyncGRPOTrainer on Wordle, publishing every step to a sync root.
 
-    python -m trainer --sync-root ROOT --inference-url URL --env-url URL [--model MODEL] [...]
-    python -m trainer --config run.yaml [--max-steps 50]        # flags override the file
+    python -m trainer --sync_root ROOT --inference_url URL --env_url URL [--model MODEL] [...]
+    python -m trainer --config run.yaml [--max_steps 50]        # flags override the file
     python -m trainer --help
+
+The flags are TRL's own `AsyncGRPOConfig` (any of them works unchanged: --learning_rate, --max_grad_norm,
+--num_generations, --max_staleness, ...) plus `DeltaSyncArguments` (sync root, URLs, model, reward,
+publisher), through TRL's `TrlParser`; `--a-b` spells `--a_b` too. The project's defaults for TRL's flags
+are in `project_defaults()` (CPU: the tiny model, float32, small groups).
 
 Rollouts come from TRL's AsyncRolloutWorker, which asks the inference Space (vLLM's OpenAI API) for
 completions and plays them in the Wordle environment Space through `WordleEnv`. After every optimizer step the
@@ -35,6 +40,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 # Before transformers/TRL/huggingface_hub read them.
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -45,11 +51,14 @@ warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions"
 
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
+from trl import TrlParser  # noqa: E402
+from trl.experimental.async_grpo import AsyncGRPOConfig  # noqa: E402
 
 from deltasync.codec.fingerprint import format_fingerprint  # noqa: E402
 from deltasync.sync.publisher import PublisherConfig  # noqa: E402
 from trainer import cpu_shims  # noqa: E402
 from trainer.rollout import REWARD_SQ, VERSION_KNOWN, use_versioned_loop  # noqa: E402
+from trainer.task import CHAT_TEMPLATE_KWARGS  # noqa: E402
 from trainer.transfer import BucketWeightTransfer  # noqa: E402
 
 log = logging.getLogger("deltasync.trainer")
@@ -58,24 +67,25 @@ REAL_MODEL = "Qwen/Qwen3-0.6B"
 
 
 @dataclass
-class TrainConfig:
-    """Flags of `python -m trainer`; a YAML file given with --config sets any of them (flags win)."""
+class DeltaSyncArguments:
+    """What is ours beside TRL's AsyncGRPOConfig: where the run lives, the Spaces, the task, the publisher."""
 
-    sync_root: str = field(
+    sync_root: str | None = field(
         default=None,
         metadata={
             "help": "Where steps are published: a folder, hf://buckets/<namespace>/<name>[/prefix], or "
             "any fsspec URL. An existing run there is continued. Required."
         },
     )
-    inference_url: str = field(
+    inference_url: str | None = field(
         default=None,
         metadata={
-            "help": "Base URL of the inference Space (vLLM's OpenAI API), e.g. https://<user>-<space>.hf.space."
-            " Its bearer token, if any, comes from INFERENCE_API_TOKEN. Required."
+            "help": "Base URL of the inference Space (vLLM's OpenAI API), e.g. https://<user>-<space>.hf.space"
+            " (sets TRL's vllm_server_base_url). Its bearer token, if any, comes from INFERENCE_API_TOKEN. "
+            "Required."
         },
     )
-    env_url: str = field(
+    env_url: str | None = field(
         default=None, metadata={"help": "Base URL of the Wordle environment Space (OpenEnv). Required."}
     )
     model: str | None = field(
@@ -88,14 +98,6 @@ class TrainConfig:
     served_model_name: str | None = field(
         default=None, metadata={"help": "The model name the inference Space answers to (default: --model)."}
     )
-    output_dir: str = field(
-        default="runs/trainer",
-        metadata={"help": "TRL's output folder: checkpoints (--save-steps), log.jsonl and summary.json."},
-    )
-    max_steps: int = field(default=200, metadata={"help": "Optimizer steps to run in this invocation."})
-    learning_rate: float | None = field(
-        default=None, metadata={"help": f"AdamW learning rate. Default: 1e-6; 1e-5 for '{TINY}'."}
-    )
     reward: str = field(
         default="wordle-partial",
         metadata={
@@ -106,59 +108,6 @@ class TrainConfig:
             "choices": ["wordle", "wordle-partial", "short"],
         },
     )
-    num_generations: int | None = field(
-        default=None, metadata={"help": "Rollouts per prompt (GRPO group). Default: 8 with CUDA, else 4."}
-    )
-    batch_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "Rollouts per optimizer step and process (per_device_train_batch_size). Default: 32 "
-            "with CUDA, else 8."
-        },
-    )
-    gradient_accumulation_steps: int = field(
-        default=1, metadata={"help": "Micro-batches per optimizer step."}
-    )
-    max_completion_length: int | None = field(
-        default=None, metadata={"help": "Tokens per model turn. Default: 256 with CUDA, else 64."}
-    )
-    max_tool_calls: int = field(
-        default=3, metadata={"help": "Executed guesses per rollout (TRL's max_tool_calling_iterations)."}
-    )
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of the rollouts."})
-    max_staleness: int = field(
-        default=4,
-        metadata={
-            "help": "Drop rollouts generated by weights more than this many steps older than the "
-            "trainer's (measured from the weight version the inference Space reports)."
-        },
-    )
-    max_inflight: int | None = field(
-        default=None,
-        metadata={
-            "help": "Rollouts in flight at once. Default: TRL's max_staleness x rollouts per step with CUDA; "
-            "one step's rollouts on CPU, where more only queue up in vLLM and go stale."
-        },
-    )
-    weight_sync_steps: int = field(default=1, metadata={"help": "Optimizer steps between publishes."})
-    dtype: str = field(
-        default="float32",
-        metadata={
-            "help": "Trainer weights: float32 (master weights; published as bf16) or bfloat16.",
-            "choices": ["float32", "bfloat16"],
-        },
-    )
-    bf16: bool | None = field(
-        default=None,
-        metadata={"help": "bf16 autocast for the forward pass. Default: on with CUDA, off on CPU."},
-    )
-    token_budget: int = field(
-        default=0,
-        metadata={
-            "help": "Tokens per micro-batch row (TRL's token batching); 0: a fixed number of rollouts."
-        },
-    )
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "Trade compute for memory."})
     anchor_every: int = field(
         default=50, metadata={"help": "Steps between complete anchors in the sync root."}
     )
@@ -170,37 +119,57 @@ class TrainConfig:
             "choices": ["compact", "raw"],
         },
     )
-    save_steps: int = field(
-        default=0, metadata={"help": "TRL checkpoint every N steps into --output-dir; 0: none."}
-    )
-    report_to: str = field(
-        default="none", metadata={"help": "TRL/transformers loggers, e.g. trackio or wandb."}
-    )
-    log_completions: bool = field(default=False, metadata={"help": "Print sampled rollouts (TRL)."})
     dataset_size: int = field(default=1000, metadata={"help": "Prompt rows (each game draws its own word)."})
-    seed: int = field(default=0, metadata={"help": "Seed of the trainer (rollout sampling is unseeded)."})
     progress: bool = field(default=True, metadata={"help": "Show a progress bar (else a log line per step)."})
 
-    def resolve(self) -> TrainConfig:
-        """Fill the device-dependent defaults; check the required flags."""
-        missing = [
-            f"--{n.replace('_', '-')}"
-            for n in ("sync_root", "inference_url", "env_url")
-            if not getattr(self, n)
-        ]
+    def check(self) -> None:
+        missing = [f"--{n}" for n in ("sync_root", "inference_url", "env_url") if not getattr(self, n)]
         if missing:
             raise SystemExit(f"missing {', '.join(missing)} (see --help)")
-        cuda = torch.cuda.is_available()
-        self.model = self.model or (REAL_MODEL if cuda else TINY)
-        tiny = self.model == TINY
-        self.learning_rate = self.learning_rate or (1e-5 if tiny else 1e-6)
-        self.num_generations = self.num_generations or (8 if cuda else 4)
-        self.batch_size = self.batch_size or (32 if cuda else 8)
-        self.max_completion_length = self.max_completion_length or (256 if cuda else 64)
-        self.bf16 = cuda if self.bf16 is None else self.bf16
-        if self.max_inflight is None:
-            self.max_inflight = -1 if cuda else self.batch_size * self.gradient_accumulation_steps
-        return self
+
+
+def project_defaults(model: str | None, cuda: bool) -> dict[str, Any]:
+    """Our defaults for TRL's own flags (a flag or the --config file still sets any of them)."""
+    tiny = (model or (REAL_MODEL if cuda else TINY)) == TINY
+    return {
+        "output_dir": "runs/trainer",  # checkpoints (--save_steps with --save_strategy steps), log.jsonl
+        "max_steps": 200,
+        "report_to": "none",
+        "learning_rate": 1e-5 if tiny else 1e-6,
+        "use_cpu": not cuda,
+        "bf16": cuda,  # autocast on GPU; the CPU runs float32
+        "num_generations": 8 if cuda else 4,
+        "per_device_train_batch_size": 32 if cuda else 8,
+        "max_completion_length": 256 if cuda else 64,  # tokens per model turn
+        "max_tool_calling_iterations": 3,  # executed guesses per rollout
+        "chat_template_kwargs": dict(CHAT_TEMPLATE_KWARGS),
+        # Explicit: None would ask the server's /v1/models without our bearer token.
+        "token_budget": 0,
+        "save_strategy": "no",
+        "disable_tqdm": True,  # our Progress callback replaces it
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[DeltaSyncArguments, AsyncGRPOConfig]:
+    """TRL's example-script convention: TrlParser over our arguments and TRL's own AsyncGRPOConfig, so every
+    TRL flag works unchanged; `--config run.yaml` sets any of them (flags win)."""
+    # A first pass finds --model (on the command line or in the file): the defaults depend on it.
+    (ours, _) = TrlParser((DeltaSyncArguments,), add_help=False).parse_args_and_config(
+        argv, return_remaining_strings=True
+    )
+    parser = TrlParser(
+        (DeltaSyncArguments, AsyncGRPOConfig),
+        prog="python -m trainer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", help="YAML file of flags (snake_case keys; `env:` sets variables)")
+    parser.set_defaults(**project_defaults(ours.model, torch.cuda.is_available()))
+    # the file's values replace these defaults; the rest is the namespace of --config, which TrlParser read
+    ours, args, *_ = parser.parse_args_and_config(argv)
+    ours.check()
+    ours.model = ours.model or (REAL_MODEL if torch.cuda.is_available() else TINY)
+    return ours, args
 
 
 class GracefulStop:
@@ -284,13 +253,13 @@ class Progress(TrainerCallback):
     staleness of the trained rollouts (replica lag as the inference Space's weight versions show it).
     Also appends every log record to <output_dir>/log.jsonl."""
 
-    def __init__(self, cfg: TrainConfig, transfer: BucketWeightTransfer):
-        self.cfg, self.transfer = cfg, transfer
+    def __init__(self, output_dir: str, progress: bool, transfer: BucketWeightTransfer):
+        self.progress, self.transfer = progress, transfer
         self.bar = None
-        self.log_path = Path(cfg.output_dir) / "log.jsonl"
+        self.log_path = Path(output_dir) / "log.jsonl"
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero and self.cfg.progress:
+        if state.is_world_process_zero and self.progress:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=state.max_steps, desc="training", unit="step", dynamic_ncols=True)
@@ -361,48 +330,23 @@ def continue_from_head(model: torch.nn.Module, root: str) -> int | None:
     return reader.step
 
 
-def build_trainer(cfg: TrainConfig, stop: GracefulStop):
-    """The AsyncGRPOTrainer for `cfg`, wired to the sync root, the inference Space and the Wordle Space."""
+def build_trainer(ours: DeltaSyncArguments, args: AsyncGRPOConfig, stop: GracefulStop):
+    """The AsyncGRPOTrainer for `args`, wired to the sync root, the inference Space and the Wordle Space."""
     from datasets import Dataset
     from transformers import AutoTokenizer, PrinterCallback, ProgressCallback
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-    from trainer.task import CHAT_TEMPLATE_KWARGS, REWARDS, dataset_rows
+    from trainer.task import REWARDS, dataset_rows
     from wordle_env.client import WordleEnv
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    cpu_shims.apply(device)
-    model_path = resolve_model(cfg.model)
+    cpu_shims.apply("cpu" if args.use_cpu or not torch.cuda.is_available() else "cuda")
+    model_path = resolve_model(ours.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    args = AsyncGRPOConfig(
-        output_dir=cfg.output_dir,
-        report_to=cfg.report_to,
-        max_steps=cfg.max_steps,
-        learning_rate=cfg.learning_rate,
-        logging_steps=1,  # step_info reads TRL's metric sink, which every log() empties
-        bf16=cfg.bf16,
-        use_cpu=device == "cpu",
-        dtype=cfg.dtype,
-        gradient_checkpointing=cfg.gradient_checkpointing,
-        num_generations=cfg.num_generations,
-        per_device_train_batch_size=cfg.batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        max_completion_length=cfg.max_completion_length,
-        max_tool_calling_iterations=cfg.max_tool_calls,
-        temperature=cfg.temperature,
-        chat_template_kwargs=dict(CHAT_TEMPLATE_KWARGS),
-        # Explicit: None would ask the server's /v1/models without our bearer token.
-        token_budget=cfg.token_budget,
-        weight_sync_steps=cfg.weight_sync_steps,
-        max_staleness=cfg.max_staleness,
-        max_inflight_tasks=cfg.max_inflight,
-        vllm_server_base_url=cfg.inference_url.rstrip("/"),
-        save_strategy="steps" if cfg.save_steps else "no",
-        save_steps=cfg.save_steps or 500,
-        log_completions=cfg.log_completions,
-        disable_tqdm=True,  # our Progress callback replaces it
-        seed=cfg.seed,
-    )
+    args.vllm_server_base_url = ours.inference_url.rstrip("/")
+    args.logging_steps = 1  # step_info reads TRL's metric sink, which every log() empties
+    if args.use_cpu and args.max_inflight_tasks < 0:
+        # one step's rollouts on CPU: more only queue up in vLLM and go stale
+        args.max_inflight_tasks = args.per_device_train_batch_size * args.gradient_accumulation_steps
     trainer_ref: dict = {"trainer": None}
 
     def first_step(step: int) -> None:  # the cold sync's step: TRL's model version 1
@@ -411,11 +355,11 @@ def build_trainer(cfg: TrainConfig, stop: GracefulStop):
             use_versioned_loop(worker, step)
 
     publisher_config = PublisherConfig(
-        encoding=cfg.encoding, anchor_every=cfg.anchor_every, keep_anchors=cfg.keep_anchors
+        encoding=ours.encoding, anchor_every=ours.anchor_every, keep_anchors=ours.keep_anchors
     )
     transfer = BucketWeightTransfer(
-        cfg.sync_root,
-        model_id=cfg.model if cfg.model != TINY else model_path,
+        ours.sync_root,
+        model_id=ours.model if ours.model != TINY else model_path,
         config=publisher_config,
         info=lambda: step_info(trainer_ref["trainer"]),
         guard=stop.guard,
@@ -423,34 +367,44 @@ def build_trainer(cfg: TrainConfig, stop: GracefulStop):
     )
     trainer = AsyncGRPOTrainer(
         model=model_path,
-        reward_funcs=REWARDS[cfg.reward],
+        reward_funcs=REWARDS[ours.reward],
         args=args,
-        train_dataset=Dataset.from_dict(dataset_rows(cfg.dataset_size)),
+        train_dataset=Dataset.from_dict(dataset_rows(ours.dataset_size)),
         processing_class=tokenizer,
-        environment_factory=partial(WordleEnv, base_url=cfg.env_url.rstrip("/")),
+        environment_factory=partial(WordleEnv, base_url=ours.env_url.rstrip("/")),
         weight_transfer=transfer,
-        callbacks=[StopAtStepEnd(stop, trainer_ref), Progress(cfg, transfer)],
+        callbacks=[StopAtStepEnd(stop, trainer_ref), Progress(args.output_dir, ours.progress, transfer)],
     )
     trainer_ref["trainer"] = trainer
     for callback in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(callback)
     if trainer.rollout_worker is not None:
-        if cfg.served_model_name:
-            trainer.rollout_worker._loop_kwargs["model_name"] = cfg.served_model_name
+        if ours.served_model_name:
+            trainer.rollout_worker._loop_kwargs["model_name"] = ours.served_model_name
         use_versioned_loop(trainer.rollout_worker, 0)  # the base is fixed by the cold sync (first_step)
-    resumed = continue_from_head(trainer.model, cfg.sync_root)
+    resumed = continue_from_head(trainer.model, ours.sync_root)
     if resumed is not None:
-        log.info("continuing the run in %s from its step %d", cfg.sync_root, resumed)
+        log.info("continuing the run in %s from its step %d", ours.sync_root, resumed)
     return trainer, transfer
 
 
+def run_config(ours: DeltaSyncArguments, args: AsyncGRPOConfig) -> dict[str, Any]:
+    """Both argument sets as JSON (TRL's `to_dict` masks its token fields; ours hold no secrets)."""
+    return {"deltasync": asdict(ours), "trl": args.to_dict()}
+
+
 def write_summary(
-    cfg: TrainConfig, trainer, transfer: BucketWeightTransfer, wall_s: float, error: str | None
+    ours: DeltaSyncArguments,
+    args: AsyncGRPOConfig,
+    trainer,
+    transfer: BucketWeightTransfer,
+    wall_s: float,
+    error: str | None,
 ):
     """<output_dir>/summary.json: the published steps, the trainer's own bf16 fingerprint, timings."""
     head = transfer.publisher.head if transfer.publisher else None
     summary = {
-        "config": asdict(cfg),
+        "config": run_config(ours, args),
         "optimizer_steps": trainer.state.global_step,
         "first_step": transfer.first_step,
         "last_step": transfer.last_step,
@@ -460,33 +414,26 @@ def write_summary(
         "fingerprint": format_fingerprint(transfer.fingerprint_now()) if transfer.sent else None,
         "blocked_s": transfer.blocked_s,
         "wall_s": wall_s,
-        "stopped_early": error is None and trainer.state.global_step < cfg.max_steps,
+        "stopped_early": error is None and trainer.state.global_step < args.max_steps,
         "error": error,
     }
-    path = Path(cfg.output_dir) / "summary.json"
+    path = Path(args.output_dir) / "summary.json"
     path.write_text(json.dumps(summary, indent=1))
     return summary
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trl import TrlParser
-
-    formatter = argparse.RawDescriptionHelpFormatter
-    parser = TrlParser(
-        (TrainConfig,), prog="python -m trainer", description=__doc__, formatter_class=formatter
-    )
-    parser.add_argument("--config", help="YAML file of flags (snake_case keys; `env:` sets variables)")
-    cfg, *_ = parser.parse_args_and_config(argv)  # TrlParser reads --config itself; the rest is its echo
-    cfg.resolve()
+    ours, args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "huggingface_hub", "deltasync.sync.publisher"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    log.info("config %s", json.dumps(asdict(cfg)))  # no secrets in it: tokens come from the environment
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    # no secrets in it: tokens come from the environment, and TRL masks its own
+    log.info("config %s", json.dumps(run_config(ours, args)))
     stop = GracefulStop()
     stop.install()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where is it stuck?
-    trainer, transfer = build_trainer(cfg, stop)
+    trainer, transfer = build_trainer(ours, args, stop)
     start, error = time.perf_counter(), None
     try:
         trainer.train()
@@ -499,12 +446,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if trainer.accelerator.is_main_process:
             transfer.destroy()  # idempotent: TRL's own finally already closed it on a clean stop
-            summary = write_summary(cfg, trainer, transfer, time.perf_counter() - start, error)
+            summary = write_summary(ours, args, trainer, transfer, time.perf_counter() - start, error)
             log.info(
                 "published steps %s..%s to %s (head %s)",
                 summary["first_step"],
                 summary["last_step"],
-                cfg.sync_root,
+                ours.sync_root,
                 summary["head_fingerprint"],
             )
     return 130 if error == "interrupted" else 0

@@ -9,43 +9,48 @@ from types import SimpleNamespace
 import pytest
 
 from trainer.rollout import REWARD_SQ, VERSION_KNOWN
-from trainer.train import GracefulStop, TrainConfig, main, step_info
+from trainer.train import GracefulStop, main, parse_args, step_info
 
-REQUIRED = ["--sync-root", "root", "--inference-url", "http://infer", "--env-url", "http://env"]
-
-
-def parse(argv: list[str]) -> TrainConfig:
-    from trl import TrlParser
-
-    (cfg, *_) = TrlParser((TrainConfig,)).parse_args_and_config(argv)
-    return cfg.resolve()
+REQUIRED = ["--sync_root", "root", "--inference_url", "http://infer", "--env_url", "http://env"]
 
 
-def test_help_documents_every_flag():
+def test_help_shows_trls_own_flags_and_ours():
     argv = [sys.executable, "-m", "trainer", "--help"]
     out = subprocess.run(argv, capture_output=True, text=True, check=True)
-    for flag in ("--sync-root", "--inference-url", "--env-url", "--model", "--max-steps", "--output-dir"):
-        assert flag in out.stdout
+    for flag in ("--sync_root", "--inference_url", "--env_url", "--model", "--reward", "--encoding"):
+        assert flag in out.stdout  # ours
+    for flag in ("--max_steps", "--output_dir", "--learning_rate", "--max_grad_norm", "--max_staleness"):
+        assert flag in out.stdout  # TRL's AsyncGRPOConfig, unchanged
     assert "--config" in out.stdout and "INFERENCE_API_TOKEN" in out.stdout and "HF_TOKEN" in out.stdout
+
+
+def test_a_trl_flag_the_project_never_mentions_reaches_the_config():
+    ours, args = parse_args([*REQUIRED, "--max_grad_norm", "0.3", "--adam_beta2", "0.98"])
+    assert (args.max_grad_norm, args.adam_beta2) == (0.3, 0.98)
+    assert ours.sync_root == "root"
 
 
 def test_flags_override_the_config_file(tmp_path):
     config = tmp_path / "run.yaml"
-    config.write_text("max_steps: 7\nlearning_rate: 3.0e-6\nreward: short\n")
-    cfg = parse([*REQUIRED, "--config", str(config), "--max-steps", "9"])
-    assert (cfg.max_steps, cfg.learning_rate, cfg.reward) == (9, 3e-6, "short")
+    config.write_text("max_steps: 7\nlearning_rate: 3.0e-6\nreward: short\nmax_grad_norm: 0.5\n")
+    ours, args = parse_args([*REQUIRED, "--config", str(config), "--max-steps", "9"])
+    assert (args.max_steps, args.learning_rate, ours.reward, args.max_grad_norm) == (9, 3e-6, "short", 0.5)
 
 
-def test_device_defaults_on_cpu():
-    cfg = parse(REQUIRED)
-    assert cfg.model == "tiny" and cfg.learning_rate == 1e-5 and cfg.bf16 is False
-    assert (cfg.num_generations, cfg.batch_size, cfg.max_completion_length, cfg.max_inflight) == (4, 8, 64, 8)
-    assert parse([*REQUIRED, "--model", "Qwen/Qwen3-0.6B"]).learning_rate == 1e-6
+def test_project_defaults_on_cpu_unless_set():
+    ours, args = parse_args(REQUIRED)
+    assert ours.model == "tiny" and args.learning_rate == 1e-5 and args.bf16 is False and args.use_cpu
+    assert (args.num_generations, args.per_device_train_batch_size, args.max_completion_length) == (4, 8, 64)
+    assert (args.output_dir, args.max_steps, args.token_budget) == ("runs/trainer", 200, 0)
+    assert args.save_strategy == "no"
+    assert parse_args([*REQUIRED, "--model", "Qwen/Qwen3-0.6B"])[1].learning_rate == 1e-6
+    _, args = parse_args([*REQUIRED, "--learning_rate", "3e-4", "--num_generations", "6"])
+    assert (args.learning_rate, args.num_generations) == (3e-4, 6)
 
 
 def test_required_flags(capsys):
-    with pytest.raises(SystemExit, match="--inference-url, --env-url"):
-        main(["--sync-root", "root"])
+    with pytest.raises(SystemExit, match="--inference_url, --env_url"):
+        main(["--sync_root", "root"])
 
 
 def test_first_ctrl_c_stops_after_the_step_second_aborts_but_never_inside_a_publish():

@@ -31,16 +31,16 @@ STEPS = 32  # first run; a restart adds RESUME_STEPS
 RESUME_STEPS = 3
 TRAINER_FLAGS = [
     "--reward", "short",
-    "--learning-rate", "2e-4",  # a tiny model and a sanity reward: large steps
-    "--max-tool-calls", "1",  # a guess, the game's feedback, a second guess
-    "--max-staleness", "2",
-    "--no-progress",
+    "--learning_rate", "2e-4",  # a tiny model and a sanity reward: large steps
+    "--max_tool_calling_iterations", "1",  # a guess, the game's feedback, a second guess
+    "--max_staleness", "2",
+    "--no_progress",
 ]  # fmt: skip
 
 
 def run_trainer(root: Path, inference: str, env: str, model: Path, out: Path, steps: int) -> dict:
-    args = [sys.executable, "-m", "trainer", "--sync-root", str(root), "--inference-url", inference]
-    args += ["--env-url", env, "--model", str(model), "--max-steps", str(steps), "--output-dir", str(out)]
+    args = [sys.executable, "-m", "trainer", "--sync_root", str(root), "--inference_url", inference]
+    args += ["--env_url", env, "--model", str(model), "--max_steps", str(steps), "--output_dir", str(out)]
     log = out.parent / f"{out.name}.log"
     with open(log, "w") as f:
         proc = subprocess.run([*args, *TRAINER_FLAGS], cwd=REPO, stdout=f, stderr=f, timeout=900)
