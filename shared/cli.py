@@ -9,8 +9,10 @@
     deltasync gc ROOT
 
 OLD, NEW, BASE and CHECKPOINT are safetensors files (CHECKPOINT may be an HF model folder) with HF checkpoint
-names, any float dtype, compared as bf16. ROOT is a sync root: a folder, hf://buckets/<ns>/<name>[/prefix],
-or an fsspec URL. Results are JSON on stdout; errors are one line on stderr and exit status 1.
+names, any float dtype, compared as bf16 (integer tensors are refused: bf16 would round them). ROOT is a
+sync root: a folder, hf://buckets/<ns>/<name>[/prefix], or an fsspec URL. push and gc write to ROOT as its
+only writer (refused while a publisher holds it). Results are JSON on stdout; errors are one line on stderr
+(credentials in URLs redacted) and exit status 1. The CLI fails fast: no retries of unreachable storage.
 """
 
 from __future__ import annotations
@@ -21,15 +23,15 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from huggingface_hub.utils import logging as hf_logging
 from safetensors.torch import load_file, save_file
 
 from deltasync.codec import patch as patches
 from deltasync.codec.bf16 import as_bf16
 from deltasync.codec.changes import apply_changes
 from deltasync.sync import protocol
-from deltasync.sync.publisher import Publisher, PublisherConfig, collect_garbage
-from deltasync.sync.storage import TransientStorageError, open_storage
+from deltasync.sync.publisher import Publisher, PublisherConfig, WriterClaim, collect_garbage, require_floats
+from deltasync.sync.storage import open_storage, redact
 from deltasync.sync.subscriber import Subscriber
 
 
@@ -38,7 +40,12 @@ def load_bf16(path: Path) -> dict[str, torch.Tensor]:
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
-    return {name: as_bf16(t).view(t.shape) for f in files for name, t in load_file(f).items()}
+    state = {}
+    for f in files:
+        tensors = load_file(f)
+        require_floats(tensors, str(f))
+        state |= {name: as_bf16(t).view(t.shape) for name, t in tensors.items()}
+    return state
 
 
 def cmd_diff(args: argparse.Namespace) -> dict:
@@ -85,7 +92,7 @@ def cmd_push(args: argparse.Namespace) -> dict:
 
 
 def cmd_pull(args: argparse.Namespace) -> dict:
-    subscriber = Subscriber(args.root)
+    subscriber = Subscriber(args.root, retries=0)
     applied = subscriber.sync(args.step)
     args.output.mkdir(parents=True, exist_ok=True)
     meta = {"format": "pt", "step": str(subscriber.step), "fingerprint": f"{subscriber.fingerprint:016x}"}
@@ -94,8 +101,7 @@ def cmd_pull(args: argparse.Namespace) -> dict:
 
 
 def cmd_ls(args: argparse.Namespace) -> None:
-    storage = open_storage(args.root)
-    head = protocol.Head.from_json(storage.read_bytes(protocol.HEAD_PATH))
+    head = protocol.read_head(open_storage(args.root))
     for e in head.entries:
         row = {"step": e.step, "kind": e.kind, "bytes": e.bytes, "changed": e.changed}
         print(json.dumps(row | {"published_at": e.published_at}))
@@ -103,8 +109,11 @@ def cmd_ls(args: argparse.Namespace) -> None:
 
 def cmd_gc(args: argparse.Namespace) -> dict:
     storage = open_storage(args.root)
-    head = protocol.Head.from_json(storage.read_bytes(protocol.HEAD_PATH))
-    return {"head": head.step, "deleted": collect_garbage(storage, head)}
+    claim = WriterClaim(storage)  # GC deletes: only as the root's one writer
+    try:
+        return {"head": protocol.read_head(storage).step, "deleted": collect_garbage(storage)}
+    finally:
+        claim.release()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,11 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    hf_logging.set_verbosity_error()  # the Hub client's retry warnings would bury our one line
     try:
+        if getattr(args, "root", None) is not None:
+            open_storage(args.root).probe()  # unreachable: one line now, not after minutes of retries
         result = args.run(args)
-    # ValueError covers bad patches, anchors, manifests and schemas; RuntimeError covers SyncError.
-    except (SafetensorError, OSError, ValueError, RuntimeError, TransientStorageError) as e:
-        print(f"deltasync {args.command}: error: {str(e).replace(chr(10), ' ')}", file=sys.stderr)
+    except Exception as e:  # every failure, bad input or unreachable storage, is one line: no traceback
+        message = " ".join(str(e).split()) or type(e).__name__
+        if isinstance(e, FileNotFoundError) and e.filename:
+            message = f"{e.filename}: {e.strerror}"
+        print(f"deltasync {args.command}: error: {redact(message)}", file=sys.stderr)
         return 1
     if result is not None:
         print(json.dumps(result, indent=None if args.command != "inspect" else 2))

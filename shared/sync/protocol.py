@@ -5,29 +5,36 @@
     deltas/step-00000001.safetensors           patches (codec.patch) from the previous published step
     heads/latest.json                          the newest step and every file a reader may use to reach it
     telemetry/...                              deltasync.telemetry
+    writer.lock                                who publishes (deltasync.sync.publisher: lock or lease)
 
 Writers upload data first and the head last; readers trust only what the head names. The head lists the
 retained anchors and the unbroken chain of deltas from the oldest of them to the newest step, with sizes and
 fingerprints, so a reader plans its path without listing the bucket. Manifests are untrusted input on the
-reader side: `Head.from_json` and `RunInfo.from_json` check everything and raise ManifestError.
+reader side: `read_head` and `read_run` bound the size, `Head.from_json` and `RunInfo.from_json` check
+everything and raise ManifestError.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import torch
 
-from deltasync.sync.storage import check_path
+from deltasync.sync.storage import Storage, TooLargeError, check_path
 
 FORMAT_VERSION = 1
 RUN_PATH = "run.json"
 HEAD_PATH = "heads/latest.json"
 ANCHOR_FORMAT = "deltasync.anchor"
 MAX_MANIFEST_BYTES = 16 << 20
+MAX_INT = (1 << 63) - 1  # steps, sizes, counts, dims: anything larger is corrupt
+_DATA_FILE = re.compile(
+    r"deltas/step-(\d{8,})\.safetensors|anchors/step-(\d{8,})/model(-\d{5}-of-\d{5})?\.safetensors"
+)
 
 
 class ManifestError(ValueError):
@@ -49,16 +56,30 @@ def anchor_paths(step: int, shards: int) -> list[str]:
 
 
 def step_of(path: str) -> int | None:
-    """The step a data file belongs to (None for anything else): what GC reasons about."""
-    parts = path.split("/")
-    if len(parts) == 2 and parts[0] == "deltas":
-        name = parts[1].removesuffix(".safetensors")
-    elif len(parts) == 3 and parts[0] == "anchors":
-        name = parts[1]
-    else:
+    """The step of a file exactly as a publisher names it (None for anything else): what GC may delete."""
+    match = _DATA_FILE.fullmatch(path)
+    if match is None:
         return None
-    number = name.removeprefix("step-")
-    return int(number) if name.startswith("step-") and number.isdigit() else None
+    step = int(match[1] or match[2])
+    canonical = delta_path(step) if match[1] else f"{anchor_dir(step)}/{path.rsplit('/', 1)[1]}"
+    return step if path == canonical else None
+
+
+def read_head(storage: Storage) -> Head:
+    """The head of `storage`, size-checked before it is read; FileNotFoundError if there is none."""
+    return Head.from_json(read_manifest(storage, HEAD_PATH))
+
+
+def read_run(storage: Storage) -> RunInfo:
+    return RunInfo.from_json(read_manifest(storage, RUN_PATH))
+
+
+def read_manifest(storage: Storage, path: str) -> bytes:
+    """A manifest's bytes, refused (ManifestError) before reading when over MAX_MANIFEST_BYTES."""
+    try:
+        return storage.read_bytes(path, limit=MAX_MANIFEST_BYTES)
+    except TooLargeError as e:
+        raise ManifestError(str(e)) from None
 
 
 def _load(data: bytes, what: str) -> dict:
@@ -66,8 +87,8 @@ def _load(data: bytes, what: str) -> dict:
         raise ManifestError(f"{what}: {len(data)} bytes, more than {MAX_MANIFEST_BYTES}")
     try:
         raw = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ManifestError(f"{what}: not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, ints over 4300 digits, deep nesting
+        raise ManifestError(f"{what}: not JSON: {str(e)[:200]}") from None
     if not isinstance(raw, dict):
         raise ManifestError(f"{what}: not a JSON object")
     if raw.get("version") != FORMAT_VERSION:
@@ -85,8 +106,8 @@ def _field(raw: dict, key: str, kind: type | tuple[type, ...], what: str):
         )
     if isinstance(value, float) and not math.isfinite(value):
         raise ManifestError(f"{what}: field {key!r} is not finite")
-    if isinstance(value, int) and value < 0:
-        raise ManifestError(f"{what}: field {key!r} is negative")
+    if isinstance(value, int) and not 0 <= value <= MAX_INT:
+        raise ManifestError(f"{what}: field {key!r} is out of range")
     return value
 
 
@@ -115,9 +136,9 @@ class RunInfo:
         schema = _field(raw, "schema", dict, RUN_PATH)
         for name, shape in schema.items():
             ok = isinstance(shape, list) and all(
-                isinstance(d, int) and not isinstance(d, bool) for d in shape
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_INT for d in shape
             )
-            if not name or not ok or any(d < 0 for d in shape):
+            if not name or not ok:
                 raise ManifestError(f"{RUN_PATH}: bad schema entry {name!r}: {shape!r:.80}")
         return cls(model, schema)
 
@@ -138,11 +159,14 @@ class Entry:
 
 @dataclass(frozen=True)
 class Head:
-    """The newest published step and the entries (ascending by step) that reach it."""
+    """The newest published step and the entries (ascending by step) that reach it. `epoch` and `writer`
+    name the publisher that wrote it (fencing, see deltasync.sync.publisher): a newer one, a larger epoch."""
 
     step: int
     fingerprint: str
     entries: tuple[Entry, ...]
+    epoch: int = 0
+    writer: str = ""
 
     @property
     def anchors(self) -> list[Entry]:
@@ -165,6 +189,8 @@ class Head:
                 "version": FORMAT_VERSION,
                 "step": self.step,
                 "fingerprint": self.fingerprint,
+                "epoch": self.epoch,
+                "writer": self.writer,
                 "entries": entries,
             },
             indent=1,
@@ -175,7 +201,13 @@ class Head:
         raw = _load(data, HEAD_PATH)
         entries_raw = _field(raw, "entries", list, HEAD_PATH)
         entries = tuple(_entry(e, i) for i, e in enumerate(entries_raw))
-        head = cls(_field(raw, "step", int, HEAD_PATH), _field(raw, "fingerprint", str, HEAD_PATH), entries)
+        head = cls(
+            _field(raw, "step", int, HEAD_PATH),
+            _field(raw, "fingerprint", str, HEAD_PATH),
+            entries,
+            _field(raw, "epoch", int, HEAD_PATH) if "epoch" in raw else 0,
+            _field(raw, "writer", str, HEAD_PATH) if "writer" in raw else "",
+        )
         head._check_chain()
         return head
 
@@ -231,7 +263,7 @@ def _entry(raw: object, index: int) -> Entry:
         files=files,
         bytes=_field(raw, "bytes", int, what),
         fingerprint=_field(raw, "fingerprint", str, what),
-        published_at=float(_field(raw, "published_at", (int, float), what)),
+        published_at=float(_field(raw, "published_at", (int, float), what)),  # ints are <= MAX_INT
         changed=_field(raw, "changed", int, what) if "changed" in raw else 0,
         base_step=base_step,
     )

@@ -3,18 +3,36 @@
 `publish()` costs the caller one bf16 copy of its weights into a host buffer; a background thread compares
 it with the last published state, encodes the patch, uploads it and moves the head. When uploads lag, newer
 states replace the pending one (the skipped step is folded into the next delta) instead of queueing without
-bound. The last published state advances only once the head naming it is written.
+bound. The last published state advances only once the head naming it is written and read back.
+
+One writer per sync root, enforced in two layers:
+- a claim held for the publisher's life: on a local folder an flock on `writer.lock` (exclusive between
+  processes of this host, released by the kernel if the holder dies); on object stores and fsspec URLs, which
+  offer no conditional write through the APIs used here, a lease in `writer.lock` (holder, expiry; renewed
+  while the publisher lives) that a second publisher reads and respects, then reads back after taking it;
+- fencing: each claim takes an epoch larger than any before it and rewrites the head with it at once; before
+  writing a head the publisher re-reads the current one, and after writing reads it back: a head with another
+  writer's epoch, or not the bytes it wrote, stops it with WriterConflict, and the step is never acknowledged.
+Guarantees: on a local folder a second writer is refused outright. On object stores a second writer is
+refused while the lease is live, and one that raced past it is fenced at its next head write; what remains is
+a window of one request between a writer's re-read and its write, in which two heads can cross (detected by
+the read-back, but one of them may already be acknowledged). Leases also assume clocks within `lease_s`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -23,11 +41,26 @@ from deltasync.codec import fingerprint
 from deltasync.codec.changes import SchemaError
 from deltasync.codec.patch import encode, make_patch
 from deltasync.sync.anchor import write_anchor
-from deltasync.sync.protocol import HEAD_PATH, RUN_PATH, Entry, Head, RunInfo, delta_path, step_of
-from deltasync.sync.storage import Storage, TransientStorageError, open_storage
+from deltasync.sync.protocol import (
+    HEAD_PATH,
+    RUN_PATH,
+    Entry,
+    Head,
+    ManifestError,
+    RunInfo,
+    delta_path,
+    read_head,
+    read_manifest,
+    read_run,
+    step_of,
+)
+from deltasync.sync.storage import Storage, TransientStorageError, WriterConflict, open_storage
 
 log = logging.getLogger(__name__)
 Params = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+T = TypeVar("T")
+WRITER_PATH = "writer.lock"
+LEFTOVER_GRACE_S = 15 * 60.0  # a temporary file untouched this long belongs to a writer that crashed
 
 
 @dataclass
@@ -37,6 +70,7 @@ class PublisherConfig:
     keep_anchors: int = 2  # GC keeps this many newest anchors and every delta after the oldest of them
     shard_bytes: int = 2 << 30
     retry_s: tuple[float, float] = (0.5, 30.0)  # backoff of failed uploads: first and longest wait
+    lease_s: float = 120.0  # object stores: a writer's lease lasts this long unless renewed (every quarter)
 
 
 @dataclass
@@ -48,8 +82,76 @@ class _Pending:
     skipped: list[telemetry.TrainerRecord] = field(default_factory=list)  # steps this one replaced
 
 
+class WriterClaim:
+    """This process's claim to be the only writer of `storage` (see the module docstring): its lock where the
+    backend has one, else a lease. Raises WriterConflict naming the holder when another writer has it."""
+
+    def __init__(self, storage: Storage, lease_s: float = PublisherConfig.lease_s, holder: str | None = None):
+        self.storage, self.lease_s = storage, lease_s
+        self.holder = holder or f"pid {os.getpid()} on {socket.gethostname()}, claim {uuid.uuid4().hex[:8]}"
+        self._renewed_at = 0.0
+        self._lock = storage.lock(WRITER_PATH, json.dumps({"holder": self.holder, "since": time.time()}))
+        self.epoch = 1  # raised past the head's by Publisher; past the last lease's here
+        if self._lock is None:
+            lease = self._lease()
+            if lease and lease["holder"] != self.holder and lease["expires_at"] > time.time():
+                raise WriterConflict(
+                    f"{storage.url} is being written by another publisher ({lease['holder']}, lease until "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(lease['expires_at']))})"
+                )
+            self.epoch = (lease["epoch"] + 1) if lease else 1
+            self.renew(taking=True)
+
+    def _lease(self) -> dict | None:
+        """The current lease; None if there is none or it is unreadable (then it protects nothing)."""
+        try:
+            lease = json.loads(self.storage.read_bytes(WRITER_PATH, limit=4096))
+        except FileNotFoundError:
+            return None
+        except (ValueError, RecursionError):
+            log.warning("ignoring an unreadable lease in %s", self.storage.url)
+            return None
+        kinds = {"holder": str, "epoch": int, "expires_at": (int, float)}
+        ok = isinstance(lease, dict) and all(isinstance(lease.get(k), t) for k, t in kinds.items())
+        return lease if ok and 0 <= lease["epoch"] < 1 << 62 and abs(lease["expires_at"]) < 1e12 else None
+
+    def renew_due(self) -> bool:
+        return self._lock is None and time.time() - self._renewed_at > self.lease_s / 4
+
+    def renew(self, taking: bool = False) -> None:
+        """Extend the lease (a lock needs nothing); WriterConflict if another writer took it over."""
+        if self._lock is not None:
+            return
+        if not taking:
+            self._check_lease("took over")
+        now = time.time()
+        lease = {"holder": self.holder, "epoch": self.epoch, "expires_at": now + self.lease_s}
+        self.storage.write_bytes(WRITER_PATH, json.dumps(lease).encode())
+        self._renewed_at = now
+        if taking:  # two claims racing both wrote: only the last one reads itself back
+            self._check_lease("claimed it at the same time")
+
+    def _check_lease(self, what: str) -> None:
+        lease = self._lease()
+        if lease is None or lease["holder"] != self.holder:
+            other = lease["holder"] if lease else "a writer that removed the lease"
+            raise WriterConflict(f"{self.storage.url}: another publisher ({other}) {what}")
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            return
+        try:
+            lease = self._lease()
+            if lease and lease["holder"] == self.holder:
+                self.storage.delete([WRITER_PATH])
+        except TransientStorageError as e:  # the lease then expires by itself
+            log.warning("could not release the writer lease of %s: %s", self.storage.url, e)
+
+
 class Publisher:
-    """Publishes successive states of one model to the sync root `root` (URL, path or Storage)."""
+    """Publishes successive states of one model to the sync root `root` (URL, path or Storage), as its only
+    writer: raises WriterConflict naming the holder if another publisher has the root."""
 
     def __init__(self, root: str | Path | Storage, model: str = "", config: PublisherConfig | None = None):
         self.storage = root if isinstance(root, Storage) else open_storage(root)
@@ -65,7 +167,14 @@ class Publisher:
         self._head: Head | None = None
         self._published: dict[str, torch.Tensor] | None = None  # the state the head names, bf16 on the host
         self._published_fp = 0
-        self._resume()
+        self._head_bytes: set[bytes | None] = {None}  # what the head may be now: what we wrote (or none)
+        holder = f"pid {os.getpid()} on {socket.gethostname()}, claim {uuid.uuid4().hex[:8]}"
+        self.claim = self._retrying(lambda: WriterClaim(self.storage, self.config.lease_s, holder))
+        try:
+            self._retrying(self._resume)
+        except BaseException:
+            self.claim.release()
+            raise
         self.last_step = self._head.step if self._head else -1  # the newest step handed to publish()
         self._thread = threading.Thread(target=self._work, name="deltasync-publisher", daemon=True)
         self._thread.start()
@@ -81,6 +190,7 @@ class Publisher:
         """
         start = time.perf_counter()
         params = dict(params.items() if isinstance(params, Mapping) else params)
+        require_floats(params, "publish()")
         with self._cond:
             self._raise_if_failed()
             step = self.last_step + 1 if step is None else step
@@ -108,7 +218,7 @@ class Publisher:
                 raise TimeoutError(f"publisher still uploading after {timeout} s")
 
     def close(self, timeout: float | None = None) -> None:
-        """Publish what is pending, then stop the worker."""
+        """Publish what is pending, then stop the worker and let the next writer in."""
         try:
             self.flush(timeout)
         finally:
@@ -116,6 +226,8 @@ class Publisher:
                 self._closed = True
                 self._cond.notify_all()
             self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self.claim.release()
 
     def __enter__(self) -> Publisher:
         return self
@@ -159,10 +271,13 @@ class Publisher:
     def _work(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._pending or self._closed)
-                if self._pending is None:
+                self._cond.wait_for(lambda: self._pending or self._closed, self.config.lease_s / 8)
+                if self._pending is None and self._closed:
                     return
-                job, self._pending, self._busy = self._pending, None, True
+                job, self._pending, self._busy = self._pending, None, self._pending is not None
+            if job is None:  # idle: keep the lease alive (outside the lock: publish() never waits for it)
+                self._renew_lease()
+                continue
             try:
                 self._publish_with_retries(job)
             except BaseException as e:  # kept for the caller: publish() and flush() raise it
@@ -175,6 +290,31 @@ class Publisher:
                     self._cond.notify_all()
             if self._error is not None:
                 return
+
+    def _retrying(self, call: Callable[[], T], attempts: int = 6) -> T:
+        """`call()`, retried with backoff on transient storage errors (for the constructor's reads)."""
+        wait = self.config.retry_s[0]
+        for attempt in range(attempts):
+            try:
+                return call()
+            except TransientStorageError as e:
+                if attempt == attempts - 1:
+                    raise
+                log.warning("opening %s failed, retrying in %.1f s: %s", self.storage.url, wait, e)
+            time.sleep(wait)
+            wait = min(2 * wait, self.config.retry_s[1])
+        raise AssertionError("unreachable")
+
+    def _renew_lease(self) -> None:
+        if not self.claim.renew_due():
+            return
+        try:
+            self.claim.renew()
+        except TransientStorageError as e:
+            log.warning("lease renewal failed, retrying: %s", e)
+        except WriterConflict as e:  # fenced: publish() and flush() raise it from now on
+            with self._cond:
+                self._error = e
 
     def _publish_with_retries(self, job: _Pending) -> None:
         wait = self.config.retry_s[0]
@@ -222,7 +362,7 @@ class Publisher:
             files = tuple(path for _, path in anchor_files)
             entries.append(Entry(job.step, "anchor", files, anchor_bytes, fp_text, now))
         new_head = self._retained(head, entries, job.step, fp_text)
-        self.storage.write_bytes(HEAD_PATH, new_head.to_json())  # the step exists from here on
+        self._write_head(new_head)  # the step exists from here on
         upload_s = time.perf_counter() - start - encode_s
         with self._cond:
             self._head, self._published_fp = new_head, fp
@@ -249,6 +389,32 @@ class Publisher:
         except TransientStorageError as e:
             log.warning("step %d published, but telemetry or GC failed: %s", job.step, e)
 
+    def _write_head(self, head: Head) -> None:
+        """Write `head` as the only writer: re-read the current head first (it must be what this publisher
+        wrote last), read it back after (it must be what was written); else WriterConflict."""
+        data = head.to_json()
+        if self.claim.renew_due():
+            self.claim.renew()
+        current = self._current_head()
+        if current not in self._head_bytes:
+            raise WriterConflict(
+                f"{self.storage.url}: another publisher moved the head ({_writer_of(current)})"
+            )
+        self._head_bytes.add(data)  # if the read-back fails transiently, a retry finds this head
+        self.storage.write_bytes(HEAD_PATH, data)
+        current = self._current_head()
+        if current != data:
+            raise WriterConflict(
+                f"{self.storage.url}: another publisher overwrote step {head.step} ({_writer_of(current)})"
+            )
+        self._head_bytes = {data}
+
+    def _current_head(self) -> bytes | None:
+        try:
+            return read_manifest(self.storage, HEAD_PATH)
+        except FileNotFoundError:
+            return None
+
     def _anchor_due(self, step: int, delta_bytes: int | None) -> bool:
         head = self._head
         if head is None or delta_bytes is None:
@@ -262,35 +428,66 @@ class Publisher:
         entries = [*(head.entries if head else ()), *new]
         oldest = [e for e in entries if e.kind == "anchor"][-self.config.keep_anchors :][0]
         kept = [e for e in entries if e.step > oldest.step or e == oldest]
-        return Head(step, fp, tuple(kept))
+        return Head(step, fp, tuple(kept), self.claim.epoch, self.claim.holder)
 
     def _resume(self) -> None:
-        """Continue a run already in the sync root: its schema, head and last published state."""
+        """Continue a run already in the sync root: its schema, head and last published state. Then fence
+        earlier writers: the head is rewritten with this claim's epoch, so their next head write fails."""
         from deltasync.sync.subscriber import Subscriber  # the reader's verified path to the head state
 
-        try:
-            head = Head.from_json(self.storage.read_bytes(HEAD_PATH))
-        except FileNotFoundError:
+        data = self._current_head()
+        self._head_bytes = {data}
+        if data is None:
             return
-        self._run = RunInfo.from_json(self.storage.read_bytes(RUN_PATH))
+        head = Head.from_json(data)
+        self._run = read_run(self.storage)
         reader = Subscriber(self.storage)
         reader.sync(head.step)
         if reader.step != head.step:
             raise RuntimeError(f"cannot resume {self.storage.url}: {reader.last_error}")
-        self._head, self._published, self._published_fp = head, reader.state, reader.fingerprint
-        collect_garbage(self.storage, head, newer_too=True)
+        if reader.head != head:
+            raise WriterConflict(f"{self.storage.url}: another publisher moved the head while resuming")
+        self.claim.epoch = max(self.claim.epoch, head.epoch + 1)
+        self._head = replace(head, epoch=self.claim.epoch, writer=self.claim.holder)
+        self._write_head(self._head)
+        self._published, self._published_fp = reader.state, reader.fingerprint
+        try:
+            collect_garbage(self.storage)  # what a crashed predecessor left
+        except TransientStorageError as e:
+            log.warning("garbage collection of %s failed: %s", self.storage.url, e)
 
 
-def collect_garbage(storage: Storage, head: Head, newer_too: bool = False) -> list[str]:
-    """Delete data files the head does not name; returns them. Files of steps after the head belong to an
-    upload in progress unless `newer_too` (only the publisher itself knows there is none)."""
-    garbage = [
+def collect_garbage(storage: Storage, grace_s: float = LEFTOVER_GRACE_S) -> list[str]:
+    """Delete the step files (deltas/, anchors/) of steps up to the head that it does not name, and what
+    crashed writers left untouched for `grace_s` (temporary files, empty anchor folders); returns them.
+    Call it as the root's writer (WriterClaim); the head is read again right before deleting, and only files
+    named exactly as a publisher names them are touched."""
+    head = read_head(storage)
+    candidates = [
         path
         for path in storage.list("deltas") + storage.list("anchors")
-        if path not in head.files() and (step_of(path) or 0) <= (float("inf") if newer_too else head.step)
+        if (step := step_of(path)) is not None and step <= head.step and path not in head.files()
     ]
+    garbage = [path for path in candidates if path not in read_head(storage).files()]
     storage.delete(garbage)
-    return garbage
+    return garbage + storage.delete_leftovers(grace_s)
+
+
+def require_floats(tensors: Mapping[str, torch.Tensor], where: str) -> None:
+    """Refuse integer and bool tensors: carried as bf16 they would come back rounded (257 -> 256)."""
+    for name, t in tensors.items():
+        if not t.is_floating_point():
+            raise ValueError(f"{where}: {name} is {t.dtype}: only float weights can be published (as bf16)")
+
+
+def _writer_of(head: bytes | None) -> str:
+    if head is None:
+        return "the head was removed"
+    try:
+        head = Head.from_json(head)
+    except ManifestError:
+        return "the head is not readable"
+    return f"now step {head.step}, written by {head.writer or 'an older publisher'}"
 
 
 def _copy_into(buffer: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> None:

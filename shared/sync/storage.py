@@ -6,15 +6,21 @@ every public method passes them through `check_path` before a backend sees them.
 Every backend gives readers the old or the new object, never a partial one. Errors tell callers what to do:
 - FileNotFoundError (read_bytes, download_file): the object (or the whole bucket) is absent;
 - ValueError: an unsafe path, raised before any I/O; retrying cannot help;
+- TooLargeError: the object is larger than the caller's limit; it was not read into memory;
 - TransientStorageError: anything else (network, timeout, server error, permissions): retry later.
+
+URLs may carry credentials (`http://user:password@host/...`): `url` and every error message are redacted.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import shutil
 import stat
 import tempfile
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -22,7 +28,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import fsspec
-from huggingface_hub import HfApi
+from huggingface_hub import HfApi, get_session
 from huggingface_hub.errors import BucketNotFoundError, EntryNotFoundError
 
 TMP_MARK = (
@@ -31,10 +37,30 @@ TMP_MARK = (
 # Object stores replace a whole object atomically on put, so writing there needs no temporary key.
 OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl", "oss", "hf"}
 _HUB_MISSING = (BucketNotFoundError, EntryNotFoundError)
+_ANCHOR_DIR = re.compile(r"step-\d{8}")
+_CREDENTIALS = [
+    (re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s@]+@"), r"\1***@"),  # user:password@ in a URL
+    (re.compile(r"hf_[A-Za-z0-9]{8,}"), "hf_***"),  # a Hub token anywhere
+]
 
 
 class TransientStorageError(Exception):
     """A storage call failed for a reason other than a missing object; the same call may succeed later."""
+
+
+class WriterConflict(RuntimeError):
+    """Another writer holds the sync root, or took it over: this one must not write (or acknowledge) there."""
+
+
+class TooLargeError(ValueError):
+    """An object larger than the reader's limit (a hostile or corrupt file); retrying cannot help."""
+
+
+def redact(text: str) -> str:
+    """`text` with URL credentials and Hub tokens replaced by `***`: for anything shown or logged."""
+    for pattern, replacement in _CREDENTIALS:
+        text = pattern.sub(replacement, text)
+    return text
 
 
 def check_path(path: str) -> str:
@@ -75,6 +101,23 @@ def _atomic_file(dest: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+class WriterLock:
+    """A held lock; `release()` (also on process exit) lets the next writer in."""
+
+    def __init__(self, release: Callable[[], None]):
+        self.release = release
+
+
+def _through_symlink(root: Path, path: str) -> bool:
+    """Whether `root/path` or a folder on the way is a symlink (which may lead outside the root)."""
+    here = root
+    for part in path.split("/") if path else []:
+        here = here / part
+        if here.is_symlink():
+            return True
+    return False
+
+
 def _file_size(path: Path) -> int | None:
     try:
         st = path.stat()  # one call: a file deleted between two checks must read as absent, not raise
@@ -88,11 +131,17 @@ class Storage(ABC):
 
     url: str
 
-    def read_bytes(self, path: str) -> bytes:
-        """The object's content; FileNotFoundError if absent."""
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
+        """The object's content; FileNotFoundError if absent, TooLargeError if over `limit` bytes (checked
+        before the content is read into memory)."""
         check_path(path)
-        with self._failures("read", path, absent_is_final=True):
-            return self._read_bytes(path)
+        if limit is None:
+            with self._failures("read", path, absent_is_final=True):
+                return self._read_bytes(path)
+        with tempfile.TemporaryDirectory(prefix="deltasync-") as tmp:
+            local = Path(tmp) / "object"
+            self.download_file(path, local, limit)
+            return local.read_bytes()
 
     def write_bytes(self, path: str, data: bytes) -> None:
         """Create or replace the object."""
@@ -106,11 +155,17 @@ class Storage(ABC):
         with self._failures("upload", path):
             self._upload_file(Path(local), path)
 
-    def download_file(self, path: str, local: Path) -> None:
-        """Copy the object to `local`, which appears complete or not at all; FileNotFoundError if absent."""
+    def download_file(self, path: str, local: Path, limit: int | None = None) -> None:
+        """Copy the object to `local`, which appears complete or not at all; FileNotFoundError if absent,
+        TooLargeError (and no `local`) if it is over `limit` bytes."""
         check_path(path)
+        local = Path(local)
         with self._failures("download", path, absent_is_final=True):
-            self._download_file(path, Path(local))
+            self._download_file(path, local)
+        size = local.stat().st_size
+        if limit is not None and size > limit:
+            local.unlink()
+            raise TooLargeError(f"{self.url}: {path} has {size} bytes, more than the {limit} expected")
 
     def sizes(self, paths: list[str]) -> dict[str, int | None]:
         """Size of each object, None where absent: the cheap poll (one request on the Hub, no listing)."""
@@ -136,6 +191,22 @@ class Storage(ABC):
             if paths:
                 self._delete(paths)
 
+    def delete_leftovers(self, older_than_s: float) -> list[str]:
+        """Delete what crashed writers left (temporary files, empty anchor folders) untouched for
+        `older_than_s`; returns them. Only backends that write through temporary files have any."""
+        return []
+
+    def probe(self) -> None:
+        """Fail fast (TransientStorageError) if the storage cannot be reached at all: for one-shot commands,
+        which should not sit through a client's retries. Only remote backends with retries check anything."""
+        return None
+
+    def lock(self, name: str, holder: str) -> WriterLock | None:
+        """Hold the exclusive lock `name` until released or this process dies; None where the backend has no
+        such lock (object stores: see deltasync.sync.publisher's lease). Raises WriterConflict naming the
+        holder when another process holds it."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"  # never the token
 
@@ -146,10 +217,12 @@ class Storage(ABC):
         Elsewhere FileNotFoundError means a race (a folder removed mid-write) or a missing local file."""
         try:
             yield
+        except TooLargeError:
+            raise
         except Exception as e:
             if absent_is_final and isinstance(e, FileNotFoundError):
-                raise
-            raise TransientStorageError(f"{self.url}: {action} {target!r} failed: {e}") from e
+                raise FileNotFoundError(f"{self.url}: {target} is missing") from None
+            raise TransientStorageError(redact(f"{self.url}: {action} {target!r} failed: {e}")) from e
 
     @abstractmethod
     def _read_bytes(self, path: str) -> bytes: ...
@@ -185,6 +258,12 @@ class LocalStorage(Storage):
         with _atomic_file(self.root / path) as tmp:
             shutil.copyfile(local, tmp)
 
+    def download_file(self, path: str, local: Path, limit: int | None = None) -> None:
+        size = _file_size(self.root / check_path(path))
+        if limit is not None and size is not None and size > limit:  # refused before copying a byte
+            raise TooLargeError(f"{self.url}: {path} has {size} bytes, more than the {limit} expected")
+        super().download_file(path, local, limit)
+
     def _download_file(self, path: str, local: Path) -> None:
         with _atomic_file(local) as tmp:
             shutil.copyfile(self.root / path, tmp)
@@ -193,16 +272,63 @@ class LocalStorage(Storage):
         return {p: _file_size(self.root / p) for p in paths}
 
     def _list(self, prefix: str) -> list[str]:
+        # Symlinks are not ours and may lead outside the root: never listed, so GC never follows them.
         # os.walk skips folders that vanish mid-walk (a concurrent GC) instead of raising.
+        if _through_symlink(self.root, prefix):
+            return []
         return [
             (Path(folder) / name).relative_to(self.root).as_posix()
             for folder, _, names in os.walk(self.root / prefix)
             for name in names
+            if not (Path(folder) / name).is_symlink()
         ]
 
     def _delete(self, paths: list[str]) -> None:
         for path in paths:
-            (self.root / path).unlink(missing_ok=True)
+            if not _through_symlink(self.root, path):  # never delete through or at a link: not ours
+                (self.root / path).unlink(missing_ok=True)
+
+    def delete_leftovers(self, older_than_s: float) -> list[str]:
+        cutoff, removed = time.time() - older_than_s, []
+
+        def stale(path: Path, kind: int) -> bool:
+            with suppress(FileNotFoundError):
+                st = path.lstat()
+                return stat.S_IFMT(st.st_mode) == kind and st.st_mtime < cutoff
+            return False
+
+        for folder, _, names in os.walk(self.root):  # does not follow symlinked folders
+            for name in names:
+                path = Path(folder) / name
+                if TMP_MARK in name and stale(path, stat.S_IFREG):
+                    path.unlink(missing_ok=True)
+                    removed.append(path.relative_to(self.root).as_posix())
+        anchors = self.root / "anchors"
+        if anchors.is_dir() and not anchors.is_symlink():
+            for folder in anchors.iterdir():
+                if _ANCHOR_DIR.fullmatch(folder.name) and stale(folder, stat.S_IFDIR):
+                    with suppress(OSError):  # not empty (or gone): not a leftover
+                        folder.rmdir()
+                        removed.append(f"anchors/{folder.name}")
+        return sorted(removed)
+
+    def lock(self, name: str, holder: str) -> WriterLock:
+        """An flock on the file `name`: exclusive between processes on this host (and on network filesystems
+        whose flock is coherent), released by the kernel when the holder dies. The file names the holder."""
+        path = self.root / check_path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            current = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise WriterConflict(
+                f"{self.url} is being written by another publisher ({current or 'holder unknown'})"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder.encode(), 0)
+        return WriterLock(lambda: os.close(fd))
 
 
 class FsspecStorage(Storage):
@@ -210,8 +336,11 @@ class FsspecStorage(Storage):
     other filesystems a write fills a temporary key and `mv`s it over the target (a rename there)."""
 
     def __init__(self, url: str):
-        self.url = url.rstrip("/")
-        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.url = redact(url.rstrip("/"))
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(url.rstrip("/"))
+        except ImportError as e:  # e.g. s3:// without s3fs: fsspec names the package to install
+            raise ValueError(f"{self.url}: {str(e).splitlines()[0]}") from None
         protocols = {self.fs.protocol} if isinstance(self.fs.protocol, str) else set(self.fs.protocol)
         self.atomic_puts = bool(protocols & OBJECT_STORE_PROTOCOLS)
 
@@ -287,6 +416,12 @@ class HubBucketStorage(Storage):
 
     def _key(self, path: str) -> str:
         return self.prefix + path
+
+    def probe(self) -> None:
+        try:  # any HTTP answer means reachable; huggingface_hub's own calls retry connection errors for ~25 s
+            get_session().head(self.api.endpoint, timeout=10)
+        except Exception as e:
+            raise TransientStorageError(f"{self.url}: cannot reach {self.api.endpoint}: {e}") from None
 
     def _create_bucket(self) -> None:
         if not self._bucket_exists:

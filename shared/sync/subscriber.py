@@ -4,8 +4,9 @@ It polls the head, plans the cheapest path by bytes from what it holds to the ne
 complete anchor plus the deltas after it), downloads with retries, decodes each patch against its own bf16
 shadow of the state (HF names and layout), verifies the fingerprint, and only then hands the changes to an
 `Applier`: the real target (a dict of tensors, a torch module's state dict, a vLLM engine). A file that fails
-verification is never retried; the subscriber waits on the last good step until a path around it (a newer
-anchor) appears.
+verification (or is not the size the head lists) is never retried; the subscriber waits on the last good
+step until a path around it (a newer anchor) appears. It trusts fingerprints, not step numbers: a target
+whose state is not the one the head names for its step is reloaded from an anchor.
 """
 
 from __future__ import annotations
@@ -26,11 +27,17 @@ from deltasync import telemetry
 from deltasync.codec import fingerprint
 from deltasync.codec.changes import TensorChanges, apply_changes
 from deltasync.codec.patch import Patch, PatchError, decode
-from deltasync.sync.anchor import AnchorError, read_anchor
-from deltasync.sync.protocol import HEAD_PATH, RUN_PATH, Entry, Head, ManifestError, RunInfo
+from deltasync.sync.anchor import read_anchor
+from deltasync.sync.protocol import Entry, Head, ManifestError, RunInfo, read_head, read_run
 from deltasync.sync.storage import Storage, TransientStorageError, open_storage
 
 log = logging.getLogger(__name__)
+MAX_ERROR_CHARS = 500  # last_error and telemetry errors: one readable line, however long the cause
+
+
+def _bounded(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
 
 
 class SyncError(RuntimeError):
@@ -123,7 +130,8 @@ class Subscriber:
         self.state: dict[str, torch.Tensor] | None = None  # bf16 shadow of the target, HF names
         self.step: int | None = None  # the step the target holds, verified; None: unknown
         self.fingerprint = 0
-        self.last_error: str | None = None
+        self.last_error: str | None = None  # why the last sync() failed; None once one succeeds
+        self._refusal: str | None = None  # why the last file was refused (kept while waiting for an anchor)
         self.history: collections.deque[Applied] = collections.deque(maxlen=256)
         self._bad: set[tuple[str, int]] = set()  # (file, bytes) that failed verification
         self._unverified_deltas = 0
@@ -132,14 +140,17 @@ class Subscriber:
 
     def sync(self, target: int | None = None) -> list[Applied]:
         """Reach `target` (default: the head step). Returns the steps applied; raises SyncError when it cannot
-        get there, with the target left on its last verified step."""
+        get there (whatever the cause), with the target left on its last verified step."""
         applied: list[Applied] = []
         try:
             self._sync(target, applied)
-            self.last_error = None
         except SyncError as e:
-            self.last_error = str(e)
+            self.last_error = _bounded(str(e))
             raise
+        except Exception as e:  # a poll must never kill its caller's thread: report it as a sync failure
+            self.last_error = _bounded(f"{type(e).__name__}: {e}")
+            raise SyncError(self.last_error) from e
+        self.last_error = None
         return applied
 
     def follow(
@@ -154,8 +165,8 @@ class Subscriber:
                 for a in self.sync():
                     if on_applied:
                         on_applied(a)
-            except SyncError as e:
-                log.warning("sync: %s", e)
+            except Exception as e:  # SyncError, or the callback's: the next poll tries again
+                log.warning("sync: %s", _bounded(str(e)))
             stop.wait(interval)
 
     # ------------------------------------------------------------------------------------------ planning
@@ -164,8 +175,9 @@ class Subscriber:
         for attempt in range(2):  # a second plan when the head moved under us (GC removed a file)
             head = self._read_head()
             goal = head.step if target is None else target
-            if self.step == goal:
-                return
+            here = fingerprint.format_fingerprint(self.fingerprint)
+            if self.step == goal and any(e.step == goal and e.fingerprint == here for e in head.entries):
+                return  # the very state the head names (a step number alone could be another writer's)
             path = self._plan(head, goal)
             try:
                 for entry in path:
@@ -173,13 +185,13 @@ class Subscriber:
                 return
             except FileNotFoundError as e:
                 if attempt:
-                    raise SyncError(f"{e.args[0] if e.args else e}: named by the head but missing") from None
+                    raise SyncError(f"{e}, though the head names it") from None
 
     def _read_head(self) -> Head:
         try:
-            head = Head.from_json(self._retry(lambda: self.storage.read_bytes(HEAD_PATH)))
+            head = self._retry(lambda: read_head(self.storage))
             if self.run is None:
-                self.run = RunInfo.from_json(self._retry(lambda: self.storage.read_bytes(RUN_PATH)))
+                self.run = self._retry(lambda: read_run(self.storage))
         except FileNotFoundError:
             raise SyncError(f"no run in {self.storage.url} yet") from None
         except ManifestError as e:
@@ -208,7 +220,7 @@ class Subscriber:
                 paths.append(path)
         if not paths:
             raise SyncError(
-                f"no verified path to step {goal} yet: waiting for a newer anchor ({self.last_error})"
+                f"no verified path to step {goal} yet: waiting for a newer anchor (refused: {self._refusal})"
             )
         return min(paths, key=lambda p: (sum(e.bytes for e in p), len(p)))
 
@@ -218,19 +230,23 @@ class Subscriber:
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="deltasync-") as tmp:
             local = [Path(tmp) / f"{i}.safetensors" for i in range(len(entry.files))]
-            for path, dest in zip(entry.files, local, strict=True):
-                self._retry(lambda path=path, dest=dest: self.storage.download_file(path, dest))
-            download_s = time.perf_counter() - start
-            apply_start = time.perf_counter()  # apply_s: decode, verify and write
             try:
+                for path, dest in zip(entry.files, local, strict=True):  # each at most the entry's size
+                    self._retry(lambda p=path, d=dest: self.storage.download_file(p, d, entry.bytes))
+                size = sum(f.stat().st_size for f in local)
+                if size != entry.bytes:
+                    raise ValueError(f"its files hold {size} bytes, the head lists {entry.bytes}")
+                download_s = time.perf_counter() - start
+                apply_start = time.perf_counter()  # apply_s: decode, verify and write
                 if entry.kind == "anchor":
                     state, patch = read_anchor(local, self.run, entry.step, entry.fingerprint), None
                 else:
                     state, patch = None, self._decode(local[0].read_bytes(), entry)
-            except (PatchError, AnchorError) as e:
+            except ValueError as e:  # PatchError, AnchorError, TooLargeError, a size mismatch: not this file
                 self._bad.update((f, entry.bytes) for f in entry.files)
+                self._refusal = _bounded(f"{entry.kind} of step {entry.step}: {e}")
                 self._report_refused(entry, head, str(e))
-                raise SyncError(f"refused {entry.kind} of step {entry.step}: {e}") from None
+                raise SyncError(f"refused {self._refusal}") from None
         pause_s = self._write(entry, state, patch)
         if patch is None:
             self.state = state
@@ -333,7 +349,7 @@ class Subscriber:
                 verified=False,
                 lag_steps=head.step - entry.step,
                 payload_bytes=entry.bytes,
-                error=error[:500],
+                error=_bounded(error),
             )
         )
 

@@ -94,7 +94,11 @@ def test_push_ls_pull_gc(tmp_path):
         expected = states[1 if step is not None else 3]
         for name, t in expected.items():
             assert torch.equal(pulled[name].view(torch.int16), t.bfloat16().view(torch.int16))
-    (root / "deltas" / "step-00000002.x").write_bytes(b"orphan")
-    assert json.loads(run("gc", root).stdout) == {"head": 3, "deleted": ["deltas/step-00000002.x"]}
+    (root / "anchors" / "step-00000002").mkdir()
+    (root / "anchors" / "step-00000002" / "model.safetensors").write_bytes(b"orphan")
+    (root / "deltas" / "notes.txt").write_bytes(b"not ours")  # only files named as a publisher names them
+    deleted = ["anchors/step-00000002/model.safetensors"]
+    assert json.loads(run("gc", root).stdout) == {"head": 3, "deleted": deleted}
+    assert (root / "deltas" / "notes.txt").exists()
     r = run("pull", root, "-o", tmp_path / "o", "--step", "9")
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "step 9 is not retained" in r.stderr

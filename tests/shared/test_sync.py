@@ -277,7 +277,7 @@ def test_gc_keeps_what_readers_need_and_nothing_else(tmp_path):
     # An upload in progress (a step after the head) is not garbage; an orphan before it is.
     storage.write_bytes(protocol.delta_path(40), b"in progress")
     storage.write_bytes(protocol.delta_path(15), b"orphan")
-    assert collect_garbage(storage, head) == [protocol.delta_path(15)]
+    assert collect_garbage(storage) == [protocol.delta_path(15)]
     assert storage.sizes([protocol.delta_path(40)])[protocol.delta_path(40)] == len(b"in progress")
 
 
