@@ -3,15 +3,21 @@ them back in the same coordinates.
 
 vLLM imports this module in its worker process
 (`worker_extension_cls="deltasync.vllm.worker.PatchWorkerExtension"`); the server reaches the methods with
-`collective_rpc`. Every RPC takes a file path, never tensors. Writes go through vLLM's own
-`load_checkpoint_weight_patches`, so the model's loader maps HF names onto the fused `qkv_proj` /
-`gate_up_proj` parameters. RPCs return {"ok": False, "error": ...} instead of raising: a bad
-file must not disturb the engine.
+`collective_rpc`. A write is two RPCs, so that generation pauses only for the second:
+
+- `deltasync_stage(path)` reads a file (a raw patch, or whole tensors), checks it against the model's layout
+  and moves indices and values to the worker's device, in the destination dtype; nothing is written;
+- `deltasync_commit(path)` makes the staged writes: indexed writes straight into the parameter views
+  learned from vLLM's own loader (O(changed elements)), or vLLM's `load_checkpoint_weight_patches` for a
+  tensor without one contiguous destination (or every tensor, when staged with `loader=True`).
+
+RPCs return {"ok": False, "error": ...} instead of raising: a bad file must not disturb the engine.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 from safetensors import SafetensorError
@@ -41,6 +47,16 @@ if current_platform.is_cpu():
     layer_utils.dispatch_cpu_unquantized_gemm = _gemm_on_live_weights
 
 
+@dataclass
+class _Staged:
+    """A file read and checked, its indices and values on the worker's device, ready to write."""
+
+    path: str
+    direct: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]  # view, flat positions, values
+    loader: list[CheckpointWeightPatch]
+    changed: int
+
+
 class PatchWorkerExtension:
     """RPC methods, prefixed so they never clash with the Worker's own attributes."""
 
@@ -48,33 +64,59 @@ class PatchWorkerExtension:
         """HF name -> shape of every checkpoint tensor this model can write and read back (learned once)."""
         return {name: list(view.shape) for name, view in self._deltasync_views().items()}
 
-    def deltasync_patch(self, path: str, direct: bool = False) -> dict:
-        """Apply a raw patch file: `name/indices` (I32 flat positions) and `name/values` (BF16 new values).
+    def deltasync_stage(self, path: str, sparse: bool, loader: bool = False) -> dict:
+        """Read and check `path` and move it to the device, ready for `deltasync_commit`; writes nothing.
 
-        `direct` writes the values straight into the views the loader copies to, in O(changed elements).
-        vLLM's sparse loader (the default) stages a NaN-masked copy of every tensor it touches, which costs
-        O(tensor size) whatever the number of changes: about a second per step on CPU for a 0.6B model.
+        `sparse`: a raw patch (`name/indices` I32 flat positions, `name/values` BF16 new values); else whole
+        bf16 tensors in HF names and shapes. `loader`: write every tensor through vLLM's loader. Replaces
+        whatever was staged before.
         """
-        return self._deltasync_write(path, sparse=True, direct=direct)
+        start = time.perf_counter()
+        self._deltasync_staged = None
+        try:
+            staged = self._deltasync_read(path, sparse, loader)
+        except (ValueError, OSError, SafetensorError) as e:
+            return {"ok": False, "written": False, "error": f"{type(e).__name__}: {e}"}
+        self._deltasync_staged = staged
+        return {
+            "ok": True,
+            "changed": staged.changed,
+            "paths": {"direct": len(staged.direct), "vllm": len(staged.loader)},
+            "seconds": time.perf_counter() - start,
+        }
 
-    def deltasync_load(self, path: str) -> dict:
-        """Overwrite whole tensors: a safetensors file of bf16 tensors in HF names and shapes."""
-        return self._deltasync_write(path, sparse=False)
+    def deltasync_commit(self, path: str) -> dict:
+        """Write what `deltasync_stage(path)` staged."""
+        start = time.perf_counter()
+        staged, self._deltasync_staged = getattr(self, "_deltasync_staged", None), None
+        if staged is None or staged.path != path:
+            return {"ok": False, "written": False, "error": f"{path} is not staged"}
+        try:
+            for view, positions, values in staged.direct:
+                if positions is None:
+                    view.copy_(values)
+                else:
+                    view.view(-1).index_put_((positions,), values)
+            if staged.loader:
+                load_checkpoint_weight_patches(self.model_runner.get_model(), staged.loader)
+        except Exception as e:  # noqa: BLE001 (whatever failed here may have written part of the file)
+            return {"ok": False, "written": True, "error": f"{type(e).__name__}: {e}"}
+        return {"ok": True, "seconds": time.perf_counter() - start}
 
     def deltasync_fingerprint(self, names: list[str] | None = None) -> dict:
         """The fingerprint of the weights the model really holds (`names`, default all), read back in HF
         coordinates."""
         start = time.perf_counter()
-        state = self._deltasync_state()
-        missing = sorted(set(names or state) - set(state))
+        views = self._deltasync_views()
+        missing = sorted(set(names or views) - set(views))
         if missing:
             return {"ok": False, "error": f"cannot read back {missing[0]!r}"}
-        fp = state_fingerprint((name, state[name]) for name in names or state)
+        fp = state_fingerprint((name, views[name].to(torch.bfloat16)) for name in names or views)
         return {"ok": True, "fingerprint": format_fingerprint(fp), "seconds": time.perf_counter() - start}
 
     def _deltasync_views(self) -> dict[str, torch.Tensor]:
         """Where each HF tensor lands: run the model's own loader once per name with `Tensor.copy_`
-        intercepted, and keep the destination view it would write to. Patches write in place, so the views
+        intercepted, and keep the destination view it would write to. Writes are in place, so the views
         stay valid."""
         if getattr(self, "_deltasync_views_cache", None) is None:
             model = self.model_runner.get_model()
@@ -101,28 +143,37 @@ class PatchWorkerExtension:
             self._deltasync_views_cache = views
         return self._deltasync_views_cache
 
-    def _deltasync_state(self) -> dict[str, torch.Tensor]:
-        return {name: view.to(torch.bfloat16) for name, view in self._deltasync_views().items()}
-
-    def _deltasync_write(self, path: str, sparse: bool, direct: bool = False) -> dict:
-        start = time.perf_counter()
+    def _deltasync_read(self, path: str, sparse: bool, loader: bool) -> _Staged:
+        """The file's tensors checked against the model's layout, on the device, split by write path: direct
+        where the destination is one contiguous view, else vLLM's loader."""
         views = self._deltasync_views()
-        try:
-            patches = _read_patches(path, views, sparse)
-            if direct and not all(views[p.name].is_contiguous() for p in patches):
-                raise ValueError("a destination is not contiguous: write through vLLM's loader instead")
-        except (ValueError, OSError, SafetensorError) as e:  # refused before any write: weights untouched
-            return {"ok": False, "written": False, "error": f"{type(e).__name__}: {e}"}
-        try:
-            if direct:  # the same writes the loader would make (see _deltasync_views), without its staging
-                for p in patches:
-                    views[p.name].view(-1)[p.indices.long()] = p.values.to(views[p.name].dtype)
-            else:
-                load_checkpoint_weight_patches(self.model_runner.get_model(), patches)
-        except Exception as e:  # noqa: BLE001 (whatever failed here may have written part of the patch)
-            return {"ok": False, "written": True, "error": f"{type(e).__name__}: {e}"}
-        changed = sum(p.values.numel() for p in patches)
-        return {"ok": True, "changed": changed, "seconds": time.perf_counter() - start}
+        device = next(iter(views.values())).device
+        entries = load_file(path, device=str(device))
+        shapes = {name: tuple(view.shape) for name, view in views.items()}
+        if sparse:
+            tensors = {name: (ch.indices, ch.values) for name, ch in raw_changes(entries, shapes).items()}
+        else:
+            for name, values in entries.items():
+                if name not in shapes:
+                    raise ValueError(f"unknown tensor {name!r}")
+                if values.dtype != torch.bfloat16 or tuple(values.shape) != shapes[name]:
+                    raise ValueError(
+                        f"{name}: {values.dtype} {list(values.shape)}, expected bf16 {list(shapes[name])}"
+                    )
+            tensors = {name: (None, values) for name, values in entries.items()}
+        staged = _Staged(path, [], [], sum(values.numel() for _, values in tensors.values()))
+        for name, (positions, values) in tensors.items():
+            view = views[name]
+            if not loader and view.is_contiguous():
+                staged.direct.append((view, positions, values.to(view.dtype)))
+                continue
+            if positions is not None and torch.isnan(values).any():  # the loader reads NaN as "unchanged"
+                raise ValueError(f"{name}: NaN values cannot be patched through vLLM's loader")
+            flat = None if positions is None else positions.to(torch.int32)
+            staged.loader.append(
+                CheckpointWeightPatch(name, shapes[name], torch.bfloat16, values.reshape(-1), flat)
+            )
+        return staged
 
 
 def _checkpoint_shapes(hf_config) -> dict[str, torch.Size]:
@@ -130,30 +181,3 @@ def _checkpoint_shapes(hf_config) -> dict[str, torch.Size]:
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(hf_config)
     return {name: p.shape for name, p in hf_model.named_parameters()}
-
-
-def _read_patches(path: str, views: dict[str, torch.Tensor], sparse: bool) -> list[CheckpointWeightPatch]:
-    """The file's entries as vLLM patches, checked against the model's layout before anything is written."""
-    device = next(iter(views.values())).device
-    entries = load_file(path, device=str(device))
-    shapes = {name: tuple(view.shape) for name, view in views.items()}
-    if sparse:
-        changes = raw_changes(entries, shapes)
-        for name, ch in changes.items():
-            if torch.isnan(ch.values).any():  # vLLM's sparse loader reads NaN as "leave unchanged"
-                raise ValueError(f"{name}: NaN values cannot be patched in place")
-        return [
-            CheckpointWeightPatch(name, shapes[name], torch.bfloat16, ch.values, ch.indices.to(torch.int32))
-            for name, ch in changes.items()
-        ]
-    for name, values in entries.items():
-        if name not in shapes:
-            raise ValueError(f"unknown tensor {name!r}")
-        if values.dtype != torch.bfloat16 or tuple(values.shape) != shapes[name]:
-            raise ValueError(
-                f"{name}: {values.dtype} {list(values.shape)}, expected bf16 {list(shapes[name])}"
-            )
-    return [
-        CheckpointWeightPatch(name, shapes[name], torch.bfloat16, v.reshape(-1), None)
-        for name, v in entries.items()
-    ]

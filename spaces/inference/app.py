@@ -13,9 +13,16 @@ Configuration, from the environment:
     POLL_S             seconds between polls of the head (1.0)
     VERIFY_EVERY       read the weights back from vLLM every N deltas to compare fingerprints (10)
     MAX_REQUEST_BYTES  largest request body accepted (4 MiB)
-    PATCH_WRITE        "vllm": vLLM's load_checkpoint_weight_patches (default); "direct": index writes into
-                       the parameter views learned at start-up, O(changed elements) (see bench/apply.py)
+    PATCH_WRITE        "direct" (default): indexed writes into the parameter views learned at start-up,
+                       O(changed elements), vLLM's loader only for tensors without one contiguous destination;
+                       "vllm": vLLM's load_checkpoint_weight_patches for every tensor (see bench/apply.py)
+    KV_ON_UPDATE       "keep" (default): running requests keep their KV cache across an update; "recompute":
+                       they are preempted and recompute their context on the new weights
     VLLM_ARGS          more `vllm serve` flags, e.g. "--max-model-len 4096 --gpu-memory-utilization 0.85"
+
+On CPU, unless VLLM_CPU_KVCACHE_SPACE or --kv-cache-memory-bytes says otherwise, the KV cache gets half the
+memory left beside the weights, at most room for 4 sequences of --max-model-len (`cpu_kv_cache_bytes`).
+SIGTERM and SIGINT stop the server and vLLM's engine processes.
 
 Public routes: /health, /version, /v1/models, /v1/completions, /v1/chat/completions, /inference/v1/generate
 (vLLM's token-in/token-out API: its choices carry exact `weight_versions` spans), GET /weights (sync status)
@@ -30,22 +37,27 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import os
 import re
 import shlex
+import signal
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Literal
 
 import gradio as gr
+import psutil
+import torch
 import uvicorn
+from prometheus_client import REGISTRY
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from starlette.datastructures import MutableHeaders
 from starlette.responses import JSONResponse
+from transformers import AutoConfig, AutoModelForCausalLM
 from vllm import SamplingParams
 from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
@@ -56,7 +68,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from deltasync.settings import from_env
 from deltasync.sync.subscriber import Subscriber
-from deltasync.vllm.applier import VllmApplier
+from deltasync.vllm.applier import KvPolicy, VllmApplier, WritePath
 
 log = logging.getLogger("deltasync.inference")
 PUBLIC_ROUTES = {
@@ -85,7 +97,8 @@ class Settings(BaseSettings):
     poll_s: float = 1.0
     verify_every: int = 10
     max_request_bytes: int = 4 << 20
-    patch_write: Literal["vllm", "direct"] = "vllm"
+    patch_write: WritePath = "direct"
+    kv_on_update: KvPolicy = "keep"
     vllm_args: str = ""
 
     @property
@@ -124,8 +137,23 @@ def sync_status(cfg: Settings, subscriber: Subscriber, applier: VllmApplier) -> 
         "last_error": subscriber.last_error,
         "readback": applier.readback,
         "last_write": applier.last_write,
+        "requests_in_flight": applier.engine.output_processor.get_num_unfinished_requests(),
+        "preemptions": preemptions(),
         "recent": [{**asdict(a), "lag_s": a.lag_s} for a in recent],
     }
+
+
+def preemptions() -> int:
+    """Requests vLLM has preempted since it started (its Prometheus counter, read in this process)."""
+    return int(
+        sum(
+            sample.value
+            for metric in REGISTRY.collect()
+            if metric.name == "vllm:num_preemptions"
+            for sample in metric.samples
+            if sample.name.endswith("_total")
+        )
+    )
 
 
 class BodyLimit:
@@ -236,14 +264,44 @@ def engine_args(cfg: Settings):
         argv += ["--no-enable-chunked-prefill"]  # whose prefill is split across steps; VLLM_ARGS may override
     args = make_arg_parser(FlexibleArgumentParser()).parse_args([*argv, *shlex.split(cfg.vllm_args)])
     args.api_key = [cfg.token] if cfg.token else None  # vLLM's own bearer check, kept out of argv
+    if current_platform.is_cpu() and args.kv_cache_memory_bytes is None and not os.environ.get(KV_ENV):
+        args.kv_cache_memory_bytes = cpu_kv_cache_bytes(args, psutil.virtual_memory().available)
     return args
+
+
+KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
+ENGINE_HEADROOM = 2 << 30  # the engine's processes and activations, beside the weights and the KV cache
+KV_SEQUENCES = 4  # the KV cache need not hold more than this many sequences of max-model-len
+
+
+def cpu_kv_cache_bytes(args, available: int) -> int:
+    """vLLM's CPU engine otherwise wants --gpu-memory-utilization (0.92) of the machine's memory free at
+    start-up. Half the memory left beside the weights and the engine, at least one sequence of
+    max-model-len, at most KV_SEQUENCES of them; SystemExit with one line when not even one fits."""
+    config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    text = config.get_text_config()
+    with torch.device("meta"):
+        weights = 2 * sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    max_len = args.max_model_len or text.max_position_embeddings
+    one = 2 * text.num_hidden_layers * kv_heads * head_dim * 2 * max_len  # K and V, bf16
+    left = available - weights - ENGINE_HEADROOM
+    if left < one:
+        gib = 1 << 30
+        raise SystemExit(
+            f"not enough memory for {args.model}: {available / gib:.1f} GiB available, the weights need "
+            f"{weights / gib:.1f} GiB, the engine ~{ENGINE_HEADROOM / gib:.0f} GiB and one {max_len}-token "
+            f"sequence's KV cache {one / gib:.1f} GiB; lower --max-model-len in VLLM_ARGS or free memory"
+        )
+    return max(one, min(left // 2, KV_SEQUENCES * one))
 
 
 async def serve(cfg: Settings) -> None:
     args = engine_args(cfg)
     async with build_async_engine_client(args) as engine:
         layout = (await engine.collective_rpc("deltasync_layout"))[0]
-        applier = VllmApplier(engine, asyncio.get_running_loop(), layout, cfg.patch_write == "direct")
+        applier = VllmApplier(engine, asyncio.get_running_loop(), layout, cfg.patch_write, cfg.kv_on_update)
         await engine.update_weight_version(applier.version)
         subscriber = Subscriber(cfg.sync_root, applier, replica=cfg.replica_id, verify_every=cfg.verify_every)
         app = await public_app(
@@ -263,7 +321,14 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = from_env(Settings)
     log.info("starting %s", cfg)  # the repr leaves out API_TOKEN; HF_TOKEN is never read here
-    asyncio.run(serve(cfg))
+    # SIGTERM (docker stop, systemd, kill) stops like Ctrl-C: KeyboardInterrupt unwinds serve(), and leaving
+    # vLLM's engine client stops its engine processes. (Left at the default, the SIGTERM that uvicorn
+    # re-raises once it has stopped would end this process before that, leaving the engine running.)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        asyncio.run(serve(cfg))
+    except KeyboardInterrupt:
+        log.info("stopped")
 
 
 if __name__ == "__main__":
