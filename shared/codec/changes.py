@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deltasync.codec.bf16 import as_bf16, bits
+from deltasync.codec.parallel import parallel_map, spans
 
 
 @dataclass(frozen=True)
@@ -35,25 +37,43 @@ def check_schema(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
 
 
 def diff(
-    old: Mapping[str, torch.Tensor], new: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+    old: Mapping[str, torch.Tensor],
+    new: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    threads: int | None = None,
 ) -> dict[str, TensorChanges]:
     """Elements of `new` (any float dtype, cast to bf16) whose bf16 bit pattern differs from `old` (bf16).
 
-    Bitwise comparison, so NaN payloads and -0.0 count. On CUDA this syncs with the host once for all
-    tensors (to size the outputs), not once per tensor.
+    Bitwise comparison, so NaN payloads and -0.0 count. On the host, spans of every tensor are compared on
+    `threads` threads (see deltasync.codec.parallel); on CUDA this syncs with the host once for all tensors
+    (to size the outputs), not once per tensor.
     """
     from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
 
     new = dict(new.items() if isinstance(new, Mapping) else new)
     check_schema(old, new)
-    found, on_device = {}, {}  # on_device: name -> (mask, new bits)
+    on_host, on_device = {}, {}  # on_host: name -> (old bits, new bits); on_device: name -> (mask, new bits)
     for name, t in new.items():
         new_bits, old_bits = bits(as_bf16(t)), bits(old[name])
-        if old_bits.device.type == new_bits.device.type == "cpu":  # one compiled pass, no mask
-            idx, values = kernels.changed_positions(old_bits.numpy(), new_bits.numpy())
-            found[name] = TensorChanges(torch.from_numpy(idx), torch.from_numpy(values).view(torch.bfloat16))
+        if old_bits.device.type == new_bits.device.type == "cpu":  # compiled passes, no mask
+            on_host[name] = (old_bits.numpy(), new_bits.numpy())
         else:
             on_device[name] = (new_bits != old_bits, new_bits)
+
+    def compare(work: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray]:
+        name, lo, hi = work
+        a, b = on_host[name]
+        idx, values = kernels.changed_positions(a[lo:hi], b[lo:hi])
+        return idx + lo, values
+
+    work = [(name, lo, hi) for name, (a, _) in on_host.items() for lo, hi in spans(a.size)]
+    pieces: dict[str, list] = {}
+    for (name, _, _), piece in zip(work, parallel_map(compare, work, threads), strict=True):
+        pieces.setdefault(name, []).append(piece)
+    found = {}
+    for name, parts in pieces.items():
+        idx = np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        values = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        found[name] = TensorChanges(torch.from_numpy(idx), torch.from_numpy(values).view(torch.bfloat16))
     if on_device:  # one host sync for all tensors, to size the outputs
         counts = torch.stack([torch.count_nonzero(m) for m, _ in on_device.values()]).tolist()
         for (name, (mask, new_bits)), count in zip(on_device.items(), counts, strict=True):
@@ -62,7 +82,19 @@ def diff(
     return {name: found[name] for name in new if len(found[name])}
 
 
-def apply_changes(state: Mapping[str, torch.Tensor], changes: Mapping[str, TensorChanges]) -> None:
-    """Write `changes` into the bf16 tensors of `state` in place."""
-    for name, ch in changes.items():
-        state[name].view(-1)[ch.indices.to(state[name].device)] = ch.values.to(state[name].device)
+def apply_changes(
+    state: Mapping[str, torch.Tensor], changes: Mapping[str, TensorChanges], threads: int | None = None
+) -> None:
+    """Write `changes` into the bf16 tensors of `state` in place (tensors on `threads` threads)."""
+
+    from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
+
+    def write(name: str) -> None:
+        ch, target = changes[name], state[name]
+        if target.device.type == ch.indices.device.type == "cpu" and target.is_contiguous():
+            # no torch op: its thread pool would spin beside ours
+            kernels.scatter(bits(target).numpy(), ch.indices.numpy(), bits(ch.values).cpu().numpy())
+        else:
+            target.view(-1)[ch.indices.to(target.device)] = ch.values.to(target.device)
+
+    parallel_map(write, changes, threads)

@@ -1,18 +1,23 @@
 """The compact encoding: lossless sparse bf16 changes near their entropy, given the receiver's old weights.
 
-Per tensor, every element falls in one of K <= 4 classes by the exponent of its OLD value, which both sides
-hold. Small weights change far more often than large ones, so positions are coded per class:
+A tensor is coded in chunks of `chunk` elements (the patch's metadata says how many; format version 2), each
+on its own, so encoder and decoder work on all cores and the bytes never depend on the thread count. Per
+chunk, every element falls in one of K <= 4 classes by the exponent of its OLD value, which both sides hold.
+Small weights change far more often than large ones, so positions are coded per class:
 
 - positions: per class, the gaps between the ranks (among that class's elements) of the changed elements,
-  Rice-split into q = gap >> k (categorical model) and k low bits (uniform);
+  Rice-split into q = gap >> k (categorical model) and k low bits (raw);
 - values: zigzag(new_bits - old_bits), nearly always 1 or 2 (a one-ulp move), categorical model; the rare
-  bigger jump escapes to the raw 16-bit pattern.
+  bigger jump escapes to the raw 16-bit new pattern.
 
 The categorical tables are pooled per class index over the whole patch (they are alike across tensors), so
-a tensor only carries a few varints: its class bounds, changed count and Rice parameter per class.
-Entropy stage: the ANS coder of `constriction`. The per-element loops are compiled (deltasync.codec.kernels):
-ranks and positions cost one branch-free pass over the old bits plus a short walk per change; a tensor with
-one class needs no pass.
+a chunk only carries a few varints: its class bounds, changed count and Rice parameter per class.
+Entropy stage: a static rANS coder compiled with numba (deltasync.codec.kernels), which releases the GIL;
+format version 1 (one chunk per tensor, `constriction`'s ANS coder) is still read.
+
+Streams. A tensor (v2): varint chunk count n, the byte lengths of chunks 1..n-1, the chunks. A chunk: varints
+K, K-1 class bounds, K counts, K Rice parameters, the number of ANS words; the ANS words (u16 LE); the raw
+bits (LSB first).
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ import torch
 MAX_CLASSES = 4
 Q_SYMBOLS = 32  # Rice quotients 0..30, 31 escapes to a raw 32-bit quotient
 V_SYMBOLS = 16  # zigzag value steps 1..15, 16 escapes to the raw 16-bit new pattern
-MAX_RICE = 23  # constriction's uniform model handles < 2^24
+MAX_RICE = 23  # remainders stay well inside the 32-bit bit writer (and v1's uniform model, < 2^24)
 CLASS_COST_BITS = 48.0  # rough header + model cost of one more class, for choosing K
+CHUNK = 1 << 22  # elements per chunk: ~40k changes at 1%, headers of a few bytes
+MAX_CHUNK = 1 << 31  # raw escapes hold 32-bit quotients
 
 _model = constriction.stream.model
 _uniform16 = _model.Uniform(1 << 16)
@@ -35,6 +42,17 @@ _uniform16 = _model.Uniform(1 << 16)
 
 class CompactDecodeError(ValueError):
     """A compact tensor stream that cannot be what an encoder wrote."""
+
+
+@dataclass
+class Tables:
+    """Quantized rANS models (rows: quotients of class 0..3, then values of class 0..3): frequencies,
+    cumulative frequencies, the symbol of each slot, and which rows exist."""
+
+    freq: np.ndarray
+    cum: np.ndarray
+    slots: np.ndarray
+    present: np.ndarray
 
 
 @dataclass
@@ -59,20 +77,37 @@ class Models:
             or v.shape != (MAX_CLASSES, V_SYMBOLS)
             or (q < 0).any()
             or (v < 0).any()
+            or q.sum() >= 1 << 48
+            or v.sum() >= 1 << 48
         ):
-            raise CompactDecodeError("bad compact model tables: wrong shape or negative counts")
+            raise CompactDecodeError("bad compact model tables: wrong shape, negative or huge counts")
         return cls(q, v)
 
+    def tables(self) -> Tables:
+        """The rANS models. Integer arithmetic only, so encoder and decoder build identical tables."""
+        from deltasync.codec.kernels import ANS_SCALE  # not at import time: see deltasync.codec.kernels
+
+        counts = np.zeros((2 * MAX_CLASSES, Q_SYMBOLS), np.int64)
+        counts[:MAX_CLASSES], counts[MAX_CLASSES:, :V_SYMBOLS] = self.q, self.v
+        total = counts.sum(1, keepdims=True)
+        freq = np.where(counts > 0, np.maximum(1, (counts << ANS_SCALE) // np.maximum(total, 1)), 0)
+        present = total[:, 0] > 0
+        rows = np.nonzero(present)[0]
+        freq[rows, freq[rows].argmax(1)] += (1 << ANS_SCALE) - freq[rows].sum(1)  # rows sum to 2^14
+        cum = np.zeros((2 * MAX_CLASSES, Q_SYMBOLS + 1), np.int64)
+        cum[:, 1:] = freq.cumsum(1)
+        slots = np.zeros((2 * MAX_CLASSES, 1 << ANS_SCALE), np.uint8)
+        for m in rows:
+            slots[m] = np.repeat(np.arange(Q_SYMBOLS, dtype=np.uint8), freq[m])
+        return Tables(freq, cum, slots, present)
+
     def categorical(self) -> tuple[list, list]:
-        """ANS models. Frequencies are integers, so encoder and decoder build bit-identical tables."""
+        """Format version 1's ANS models (constriction), for reading old patches."""
         return [_categorical(c) for c in self.q], [_categorical(c) for c in self.v]
 
 
 def _categorical(counts: np.ndarray):
     return _model.Categorical(counts.astype(np.float64), perfect=False) if counts.sum() else None
-
-
-# ----------------------------------------------------------------------------------------------- classes
 
 
 def _limits(bounds: list[int]) -> np.ndarray:
@@ -84,45 +119,32 @@ def _limits(bounds: list[int]) -> np.ndarray:
 
 
 @dataclass
-class TensorSymbols:
-    """One tensor's changes turned into symbols, before the patch-wide models exist."""
+class Symbols:
+    """One chunk's changes turned into symbols, before the patch-wide models exist."""
 
     bounds: list[int]
-    counts: list[int]
-    rice: list[int]
-    q: list[np.ndarray]
-    r: list[np.ndarray]
-    v: list[np.ndarray]
+    starts: np.ndarray  # class c's symbols are [starts[c], starts[c + 1])
+    rice: np.ndarray
+    q: np.ndarray
+    r: np.ndarray
+    v: np.ndarray
     q_hist: np.ndarray
     v_hist: np.ndarray
     estimated_bits: float
 
 
-def to_symbols(old_bits: torch.Tensor, idx: torch.Tensor, new_bits: torch.Tensor) -> TensorSymbols:
-    """Symbols for changed positions `idx` (sorted int64) with new patterns `new_bits` (int16)."""
+def to_symbols(old_bits: np.ndarray, idx: np.ndarray, new_bits: np.ndarray) -> Symbols:
+    """Symbols for the changes of one chunk: old patterns `old_bits` (int16), changed positions `idx`
+    (sorted int64, within the chunk), new patterns `new_bits` (int16)."""
     from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
 
-    old_np, idx_np = old_bits.cpu().numpy(), idx.cpu().numpy()
-    bounds, position_bits = kernels.choose_bounds(*kernels.exponent_histograms(old_np, idx_np))
+    bounds, position_bits = kernels.choose_bounds(*kernels.exponent_histograms(old_bits, idx))
     bounds = bounds.tolist()
-    starts, rice, q, r, v, q_hist, v_hist = kernels.encode_symbols(
-        old_np, _limits(bounds), idx_np, new_bits.cpu().numpy()
-    )
-    classes = [slice(starts[c], starts[c + 1]) for c in range(len(bounds) + 1)]
-    return TensorSymbols(
-        bounds=bounds,
-        counts=[int(starts[c + 1] - starts[c]) for c in range(len(classes))],
-        rice=rice[: len(classes)].tolist(),
-        q=[q[s] for s in classes],
-        r=[r[s] for s in classes],
-        v=[v[s] for s in classes],
-        q_hist=q_hist,
-        v_hist=v_hist,
-        estimated_bits=position_bits + 1.5 * idx.numel(),
-    )
+    starts, rice, q, r, v, q_hist, v_hist = kernels.encode_symbols(old_bits, _limits(bounds), idx, new_bits)
+    return Symbols(bounds, starts, rice, q, r, v, q_hist, v_hist, position_bits + 1.5 * idx.size)
 
 
-def tally(models: Models, s: TensorSymbols) -> None:
+def tally(models: Models, s: Symbols) -> None:
     models.q += s.q_hist
     models.v += s.v_hist
 
@@ -158,66 +180,101 @@ def _read_varints(data: bytes, count: int, pos: int = 0) -> tuple[list[int], int
     return values, pos
 
 
-def stream_changed(data: bytes) -> int:
-    """Changed elements in a tensor stream, from its header alone."""
+def _class_header(data: bytes, extra: int = 0) -> tuple[int, list[int], list[int], list[int], list[int], int]:
+    """K, bounds, counts, Rice parameters, `extra` more fields, and where the header ends."""
     (k,), pos = _read_varints(data, 1)
     if not 1 <= k <= MAX_CLASSES:
         raise CompactDecodeError(f"class count {k} not in 1..{MAX_CLASSES}")
-    fields, _ = _read_varints(data, 2 * k - 1, pos)
-    return sum(fields[k - 1 :])
-
-
-def encode_stream(s: TensorSymbols, q_models: list, v_models: list) -> bytes:
-    """One tensor's stream: varint header (K, bounds, counts, Rice), then ANS words (little-endian u32)."""
-    coder = constriction.stream.stack.AnsCoder()
-    # ANS is a stack: push in the reverse of the decoding order (positions per class, then values per class).
-    for c in reversed(range(len(s.counts))):
-        if not s.counts[c]:
-            continue
-        v = s.v[c]
-        escaped = v >= (V_SYMBOLS << 16)
-        if escaped.any():
-            coder.encode_reverse((v[escaped] & 0xFFFF).astype(np.int32), _uniform16)
-        coder.encode_reverse((np.minimum(v, V_SYMBOLS) - 1).astype(np.int32), v_models[c])
-    for c in reversed(range(len(s.counts))):
-        if not s.counts[c]:
-            continue
-        q = s.q[c]
-        if s.rice[c]:
-            coder.encode_reverse(s.r[c].astype(np.int32), _model.Uniform(1 << s.rice[c]))
-        big = q[q >= Q_SYMBOLS - 1] - (Q_SYMBOLS - 1)
-        if big.size:
-            halves = np.stack([big >> 16, big & 0xFFFF], 1).reshape(-1)
-            coder.encode_reverse(halves.astype(np.int32), _uniform16)
-        coder.encode_reverse(np.minimum(q, Q_SYMBOLS - 1).astype(np.int32), q_models[c])
-    header = _varints([len(s.counts), *s.bounds, *s.counts, *s.rice])
-    return header + coder.get_compressed().astype("<u4").tobytes()
-
-
-def decode_stream(
-    data: bytes, old_bits: torch.Tensor, q_models: list, v_models: list
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions (sorted int64) and new bit patterns (int16) of one tensor's changes."""
-    (k,), pos = _read_varints(data, 1)
-    if not 1 <= k <= MAX_CLASSES:
-        raise CompactDecodeError(f"class count {k} not in 1..{MAX_CLASSES}")
-    fields, pos = _read_varints(data, (k - 1) + 2 * k, pos)
-    bounds, counts, rice = fields[: k - 1], fields[k - 1 : 2 * k - 1], fields[2 * k - 1 :]
+    fields, pos = _read_varints(data, (k - 1) + 2 * k + extra, pos)
+    bounds, counts = fields[: k - 1], fields[k - 1 : 2 * k - 1]
+    rice, rest = fields[2 * k - 1 : 3 * k - 1], fields[3 * k - 1 :]
     if bounds != sorted(set(bounds)) or any(b > 255 for b in bounds) or any(r > MAX_RICE for r in rice):
         raise CompactDecodeError(f"bad class header: bounds {bounds}, rice {rice}")
-    if (len(data) - pos) % 4:
-        raise CompactDecodeError("ANS payload is not a whole number of 32-bit words")
-    device, old_bits = old_bits.device, old_bits.cpu()
-    numel = old_bits.numel()
+    return k, bounds, counts, rice, rest, pos
+
+
+def join_chunks(chunks: list[bytes]) -> bytes:
+    """A tensor's stream from its chunks' streams."""
+    return _varints([len(chunks), *(len(c) for c in chunks[:-1])]) + b"".join(chunks)
+
+
+def split_chunks(data: bytes) -> list[bytes]:
+    """The chunk streams of a tensor's stream."""
+    (n,), pos = _read_varints(data, 1)
+    if not 1 <= n <= len(data):
+        raise CompactDecodeError(f"chunk count {n} for a stream of {len(data)} bytes")
+    lengths, pos = _read_varints(data, n - 1, pos)
+    if sum(lengths) > len(data) - pos:
+        raise CompactDecodeError("chunk lengths exceed the stream")
+    chunks = []
+    for length in [*lengths, len(data) - pos - sum(lengths)]:
+        chunks.append(data[pos : pos + length])
+        pos += length
+    return chunks
+
+
+def stream_changed(data: bytes, version: str) -> int:
+    """Changed elements in a tensor stream, from its headers alone."""
+    chunks = split_chunks(data) if version != "1" else [data]
+    return sum(sum(_class_header(chunk)[2]) for chunk in chunks)
+
+
+def encode_chunk(s: Symbols, tables: Tables) -> bytes:
+    from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
+
+    words, raw = kernels.ans_encode(s.starts, s.rice, s.q, s.r, s.v, tables.freq, tables.cum)
+    k = len(s.bounds) + 1
+    counts = np.diff(s.starts)[:k].tolist()
+    header = _varints([k, *s.bounds, *counts, *s.rice[:k].tolist(), words.size])
+    return header + words.astype("<u2").tobytes() + raw.tobytes()
+
+
+def _starts(counts: list[int], numel: int, present: list[bool]) -> np.ndarray:
     for c, n in enumerate(counts):
         if n > numel:
             raise CompactDecodeError(f"class {c} claims {n} changes among {numel} elements")
-        if n and (q_models[c] is None or v_models[c] is None):
+        if n and not present[c]:
             raise CompactDecodeError(f"class {c} has changes but the patch has no model for it")
-    coder = constriction.stream.stack.AnsCoder(np.frombuffer(data, "<u4", offset=pos).astype(np.uint32))
     starts = np.zeros(MAX_CLASSES + 1, np.int64)
-    starts[1 : k + 1] = np.cumsum(counts)
-    starts[k + 1 :] = starts[k]
+    starts[1 : len(counts) + 1] = np.cumsum(counts)
+    starts[len(counts) + 1 :] = starts[len(counts)]
+    return starts
+
+
+def decode_chunk(data: bytes, old_bits: np.ndarray, tables: Tables) -> tuple[np.ndarray, np.ndarray]:
+    """Positions (sorted int64, within the chunk) and new patterns (uint16) of one chunk's changes."""
+    from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
+
+    k, bounds, counts, rice, (n_words,), pos = _class_header(data, extra=1)
+    if 2 * n_words > len(data) - pos:
+        raise CompactDecodeError(f"{n_words} ANS words claimed, {len(data) - pos} bytes left")
+    present = [bool(tables.present[c]) and bool(tables.present[MAX_CLASSES + c]) for c in range(k)]
+    starts = _starts(counts, old_bits.size, present)
+    words = np.frombuffer(data, "<u2", n_words, pos).astype(np.uint16)
+    raw = np.frombuffer(data, np.uint8, offset=pos + 2 * n_words).copy()
+    rice_all = np.array(rice + [0] * (MAX_CLASSES - k), np.int64)
+    q, r, steps, raws, status = kernels.ans_decode(
+        words, raw, starts, rice_all, tables.freq, tables.cum, tables.slots
+    )
+    if status:
+        raise CompactDecodeError(kernels.ANS_ERRORS[status])
+    idx, new, status = kernels.decode_symbols(old_bits, _limits(bounds), starts, rice_all, q, r, steps, raws)
+    if status:
+        raise CompactDecodeError(kernels.DECODE_ERRORS[status])
+    return idx, new
+
+
+def decode_stream_v1(
+    data: bytes, old_bits: torch.Tensor, q_models: list, v_models: list
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (sorted int64) and new bit patterns (int16) of one tensor's changes, format version 1."""
+    k, bounds, counts, rice, _, pos = _class_header(data)
+    if (len(data) - pos) % 4:
+        raise CompactDecodeError("ANS payload is not a whole number of 32-bit words")
+    device, old_bits = old_bits.device, old_bits.cpu()
+    present = [q_models[c] is not None and v_models[c] is not None for c in range(k)]
+    starts = _starts(counts, old_bits.numel(), present)
+    coder = constriction.stream.stack.AnsCoder(np.frombuffer(data, "<u4", offset=pos).astype(np.uint32))
     q, r = np.empty(starts[-1], np.int64), np.zeros(starts[-1], np.int64)
     steps, raws = np.empty(starts[-1], np.int64), np.zeros(starts[-1], np.int64)
     classes = [slice(starts[c], starts[c + 1]) for c in range(k)]

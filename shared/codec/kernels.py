@@ -71,6 +71,22 @@ def changed_positions(old_bits, new_bits):
     return positions, values
 
 
+@_jit
+def gather(source, positions):
+    """source[positions] (numpy's fancy indexing, without the GIL)."""
+    out = np.empty(positions.size, source.dtype)
+    for j in range(positions.size):
+        out[j] = source[positions[j]]
+    return out
+
+
+@_jit
+def scatter(target, positions, values):
+    """target[positions] = values (numpy's fancy assignment, without the GIL)."""
+    for j in range(positions.size):
+        target[positions[j]] = values[j]
+
+
 # ----------------------------------------------------------------------------------------------- fingerprint
 
 
@@ -322,3 +338,131 @@ def decode_symbols(old_bits, limits, starts, rice, q, r, steps, raws):
     if j < k:
         return positions, new, 1
     return positions, new, 0
+
+
+# ----------------------------------------------------------------------------------------------- rANS
+
+ANS_SCALE = 14  # the quantized frequencies of every model sum to 2^14
+ANS_LOW = 1 << 16  # the coder's state stays in [2^16, 2^32) and moves 16-bit words
+_ANS_RENORM = (ANS_LOW >> ANS_SCALE) << 16  # times a frequency: the state bound before a symbol is pushed
+ANS_ERRORS = {
+    3: "the ANS stream is truncated or does not end where its symbols do",
+    4: "the raw bit stream is truncated or longer than its symbols need",
+}
+
+
+@_inline
+def _put_bits(out, at, value, n):
+    """Append the n low bits of value to the bit stream out (at: [next byte, held bits, count held])."""
+    at[1] |= (value & ((1 << n) - 1)) << at[2]
+    at[2] += n
+    while at[2] >= 8:
+        out[at[0]] = at[1] & 0xFF
+        at[0], at[1], at[2] = at[0] + 1, at[1] >> 8, at[2] - 8
+
+
+@_inline
+def _take_bits(data, at, n):
+    """The next n bits of data (at: [next byte, held bits, count held]), or -1 past its end."""
+    while at[2] < n:
+        if at[0] >= data.size:
+            return -1
+        at[1] |= np.int64(data[at[0]]) << at[2]
+        at[0], at[2] = at[0] + 1, at[2] + 8
+    value = at[1] & ((1 << n) - 1)
+    at[1], at[2] = at[1] >> n, at[2] - n
+    return value
+
+
+@_jit
+def ans_encode(starts, rice, q, r, v, freq, cum):
+    """One chunk's symbols (as encode_symbols returns them) as rANS words (uint16) and raw bits (uint8).
+
+    Decoding order of the ANS symbols: per class c the capped Rice quotients (model c), then per class the
+    value symbols (model MAX_CLASSES + c). Raw bits, per class: each remainder (rice[c] bits) and escaped
+    quotient (32 bits), then per class each escaped value's pattern (16 bits). ANS is a stack, so the
+    symbols are pushed in reverse.
+    """
+    k = q.size
+    words = np.empty(2 * k + 2, np.uint16)  # a push emits at most one word
+    at_word, x = words.size, np.int64(ANS_LOW)
+    for half in range(1, -1, -1):
+        for c in range(MAX_CLASSES - 1, -1, -1):
+            m = half * MAX_CLASSES + c
+            for t in range(starts[c + 1] - 1, starts[c] - 1, -1):
+                s = min(q[t], Q_SYMBOLS - 1) if half == 0 else min(v[t], V_SYMBOLS) - 1
+                f = freq[m, s]
+                if x >= _ANS_RENORM * f:
+                    at_word -= 1
+                    words[at_word] = x & 0xFFFF
+                    x >>= 16
+                x = ((x // f) << ANS_SCALE) + x % f + cum[m, s]
+    words[at_word - 1], words[at_word - 2] = x & 0xFFFF, x >> 16
+    n_bits = 0
+    for c in range(MAX_CLASSES):
+        for t in range(starts[c], starts[c + 1]):
+            n_bits += rice[c] + 32 * (q[t] >= Q_SYMBOLS - 1) + 16 * (v[t] >= V_SYMBOLS)
+    raw = np.zeros((n_bits + 7) // 8, np.uint8)
+    at = np.zeros(3, np.int64)
+    for c in range(MAX_CLASSES):
+        for t in range(starts[c], starts[c + 1]):
+            _put_bits(raw, at, r[t], rice[c])
+            if q[t] >= Q_SYMBOLS - 1:
+                _put_bits(raw, at, q[t] - (Q_SYMBOLS - 1), 32)
+    for c in range(MAX_CLASSES):
+        for t in range(starts[c], starts[c + 1]):
+            if v[t] >= V_SYMBOLS:
+                _put_bits(raw, at, v[t], 16)
+    if at[2]:
+        raw[at[0]] = at[1]
+    return words[at_word - 2 :], raw
+
+
+@_jit
+def ans_decode(words, raw, starts, rice, freq, cum, slots):
+    """The inverse of ans_encode: full Rice quotients, remainders, value steps (1..V_SYMBOLS) and the raw
+    patterns of escaped values, as decode_symbols takes them. Returns them and a status: 0, or a key of
+    ANS_ERRORS."""
+    k = starts[MAX_CLASSES]
+    q, r = np.empty(k, np.int64), np.zeros(k, np.int64)
+    steps, raws = np.empty(k, np.int64), np.zeros(k, np.int64)
+    if words.size < 2:
+        return q, r, steps, raws, 3
+    x, at_word = (np.int64(words[0]) << 16) | np.int64(words[1]), 2
+    mask = (1 << ANS_SCALE) - 1
+    for half in range(2):
+        for c in range(MAX_CLASSES):
+            m = half * MAX_CLASSES + c
+            for t in range(starts[c], starts[c + 1]):
+                slot = x & mask
+                s = slots[m, slot]
+                x = freq[m, s] * (x >> ANS_SCALE) + slot - cum[m, s]
+                if x < ANS_LOW:
+                    if at_word >= words.size:
+                        return q, r, steps, raws, 3
+                    x = (x << 16) | np.int64(words[at_word])
+                    at_word += 1
+                if half == 0:
+                    q[t] = s
+                else:
+                    steps[t] = s + 1
+    if x != ANS_LOW or at_word != words.size:
+        return q, r, steps, raws, 3
+    at = np.zeros(3, np.int64)
+    for c in range(MAX_CLASSES):
+        for t in range(starts[c], starts[c + 1]):
+            r[t] = _take_bits(raw, at, rice[c])
+            if q[t] == Q_SYMBOLS - 1:
+                extra = _take_bits(raw, at, 32)
+                q[t] = -1 if extra < 0 else q[t] + extra
+            if r[t] < 0 or q[t] < 0:
+                return q, r, steps, raws, 4
+    for c in range(MAX_CLASSES):
+        for t in range(starts[c], starts[c + 1]):
+            if steps[t] == V_SYMBOLS:
+                raws[t] = _take_bits(raw, at, 16)
+                if raws[t] < 0:
+                    return q, r, steps, raws, 4
+    if at[0] != raw.size or at[1]:
+        return q, r, steps, raws, 4
+    return q, r, steps, raws, 0

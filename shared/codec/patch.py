@@ -2,7 +2,7 @@
 
 Layout (every patch is a valid safetensors file; the header's `__metadata__` holds strings only):
 
-    format            "deltasync.patch"            version   "1"
+    format            "deltasync.patch"            version   "2" (readers also take "1")
     encoding          "compact" | "raw"
     step, base_step   the state this patch produces, and the one it applies to
     numel, changed    elements in the whole model, elements this patch changes
@@ -11,11 +11,12 @@ Layout (every patch is a valid safetensors file; the header's `__metadata__` hol
     base_fingerprint  the same for the state it applies to (a patch never applies anywhere else)
     models            (compact only) JSON of the pooled categorical tables, see deltasync.codec.compact
     dense             (compact only) JSON {name: changed} for the tensors stored dense
+    chunk             (compact, version 2) elements per independently coded chunk of a tensor
 
 Entries, per changed tensor `name` (HF checkpoint names), by mode:
     raw      `name/indices` I32 flat positions (strictly increasing) and `name/values` BF16 new values:
              what vLLM's CheckpointWeightPatch takes
-    compact  `name` U8: the tensor's compact stream (needs the old weights to decode)
+    compact  `name` U8: the tensor's compact stream (needs the old weights to decode; version 1: one chunk)
     dense    `name` BF16 with the tensor's shape: all its new values (chosen when changes are dense)
 The entries say which tensors changed and how; nothing else repeats their names.
 """
@@ -29,6 +30,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
@@ -36,9 +38,12 @@ from safetensors.torch import save as save_safetensors
 from deltasync.codec import compact, fingerprint
 from deltasync.codec.bf16 import bits
 from deltasync.codec.changes import TensorChanges, diff
+from deltasync.codec.parallel import parallel_map, spans
 
 FORMAT = "deltasync.patch"
-VERSION = "1"
+VERSION = "2"
+READABLE_VERSIONS = ("1", "2")  # 1: compact tensors in one chunk, coded by constriction
+FINGERPRINT_SPAN = 1 << 20  # changed elements per unit of fingerprint work
 ENCODINGS = ("compact", "raw")
 MAX_HEADER_BYTES = 64 << 20
 
@@ -67,15 +72,26 @@ class Patch:
         return sum(len(c) for c in self.changes.values())
 
 
-def fingerprint_after(base_fingerprint: int, old: Mapping[str, torch.Tensor], changes: dict) -> int:
-    """The fingerprint of `old` with `changes` applied, in O(changed elements)."""
-    fp = base_fingerprint
-    for name, ch in changes.items():
-        idx = ch.indices.to(old[name].device)
-        fp += fingerprint.delta(
-            name, ch.indices.cpu().numpy(), bits(old[name])[idx].cpu().numpy(), bits(ch.values).cpu().numpy()
-        )
-    return fp & fingerprint.MASK64
+def fingerprint_after(
+    base_fingerprint: int, old: Mapping[str, torch.Tensor], changes: dict, threads: int | None = None
+) -> int:
+    """The fingerprint of `old` with `changes` applied, in O(changed elements), on `threads` threads."""
+    from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
+
+    def moved(work: tuple[str, int, int]) -> int:
+        name, lo, hi = work
+        ch = changes[name]
+        idx, old_bits = ch.indices[lo:hi], bits(old[name])
+        if old_bits.device.type == "cpu":  # no torch op: its thread pool would spin beside ours
+            idx = idx.cpu().numpy()
+            before = kernels.gather(old_bits.numpy(), idx)
+        else:
+            before = old_bits[idx.to(old_bits.device)].cpu().numpy()
+            idx = idx.cpu().numpy()
+        return fingerprint.delta(name, idx, before, bits(ch.values[lo:hi]).cpu().numpy())
+
+    work = [(n, lo, hi) for n, ch in changes.items() for lo, hi in spans(len(ch), FINGERPRINT_SPAN)]
+    return (base_fingerprint + sum(parallel_map(moved, work, threads))) & fingerprint.MASK64
 
 
 def make_patch(
@@ -84,21 +100,29 @@ def make_patch(
     step: int,
     base_step: int,
     base_fingerprint: int | None = None,
+    threads: int | None = None,
 ) -> Patch:
-    """The patch from bf16 state `old` to `new` (any float dtype, compared as bf16)."""
-    changes = diff(old, new)
+    """The patch from bf16 state `old` to `new` (any float dtype, compared as bf16), on `threads` threads."""
+    changes = diff(old, new, threads)
     if base_fingerprint is None:
         base_fingerprint = fingerprint.state_fingerprint(old)
     numel = sum(t.numel() for t in old.values())
-    fp = fingerprint_after(base_fingerprint, old, changes)
+    fp = fingerprint_after(base_fingerprint, old, changes, threads)
     return Patch(step, base_step, numel, base_fingerprint, fp, changes)
 
 
 # ----------------------------------------------------------------------------------------------- encode
 
 
-def encode(patch: Patch, old: Mapping[str, torch.Tensor], encoding: str = "compact") -> bytes:
-    """Serialize `patch`, made against bf16 state `old`, as safetensors bytes."""
+def encode(
+    patch: Patch,
+    old: Mapping[str, torch.Tensor],
+    encoding: str = "compact",
+    threads: int | None = None,
+    chunk: int = compact.CHUNK,
+) -> bytes:
+    """Serialize `patch`, made against bf16 state `old`, as safetensors bytes. The compact encoding codes
+    chunks of `chunk` elements on `threads` threads; the bytes do not depend on `threads`."""
     if encoding not in ENCODINGS:
         raise ValueError(f"unknown encoding {encoding!r}; choose from {', '.join(ENCODINGS)}")
     entries: dict[str, torch.Tensor] = {}
@@ -111,15 +135,24 @@ def encode(patch: Patch, old: Mapping[str, torch.Tensor], encoding: str = "compa
             )
         entries = raw_entries(patch.changes)
     else:
+        if not 1 <= chunk <= compact.MAX_CHUNK:
+            raise ValueError(f"chunk {chunk} not in 1..{compact.MAX_CHUNK}")
         models, symbols, dense_changed = compact.Models(), {}, {}
+        chunks = _chunks(patch.changes, old, chunk)
+        for (name, _), s in zip(chunks, parallel_map(_chunk_symbols, chunks, threads), strict=True):
+            symbols.setdefault(name, []).append(s)
+        for name, parts in list(symbols.items()):
+            if sum(s.estimated_bits for s in parts) < 16 * old[name].numel():
+                for s in parts:
+                    compact.tally(models, s)
+            else:
+                del symbols[name]
+        tables = models.tables()
+        work = [s for parts in symbols.values() for s in parts]
+        coded = iter(parallel_map(lambda s: compact.encode_chunk(s, tables), work, threads))
+        streams = {name: compact.join_chunks([next(coded) for _ in parts]) for name, parts in symbols.items()}
         for name, ch in patch.changes.items():
-            s = compact.to_symbols(bits(old[name]), ch.indices, bits(ch.values))
-            if s.estimated_bits < 16 * old[name].numel():
-                symbols[name] = s
-                compact.tally(models, s)
-        q_models, v_models = models.categorical()
-        for name, ch in patch.changes.items():
-            stream = compact.encode_stream(symbols[name], q_models, v_models) if name in symbols else None
+            stream = streams.get(name)
             if stream is not None and len(stream) < 2 * old[name].numel():
                 entries[name] = torch.frombuffer(bytearray(stream), dtype=torch.uint8)
             else:  # dense is never beaten by more than a few header bytes
@@ -129,6 +162,7 @@ def encode(patch: Patch, old: Mapping[str, torch.Tensor], encoding: str = "compa
                 dense_changed[name] = len(ch)
         extra["models"] = json.dumps(models.to_json(), separators=(",", ":"))
         extra["dense"] = json.dumps(dense_changed, separators=(",", ":"))
+        extra["chunk"] = str(chunk)
     metadata = {
         "format": FORMAT,
         "version": VERSION,
@@ -143,6 +177,25 @@ def encode(patch: Patch, old: Mapping[str, torch.Tensor], encoding: str = "compa
         **extra,
     }
     return save_safetensors(entries, metadata=metadata)
+
+
+Chunk = tuple[str, tuple]  # (tensor name, (old bits, positions, new bits) of one chunk as numpy arrays)
+
+
+def _chunks(changes: Mapping[str, TensorChanges], old: Mapping[str, torch.Tensor], chunk: int) -> list[Chunk]:
+    """Every changed tensor's chunks, in order, with positions relative to the chunk."""
+    out = []
+    for name, ch in changes.items():
+        old_bits, idx, new_bits = bits(old[name]).cpu().numpy(), ch.indices.cpu().numpy(), bits(ch.values)
+        cuts = np.searchsorted(idx, np.arange(0, old_bits.size + chunk, chunk)).tolist()
+        for i, (lo, hi) in enumerate(spans(old_bits.size, chunk)):
+            part = slice(cuts[i], cuts[i + 1])
+            out.append((name, (old_bits[lo:hi], idx[part] - lo, new_bits[part].cpu().numpy())))
+    return out
+
+
+def _chunk_symbols(work: Chunk) -> compact.Symbols:
+    return compact.to_symbols(*work[1])
 
 
 def raw_entries(changes: Mapping[str, TensorChanges]) -> dict[str, torch.Tensor]:
@@ -226,14 +279,16 @@ def read_info(data: bytes) -> PatchInfo:
     try:
         header = json.loads(data[8 : 8 + header_len])
         meta = header.get("__metadata__")
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+    except (ValueError, RecursionError, AttributeError) as e:  # bad JSON or UTF-8, huge ints, deep nesting
         raise PatchError(f"corrupt safetensors header: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise PatchError(
             f"not a deltasync patch (format {meta.get('format') if isinstance(meta, dict) else None!r})"
         )
-    if meta.get("version") != VERSION:
-        raise PatchError(f"patch format version {meta.get('version')!r}, this reader understands {VERSION!r}")
+    if meta.get("version") not in READABLE_VERSIONS:
+        raise PatchError(
+            f"patch format version {meta.get('version')!r}, this reader understands {READABLE_VERSIONS}"
+        )
     if meta.get("encoding") not in ENCODINGS:
         raise PatchError(f"unknown encoding {meta.get('encoding')!r}")
     try:
@@ -274,12 +329,15 @@ def _tensor_list(meta: dict, header: dict, body: bytes) -> dict[str, dict]:
                 raise PatchError(
                     f"raw entry {key!r} ({entry.get('dtype')}) is not name/indices I32 or name/values BF16"
                 )
+            if len(entry["shape"]) != 1:
+                raise PatchError(f"raw entry {key!r} has shape {entry['shape']!r:.40}, expected 1-D")
             tensors.setdefault(name, {"mode": "raw", "changed": 0, "parts": set()})
             tensors[name]["parts"].add(part)
             tensors[name]["changed"] = entry["shape"][0]
         elif entry["dtype"] == "U8":
             start, end = entry["data_offsets"]
-            tensors[name] = {"mode": "compact", "changed": compact.stream_changed(body[start:end])}
+            changed = compact.stream_changed(body[start:end], meta["version"])
+            tensors[name] = {"mode": "compact", "changed": changed}
         elif entry["dtype"] == "BF16" and name in dense:
             tensors[name] = {"mode": "dense", "changed": int(dense[name]), "shape": entry["shape"]}
         else:
@@ -292,8 +350,13 @@ def _tensor_list(meta: dict, header: dict, body: bytes) -> dict[str, dict]:
     return tensors
 
 
-def decode(data: bytes, base: Mapping[str, torch.Tensor], base_fingerprint: int | None = None) -> Patch:
-    """Decode and verify a patch against the bf16 state `base` it must apply to.
+def decode(
+    data: bytes,
+    base: Mapping[str, torch.Tensor],
+    base_fingerprint: int | None = None,
+    threads: int | None = None,
+) -> Patch:
+    """Decode and verify a patch against the bf16 state `base` it must apply to, on `threads` threads.
 
     `base_fingerprint` is the caller's fingerprint of `base` (computed in full when None). Raises PatchError
     unless the patch was made from exactly this state and reproduces its recorded fingerprint.
@@ -324,22 +387,34 @@ def decode(data: bytes, base: Mapping[str, torch.Tensor], base_fingerprint: int 
         entries = load_safetensors(data)
     except Exception as e:  # safetensors raises its own error types for every kind of corruption
         raise PatchError(f"corrupt patch payload: {e}") from None
-    q_models = v_models = None
+    models = None
     if info.encoding == "compact":
         try:
             models = compact.Models.from_json(json.loads(info.metadata.get("models", "null")) or {})
         except (json.JSONDecodeError, compact.CompactDecodeError) as e:
             raise PatchError(f"bad compact models: {e}") from None
-        q_models, v_models = models.categorical()
+    chunked = info.encoding == "compact" and info.metadata["version"] != "1"
+    if chunked:
+        chunks = _compact_chunks(info, entries, base)
+        tables = models.tables()
+        decoded = parallel_map(lambda work: _decode_chunk(*work, tables), chunks, threads)
+    else:
+        models = models and models.categorical()
     changes = {}
     for name, t in info.tensors.items():
         try:
-            changes[name] = _decode_tensor(name, t, entries, base[name], q_models, v_models)
+            if chunked and t["mode"] == "compact":
+                parts = [d for (n, *_), d in zip(chunks, decoded, strict=True) if n == name]
+                idx = torch.from_numpy(np.concatenate([p[0] for p in parts]))
+                new_bits = torch.from_numpy(np.concatenate([p[1] for p in parts]).view(np.int16))
+                changes[name] = _checked(name, t, base[name], idx, new_bits.view(torch.bfloat16))
+            else:
+                changes[name] = _decode_tensor(name, t, entries, base[name], models)
         except PatchError:
             raise
         except (compact.CompactDecodeError, ValueError, RuntimeError, OverflowError) as e:
             raise PatchError(f"{name}: corrupt {t['mode']} data: {e}") from None
-    fp = fingerprint_after(base_fingerprint, base, changes)
+    fp = fingerprint_after(base_fingerprint, base, changes, threads)
     if fp != info.fingerprint:
         raise PatchError(
             f"fingerprint mismatch: decoded state is {fingerprint.format_fingerprint(fp)}, "
@@ -348,7 +423,49 @@ def decode(data: bytes, base: Mapping[str, torch.Tensor], base_fingerprint: int 
     return Patch(info.step, info.base_step, numel, base_fingerprint, fp, changes)
 
 
-def _decode_tensor(name, t, entries, old, q_models, v_models) -> TensorChanges:
+def _compact_chunks(info: PatchInfo, entries: dict, base: Mapping[str, torch.Tensor]) -> list[tuple]:
+    """(name, chunk stream, old bits, offset) of every chunk of the compact tensors of a version 2 patch."""
+    try:
+        chunk = int(info.metadata["chunk"])
+    except (KeyError, ValueError):
+        raise PatchError("compact patch lacks a valid chunk size") from None
+    if not 1 <= chunk <= compact.MAX_CHUNK:
+        raise PatchError(f"chunk size {chunk} not in 1..{compact.MAX_CHUNK}")
+    out = []
+    for name, t in info.tensors.items():
+        if t["mode"] != "compact":
+            continue
+        stream = entries[name]
+        if stream.dtype != torch.uint8 or stream.dim() != 1:
+            raise PatchError(f"{name}: compact entry must be 1-D uint8")
+        try:
+            streams = compact.split_chunks(stream.numpy().tobytes())
+        except compact.CompactDecodeError as e:
+            raise PatchError(f"{name}: corrupt compact data: {e}") from None
+        old_bits = bits(base[name]).cpu().numpy()
+        pieces = spans(old_bits.size, chunk)
+        if len(streams) != len(pieces):
+            raise PatchError(f"{name}: {len(streams)} chunks, {old_bits.size} elements need {len(pieces)}")
+        out += [(name, s, old_bits[lo:hi], lo) for s, (lo, hi) in zip(streams, pieces, strict=True)]
+    return out
+
+
+def _decode_chunk(name: str, stream: bytes, old_bits: np.ndarray, offset: int, tables) -> tuple:
+    try:
+        idx, new = compact.decode_chunk(stream, old_bits, tables)
+    except compact.CompactDecodeError as e:
+        raise PatchError(f"{name}: corrupt compact data at element {offset}: {e}") from None
+    return idx + offset, new
+
+
+def _checked(name: str, t: dict, old: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> TensorChanges:
+    if idx.numel() != t["changed"]:
+        raise ValueError(f"{idx.numel()} changes decoded, metadata says {t['changed']}")
+    _check_positions(name, idx, old.numel())
+    return TensorChanges(idx.to(old.device), values.to(old.device))
+
+
+def _decode_tensor(name, t, entries, old, v1_models) -> TensorChanges:
     old_bits = bits(old)
     if t["mode"] == "raw":
         raw = {f"{name}/{part}": entries[f"{name}/{part}"] for part in ("indices", "values")}
@@ -365,9 +482,6 @@ def _decode_tensor(name, t, entries, old, q_models, v_models) -> TensorChanges:
         stream = entries[name]
         if stream.dtype != torch.uint8 or stream.dim() != 1:
             raise ValueError("compact entry must be 1-D uint8")
-        idx, new_bits = compact.decode_stream(stream.numpy().tobytes(), old_bits, q_models, v_models)
+        idx, new_bits = compact.decode_stream_v1(stream.numpy().tobytes(), old_bits, *v1_models)
         values = new_bits.view(torch.bfloat16)
-    if idx.numel() != t["changed"]:
-        raise ValueError(f"{idx.numel()} changes decoded, metadata says {t['changed']}")
-    _check_positions(name, idx, old_bits.numel())
-    return TensorChanges(idx, values)
+    return _checked(name, t, old, idx, values)
