@@ -1,52 +1,34 @@
 """Each Space bundle that `python -m trainer.deploy --dry-run` writes runs from its own folder alone.
 
-The three apps start at once (vLLM's engine start dominates: ~20-60 s on 2 cores), each with cwd = its
-bundle and a `sitecustomize` that takes the repo's editable install off the import system: `shared` can then
-only come from the bundle (`trainer` not at all), and every process that imports `shared` (vLLM's engine
-process too) writes where it found it to a log the test reads. The inference and dashboard apps follow a
-local sync root holding one anchor of a tiny Qwen3: each shows it read the run through its bundle's `shared/`.
+Each app runs in a virtual environment of its own, with its bundle as working directory. That environment
+sees the repo venv's third-party packages (vLLM, Gradio, OpenEnv, ...) as a plain path entry, so the repo's
+editable installs of `deltasync` and `wordle_env` (activated by .pth files there) are invisible, and it gets
+the bundle's own packages the way the bundle's Dockerfile installs them: the deltasync wheel from `wheels/`,
+the env's `wordle_env` from its folder. The three apps start at once (vLLM's engine start dominates: ~20-60 s
+on 2 cores). The inference and dashboard apps follow a local sync root holding one anchor of a tiny Qwen3.
 """
 
 import json
-import os
+import subprocess
 import sys
+import sysconfig
 import time
 import urllib.request
+from contextlib import ExitStack
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
 from deltasync.sync.publisher import Publisher
 from trainer import deploy
-from trainer.processes import free_port, log_tail, start_process, stop_process, wait_healthy
+from trainer.processes import log_tail, serving
 from trainer.tiny_model import build_tiny_model
-
-HEALTH = {"env": "/health", "inference": "/health", "dashboard": "/api/summary"}
-ISOLATE = '''"""Test only: drop the repo's editable install from the import system; log imports of shared."""
-import json
-import os
-import sys
-from importlib.machinery import PathFinder
 
 pytestmark = pytest.mark.slow  # starts vLLM
 
-sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
-sys.path[:] = [p for p in sys.path if "__editable__" not in p]
-
-
-class _LogShared:
-    @classmethod
-    def find_spec(cls, name, path=None, target=None):
-        if name != "shared":
-            return None
-        spec = PathFinder.find_spec(name, path)
-        with open(os.environ["SHARED_IMPORT_LOG"], "a") as log:
-            log.write(json.dumps({"pid": os.getpid(), "origin": spec and spec.origin}) + "\\n")
-        return spec
-
-
-sys.meta_path.insert(0, _LogShared)
-'''
+HEALTH = {"env": "/health", "inference": "/health", "dashboard": "/api/summary"}
+PACKAGE = {"env": "wordle_env", "inference": "deltasync", "dashboard": "deltasync"}
 
 
 def get_json(url: str) -> dict:
@@ -54,64 +36,74 @@ def get_json(url: str) -> dict:
         return json.load(response)
 
 
+def bundle_python(bundle: Path, venv: Path) -> Path:
+    """A virtual environment for `bundle`: the repo venv's packages without its editable installs, plus the
+    bundle's own packages, installed as its Dockerfile does. Returns its interpreter."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    query = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(
+        subprocess.run([python, "-c", query], check=True, capture_output=True, text=True).stdout.strip()
+    )
+    # A path line only: the .pth files in that folder (the editable installs) are not processed.
+    (site / "repo-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    packages = [str(w) for w in sorted((bundle / "wheels").glob("*.whl"))] or [str(bundle)]
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target"]
+    subprocess.run([*pip, str(site), *packages], check=True, stdout=subprocess.DEVNULL)
+    return python
+
+
 @pytest.fixture(scope="module")
 def apps(tmp_path_factory):
-    """The deploy's dry-run bundles, an app started from each. Yields (bundles, logs, {app: url})."""
+    """The deploy's dry-run bundles, an app started from each. Yields (bundles, {app: python}, {app: url})."""
     tmp = tmp_path_factory.mktemp("bundles")
-    bundles, logs, isolate = tmp / "bundles", tmp / "logs", tmp / "isolate"
+    bundles, logs = tmp / "bundles", tmp / "logs"
     deploy.main(["--namespace", "test", "--dry-run", str(bundles)])
-    isolate.mkdir()
-    (isolate / "sitecustomize.py").write_text(ISOLATE)
+    pythons = {app: bundle_python(bundles / app, tmp / f"venv-{app}") for app in HEALTH}
     model = build_tiny_model(tmp / "tiny-qwen3")
     root = tmp / "sync-root"
     publisher = Publisher(str(root), model=str(model))
     publisher.publish(load_file(model / "model.safetensors"), 0)
     publisher.close()
-
-    procs, urls = {}, {}
-    try:
-        for app in HEALTH:
-            port = free_port()
-            urls[app] = f"http://127.0.0.1:{port}"
-            env = {
-                **os.environ,
-                "PYTHONPATH": str(isolate),  # replaces any PYTHONPATH that might lead to the repo
-                "SHARED_IMPORT_LOG": str(logs / f"{app}.imports"),
-                "HOST": "127.0.0.1",
-                "PORT": str(port),
-                "SYNC_ROOT": str(root),
-                "MODEL": str(model),
-                "POLL_S": "0.2",
-                "VLLM_ARGS": "--enforce-eager",
-                "VLLM_CPU_KVCACHE_SPACE": "1",
-                "HF_HUB_OFFLINE": "1",
-                "TOKENIZERS_PARALLELISM": "false",
-            }
-            procs[app] = start_process(
-                [sys.executable, "app.py"], logs / f"{app}.log", env, cwd=bundles / app
+    env = {
+        "PYTHONPATH": "",  # nothing that might lead to the repo
+        "SYNC_ROOT": str(root),
+        "MODEL": str(model),
+        "POLL_S": "0.2",
+        "VLLM_ARGS": "--enforce-eager",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    with ExitStack() as stack:
+        urls = {
+            app: stack.enter_context(
+                serving(
+                    [str(pythons[app]), "app.py"],
+                    logs / f"{app}.log",
+                    env,
+                    timeout=600 if app == "inference" else 120,
+                    health=HEALTH[app],
+                    cwd=bundles / app,
+                )
             )
-        for app, proc in procs.items():
-            wait_healthy(
-                proc, urls[app] + HEALTH[app], logs / f"{app}.log", 600 if app == "inference" else 120
-            )
-        yield bundles, logs, urls
-    finally:
-        for proc in procs.values():
-            stop_process(proc, grace_s=30)
+            for app in HEALTH
+        }
+        yield bundles, pythons, urls, logs
 
 
 def test_env_answers(apps):
-    _, _, urls = apps
+    _, _, urls, _ = apps
     assert get_json(urls["env"] + "/health")["status"] == "healthy"
 
 
 def test_dashboard_reads_the_run(apps):
-    _, _, urls = apps
+    _, _, urls, _ = apps
     assert get_json(urls["dashboard"] + "/api/summary")["steps"] == 1  # the anchor
 
 
 def test_inference_loads_the_anchor(apps):
-    _, logs, urls = apps
+    _, _, urls, logs = apps
     status = get_json(urls["inference"] + "/weights")
     for _ in range(120):
         if status["step"] == 0:
@@ -121,17 +113,19 @@ def test_inference_loads_the_anchor(apps):
     assert status["step"] == 0 and status["last_error"] is None, (status, log_tail(logs / "inference.log"))
 
 
-def test_shared_comes_from_each_bundle(apps):
-    bundles, logs, _ = apps
-    for app in HEALTH:
-        imports = [json.loads(line) for line in (logs / f"{app}.imports").read_text().splitlines()]
-        assert imports and all(
-            i["origin"] == str(bundles / app / "shared" / "__init__.py") for i in imports
-        ), (
-            app,
-            imports,
-        )
-    # vLLM's engine process imports shared too (the worker extension applies patches with it)
-    assert (
-        len({i["pid"] for i in map(json.loads, (logs / "inference.imports").read_text().splitlines())}) >= 2
-    )
+def test_each_app_imports_its_bundles_packages(apps):
+    """What each app's interpreter imports (vLLM's engine processes run the same interpreter: in this
+    environment the repo's copy of deltasync does not exist, so the worker extension comes from the wheel)."""
+    bundles, pythons, urls, _ = apps
+    for app, package in PACKAGE.items():
+        where = [pythons[app], "-c", f"import {package}; print({package}.__file__)"]
+        origin = subprocess.run(where, cwd=bundles / app, capture_output=True, text=True, check=True).stdout
+        # the venv it was installed into (or, for the env, whose folder is the package, the bundle itself)
+        homes = (pythons[app].parents[1], bundles / app)
+        assert any(Path(origin.strip()).is_relative_to(home) for home in homes), (app, origin)
+        for absent in ("shared", "trainer"):  # neither the repo's folders nor its other packages
+            probe = [pythons[app], "-c", f"import {absent}"]
+            assert subprocess.run(probe, cwd=bundles / app, capture_output=True).returncode != 0, (
+                app,
+                absent,
+            )
