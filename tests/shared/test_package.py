@@ -1,0 +1,57 @@
+"""The library as a user installs it: `import deltasync` from anywhere, nothing heavy behind it."""
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LIBRARY = REPO / "shared"
+HEAVY = ("trl", "vllm", "openenv", "gradio")
+
+
+def core_modules() -> list[str]:
+    """Every module of deltasync but its vLLM integration (imported by vLLM's workers only)."""
+    names = []
+    for path in sorted(LIBRARY.rglob("*.py")):
+        parts = ("deltasync", *path.relative_to(LIBRARY).with_suffix("").parts)
+        if parts[1:2] != ("vllm",):
+            names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def test_every_core_module_imports_from_outside_the_checkout_without_heavy_packages(tmp_path):
+    modules = core_modules()
+    assert "deltasync.codec.patch" in modules and "deltasync.sync.subscriber" in modules
+    script = (
+        "import importlib, json, sys\n"
+        f"for name in {modules!r}: importlib.import_module(name)\n"
+        "import deltasync\n"
+        f"print(json.dumps([deltasync.__file__, sorted(m for m in {HEAVY!r} if m in sys.modules)]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    origin, heavy = json.loads(out.stdout.splitlines()[-1])
+    assert Path(origin) == LIBRARY / "__init__.py" and heavy == []
+
+
+def test_the_library_installs_no_generic_top_level_package(tmp_path):
+    for name in ("shared", "trainer"):
+        probe = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=tmp_path, capture_output=True)
+        assert probe.returncode != 0, f"`import {name}` works outside the checkout"
+
+
+def test_no_code_edits_the_import_path():
+    edits = []
+    for path in [*LIBRARY.rglob("*.py"), *(REPO / "trainer").rglob("*.py"), *(REPO / "spaces").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "path"
+                and getattr(node.value, "id", "") == "sys"
+            ):
+                edits.append(f"{path.relative_to(REPO)}:{node.lineno} sys.path")
+            if isinstance(node, ast.Constant) and node.value == "PYTHONPATH":
+                edits.append(f"{path.relative_to(REPO)}:{node.lineno} PYTHONPATH")
+    assert edits == []
