@@ -87,6 +87,23 @@ def scatter(target, positions, values):
         target[positions[j]] = values[j]
 
 
+@_jit
+def split_exponents(patterns, exponents, rest):
+    """bf16 patterns (uint16) -> their exponent bytes and their sign | mantissa bytes."""
+    for i in range(patterns.size):
+        x = patterns[i]
+        exponents[i] = (x >> 7) & 0xFF
+        rest[i] = ((x >> 8) & 0x80) | (x & 0x7F)
+
+
+@_jit
+def merge_exponents(exponents, rest, patterns):
+    """The inverse of split_exponents, into `patterns` (uint16)."""
+    for i in range(patterns.size):
+        r = np.uint16(rest[i])
+        patterns[i] = ((r & 0x80) << 8) | (np.uint16(exponents[i]) << 7) | (r & 0x7F)
+
+
 # ----------------------------------------------------------------------------------------------- fingerprint
 
 

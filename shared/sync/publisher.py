@@ -40,7 +40,7 @@ from deltasync import telemetry
 from deltasync.codec import fingerprint
 from deltasync.codec.changes import SchemaError
 from deltasync.codec.patch import encode, make_patch
-from deltasync.sync.anchor import write_anchor
+from deltasync.sync.anchor import anchor_encoding, write_anchor
 from deltasync.sync.protocol import (
     HEAD_PATH,
     RUN_PATH,
@@ -54,7 +54,13 @@ from deltasync.sync.protocol import (
     read_run,
     step_of,
 )
-from deltasync.sync.storage import Storage, TransientStorageError, WriterConflict, open_storage
+from deltasync.sync.storage import (
+    LocalStorage,
+    Storage,
+    TransientStorageError,
+    WriterConflict,
+    open_storage,
+)
 
 log = logging.getLogger(__name__)
 Params = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -69,6 +75,8 @@ class PublisherConfig:
     anchor_every: int = 50  # steps between complete anchors (also earlier once the deltas outweigh one)
     keep_anchors: int = 2  # GC keeps this many newest anchors and every delta after the oldest of them
     shard_bytes: int = 2 << 30
+    anchor_encoding: str = "auto"  # plain | packed | auto: packed unless the root is a local folder
+    threads: int | None = None  # codec threads; None: every core this process may run on
     retry_s: tuple[float, float] = (0.5, 30.0)  # backoff of failed uploads: first and longest wait
     lease_s: float = 120.0  # object stores: a writer's lease lasts this long unless renewed (every quarter)
 
@@ -90,7 +98,8 @@ class WriterClaim:
         self.storage, self.lease_s = storage, lease_s
         self.holder = holder or f"pid {os.getpid()} on {socket.gethostname()}, claim {uuid.uuid4().hex[:8]}"
         self._renewed_at = 0.0
-        self._lock = storage.lock(WRITER_PATH, json.dumps({"holder": self.holder, "since": time.time()}))
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        self._lock = storage.lock(WRITER_PATH, f"{self.holder}, since {since}")
         self.epoch = 1  # raised past the head's by Publisher; past the last lease's here
         if self._lock is None:
             lease = self._lease()
@@ -339,14 +348,18 @@ class Publisher:
             self.storage.write_bytes(RUN_PATH, self._run.to_json())
         patch = data = None
         if old is not None:
-            patch = make_patch(old, job.state, job.step, head.step, self._published_fp)
-            data = encode(patch, old, self.config.encoding)
+            patch = make_patch(old, job.state, job.step, head.step, self._published_fp, self.config.threads)
+            data = encode(patch, old, self.config.encoding, self.config.threads)
         fp = patch.fingerprint if patch else fingerprint.state_fingerprint(job.state)
         fp_text = fingerprint.format_fingerprint(fp)
         with tempfile.TemporaryDirectory(prefix="deltasync-") as tmp:
             anchor_files = []
             if self._anchor_due(job.step, len(data) if data is not None else None):
-                anchor_files = write_anchor(job.state, job.step, fp, Path(tmp), self.config.shard_bytes)
+                local = isinstance(self.storage, LocalStorage)
+                encoding = anchor_encoding(self.config.anchor_encoding, local)
+                anchor_files = write_anchor(
+                    job.state, job.step, fp, Path(tmp), self.config.shard_bytes, encoding, self.config.threads
+                )
             encode_s = time.perf_counter() - start
             if patch is not None:
                 self.storage.write_bytes(delta_path(job.step), data)

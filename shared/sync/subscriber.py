@@ -119,12 +119,14 @@ class Subscriber:
         retries: int = 4,
         backoff_s: float = 0.5,
         verify_every: int = 10,
+        threads: int | None = None,
     ):
         if replica is not None and not telemetry.REPLICA_ID.fullmatch(replica):
             raise ValueError(f"replica id {replica!r} must match {telemetry.REPLICA_ID.pattern}")
         self.storage = root if isinstance(root, Storage) else open_storage(root)
         self.applier, self.replica = applier, replica
         self.retries, self.backoff_s, self.verify_every = retries, backoff_s, verify_every
+        self.threads = threads  # codec threads; None: every core this process may run on
         self.run: RunInfo | None = None
         self.head: Head | None = None
         self.state: dict[str, torch.Tensor] | None = None  # bf16 shadow of the target, HF names
@@ -239,7 +241,8 @@ class Subscriber:
                 download_s = time.perf_counter() - start
                 apply_start = time.perf_counter()  # apply_s: decode, verify and write
                 if entry.kind == "anchor":
-                    state, patch = read_anchor(local, self.run, entry.step, entry.fingerprint), None
+                    patch = None
+                    state = read_anchor(local, self.run, entry.step, entry.fingerprint, self.threads)
                 else:
                     state, patch = None, self._decode(local[0].read_bytes(), entry)
             except ValueError as e:  # PatchError, AnchorError, TooLargeError, a size mismatch: not this file
@@ -251,7 +254,7 @@ class Subscriber:
         if patch is None:
             self.state = state
         else:
-            apply_changes(self.state, patch.changes)
+            apply_changes(self.state, patch.changes, self.threads)
         fp = int(entry.fingerprint, 16)  # verified above: by the anchor's content or the patch's promise
         self.step, self.fingerprint = entry.step, fp
         self._verify_target(entry)
@@ -272,7 +275,7 @@ class Subscriber:
         return applied
 
     def _decode(self, data: bytes, entry: Entry) -> Patch:
-        patch = decode(data, self.state, self.fingerprint)
+        patch = decode(data, self.state, self.fingerprint, self.threads)
         if (patch.step, fingerprint.format_fingerprint(patch.fingerprint)) != (entry.step, entry.fingerprint):
             raise PatchError(
                 f"patch is step {patch.step}, the head names step {entry.step} with another state"

@@ -1,0 +1,121 @@
+"""Packed anchors: lossless, verified like plain ones, chosen per sync root; plain anchors still read."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from deltasync.codec import packed
+from deltasync.codec.bf16 import bits
+from deltasync.codec.fingerprint import state_fingerprint
+from deltasync.sync.anchor import AnchorError, anchor_encoding, read_anchor, write_anchor
+from deltasync.sync.protocol import RunInfo
+from deltasync.sync.publisher import PublisherConfig
+from deltasync.sync.storage import LocalStorage
+from deltasync.sync.subscriber import Subscriber
+from tests.shared.test_sync import bitwise_equal, run_steps
+
+ALL_PATTERNS = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+def weights(seed: int = 0, shape=(300, 200)) -> torch.Tensor:
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.02).bfloat16()
+
+
+@pytest.mark.parametrize("chunk", [1, 1000, packed.CHUNK])
+def test_every_bf16_pattern_survives_packing_on_any_thread_count(chunk):
+    t = ALL_PATTERNS.view(256, 256)
+    data = packed.pack(t, threads=1, chunk=chunk)
+    assert packed.pack(t, threads=2, chunk=chunk) == data
+    for threads in (1, 2):
+        assert torch.equal(bits(packed.unpack(data, [256, 256], threads, chunk)), bits(t))
+
+
+def test_packing_realistic_weights_saves_a_third():
+    t = weights()
+    assert len(packed.pack(t, chunk=7000)) <= 0.70 * t.nbytes
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [lambda d: d[:-1], lambda d: d + b"\0", lambda d: d[:8] + bytes([d[8] ^ 0xFF]) + d[9:], lambda d: b""],
+    ids=["truncated", "longer", "frame byte", "empty"],
+)
+def test_corrupt_packed_tensors_are_refused(corrupt):
+    t = weights(shape=(50, 40))
+    with pytest.raises(packed.PackedError):
+        packed.unpack(corrupt(packed.pack(t, chunk=1000)), [50, 40], chunk=1000)
+
+
+def test_auto_packs_anchors_for_remote_roots_only():
+    assert anchor_encoding("auto", local=True) == "plain"
+    assert anchor_encoding("auto", local=False) == "packed"
+    assert anchor_encoding("plain", local=False) == "plain"
+    with pytest.raises(ValueError, match="anchor encoding"):
+        anchor_encoding("zip", local=False)
+
+
+def anchor_setup(tmp_path, encoding: str):
+    state = {"a": weights(1), "b": weights(2, (7,)), "c": weights(3, (64, 64))}
+    run = RunInfo(model="m", schema={n: list(t.shape) for n, t in state.items()})
+    fp = f"{state_fingerprint(state):016x}"
+    files = write_anchor(state, 5, int(fp, 16), tmp_path, shard_bytes=50_000, encoding=encoding)
+    return state, run, fp, [local for local, _ in files]
+
+
+@pytest.mark.parametrize("encoding", ["plain", "packed"])
+def test_anchor_roundtrip_is_bitwise_in_shards(tmp_path, encoding):
+    state, run, fp, files = anchor_setup(tmp_path, encoding)
+    assert len(files) > 1
+    assert bitwise_equal(read_anchor(files, run, 5, fp, threads=2), state)
+    with safe_open(files[0], "pt") as f:
+        assert (f.metadata().get("encoding") or "plain") == encoding
+
+
+def test_a_packed_anchor_that_does_not_verify_is_refused(tmp_path):
+    state, run, fp, files = anchor_setup(tmp_path, "packed")
+    data = bytearray(files[0].read_bytes())
+    data[-1] ^= 1  # the last sign | mantissa byte: unpacks fine, to the wrong weights
+    files[0].write_bytes(bytes(data))
+    with pytest.raises(AnchorError, match="fingerprint"):
+        read_anchor(files, run, 5, fp)
+
+
+def test_a_packed_anchor_with_bad_metadata_is_refused(tmp_path):
+    state, run, fp, files = anchor_setup(tmp_path, "packed")
+    header = files[0].read_bytes()
+    bad = header.replace(b'"encoding":"packed"', b'"encoding":"zipped"')
+    assert bad != header
+    files[0].write_bytes(bad)
+    with pytest.raises(AnchorError, match="encoding"):
+        read_anchor(files, run, 5, fp)
+
+
+def test_subscriber_and_pull_read_packed_anchors(tmp_path):
+    root = tmp_path / "root"
+    states = run_steps(root, 3, PublisherConfig(anchor_every=2, anchor_encoding="packed"))
+    anchors = sorted(root.glob("anchors/*/*.safetensors"))
+    assert anchors
+    with safe_open(anchors[0], "pt") as f:
+        assert f.metadata()["encoding"] == "packed"
+    sub = Subscriber(LocalStorage(root))
+    sub.sync()
+    assert bitwise_equal(sub.state, states[-1])
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "deltasync.cli", "pull", str(root), "-o", str(out), "--step", "2"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    pulled = load_file(out / "model.safetensors")  # plain bf16, whatever the anchors are
+    assert all(t.dtype == torch.bfloat16 for t in pulled.values())
+    assert bitwise_equal(pulled, states[2])
+
+
+def test_a_local_root_keeps_plain_anchors_that_any_reader_opens(tmp_path):
+    root = tmp_path / "root"
+    states = run_steps(root, 1)
+    (anchor,) = root.glob("anchors/*/*.safetensors")
+    with safe_open(anchor, "pt") as f:
+        assert "encoding" not in f.metadata()
+    assert bitwise_equal(load_file(anchor), states[0])
