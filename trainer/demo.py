@@ -41,7 +41,7 @@ from deltasync.settings import from_env
 from deltasync.sync.storage import open_storage
 from deltasync.telemetry import ReplicaRecord, TrainerRecord
 from deltasync.telemetry.reader import TelemetryReader
-from trainer.processes import free_port, log_tail, start_process, stop_process, wait_healthy
+from trainer.processes import free_port, log_tail, placement, start_process, stop_process, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 SPACES = REPO / "spaces"
@@ -63,7 +63,8 @@ def summarize(root: str | Path) -> dict[str, Any]:
     reader.poll()
     summary = reader.summary(time.time())
     published = sorted(r.step for r in reader.trainer.values() if r.kind != "skipped")
-    rewards = [(s, r.info[REWARD_KEY]) for s, r in sorted(reader.trainer.items()) if REWARD_KEY in r.info]
+    records = [r for _, r in sorted(reader.trainer.items())]
+    rewards = [(r.step, r.info[REWARD_KEY]) for r in records if REWARD_KEY in r.info]
     mean_payload, full = summary["mean_delta_payload_bytes"], summary["full_bytes"]
     return {
         "root": str(root),
@@ -83,7 +84,49 @@ def summarize(root: str | Path) -> dict[str, Any]:
         },
         "final_reward": rewards[-1][1] if rewards else None,
         "final_reward_step": rewards[-1][0] if rewards else None,
+        **freshness(records),
+        **reward_quarters([r for _, r in rewards]),
+        "mean_step_s": _mean_gap([r.published_at for r in records if r.kind != "skipped"]),
     }
+
+
+def freshness(records: Sequence[TrainerRecord], skip: int = 3) -> dict[str, float | None]:
+    """Mean staleness of the trained rollouts after the first `skip` steps (weighted by rollouts), its max,
+    and the rollouts generated, trained and dropped as too stale over the run."""
+    total = {
+        k: sum(r.info.get(f"rollouts_{k}", 0.0) for r in records) for k in ("generated", "trained", "dropped")
+    }
+    later = [r.info for r in records[skip:] if "staleness_steps_mean" in r.info]
+    weights = [i.get("rollouts_trained", 1.0) for i in later]
+    mean = (
+        sum(i["staleness_steps_mean"] * w for i, w in zip(later, weights, strict=True)) / sum(weights)
+        if later and sum(weights)
+        else None
+    )
+    return {
+        "staleness_mean": mean,
+        "staleness_max": max((i["staleness_steps_max"] for i in later), default=None),
+        "rollouts_generated": total["generated"],
+        "rollouts_trained": total["trained"],
+        "rollouts_dropped": total["dropped"],
+        "dropped_share": total["dropped"] / total["generated"] if total["generated"] else None,
+        "trained_share": total["trained"] / total["generated"] if total["generated"] else None,
+    }
+
+
+def reward_quarters(rewards: Sequence[float]) -> dict[str, float | None]:
+    """Mean reward of the first and the last quarter of the steps (at least one step each)."""
+    if not rewards:
+        return {"reward_first_quarter": None, "reward_last_quarter": None}
+    n = max(1, len(rewards) // 4)
+    return {
+        "reward_first_quarter": sum(rewards[:n]) / n,
+        "reward_last_quarter": sum(rewards[-n:]) / n,
+    }
+
+
+def _mean_gap(times: Sequence[float]) -> float | None:
+    return (max(times) - min(times)) / (len(times) - 1) if len(times) > 1 else None
 
 
 def _bytes(n: float) -> str:
@@ -125,6 +168,23 @@ def format_summary(s: dict[str, Any]) -> str:
         "  final reward          "
         + ("-" if reward is None else f"{reward:.3f} ({REWARD_KEY} at step {s['final_reward_step']})")
     )
+    if s["reward_first_quarter"] is not None:
+        lines.append(
+            f"  reward by quarter     first {s['reward_first_quarter']:.3f}, "
+            f"last {s['reward_last_quarter']:.3f}"
+        )
+    if s["rollouts_generated"]:
+        stale = "-" if s["staleness_mean"] is None else f"{s['staleness_mean']:.2f}"
+        lines.append(
+            f"  rollouts              {s['rollouts_generated']:.0f} generated, "
+            f"{s['rollouts_trained']:.0f} trained ({pct(s['trained_share'])}), "
+            f"{s['rollouts_dropped']:.0f} dropped as stale ({pct(s['dropped_share'])})"
+        )
+        lines.append(
+            f"  staleness             mean {stale} steps after the first 3, max {s['staleness_max']}"
+        )
+    if s["mean_step_s"] is not None:
+        lines.append(f"  step time             {s['mean_step_s']:.1f} s (mean between published steps)")
     return "\n".join(lines)
 
 
@@ -171,6 +231,7 @@ class Demo:
         self.procs: dict[str, subprocess.Popen] = {}
         self.urls: dict[str, str] = {}
         self.health: dict[str, str] = {}  # app name -> its health route
+        self.placement = placement()  # DELTASYNC_SERVER_CPUS overrides vLLM's share
         # Children inherit the environment; the demo never needs the Hub (the model is a local folder).
         self.env = {
             **os.environ,
@@ -181,7 +242,12 @@ class Demo:
         }
 
     def start(self, name: str, argv: Sequence[str], **env: str) -> subprocess.Popen:
-        self.procs[name] = start_process(argv, self.logs / f"{name}.log", {**self.env, **env}, cwd=REPO)
+        # vLLM's CPU engine spins on every core it may use: it gets its share, everything else the rest
+        cpus = self.placement.server if name == "inference" else self.placement.others
+        if name == "inference":
+            env = {**self.placement.server_env(), **env}
+        log = self.logs / f"{name}.log"
+        self.procs[name] = start_process(argv, log, {**self.env, **env}, cwd=REPO, cpus=cpus)
         return self.procs[name]
 
     def start_app(self, name: str, health: str, **env: str) -> None:
@@ -258,6 +324,8 @@ def run(settings: Settings, demo: Demo) -> int:
         print("the tiny model: built on first use (about a minute), then cached", flush=True)
     model = settings.demo_model.resolve() if settings.demo_model else ensure_tiny_model(default_model_dir())
     print(f"model      {model}\nsync root  {demo.root}\nlogs       {demo.logs}", flush=True)
+    where = demo.placement
+    print(f"cores      vLLM {list(where.server)}, the others {list(where.others)}", flush=True)
 
     demo.start_app("env", "/health")
     demo.start_app(

@@ -8,7 +8,12 @@ when the replica applied it. `VersionedRolloutLoop` keeps TRL's loop and request
 - adds the bearer token (INFERENCE_API_TOKEN, read in the worker process, never logged or pickled),
 - records the versions of every turn of a rollout, and stamps its samples with the OLDEST one, so TRL's
   `max_staleness` filter and its `sample/staleness_*` metrics measure real staleness,
-- adds per-sample metrics for the trainer's telemetry (see `StepStats` in trainer/train.py).
+- adds per-sample metrics for the trainer's telemetry (see `step_info` in trainer/train.py),
+- applies back-pressure: a rollout starts only while fewer than `max_ahead` rollouts are generating, waiting
+  to be scored or waiting in the queue for the trainer (TRL's loop refills its in-flight slots as soon as a
+  rollout ends and stops only once its queue AND its 16-group scoring queue are full, so generation runs
+  steps ahead of training and its rollouts go stale),
+- counts what it generated (`RolloutCounters`), so the trainer can tell per step how much of it was trained.
 
 Install it with `use_versioned_loop(worker, base_step)`: `_loop_cls` is the worker's documented hook for loop
 subclasses, and the child process imports this module by name (spawn).
@@ -16,11 +21,13 @@ subclasses, and the child process imports this module by name (spawn).
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import faulthandler
 import functools
 import multiprocessing
 import os
+import random
 import signal
 from collections.abc import Callable
 from typing import Any
@@ -50,14 +57,50 @@ def parse_version(value: str | None) -> int | None:
     return int(value) if value is not None and value.isdigit() else None
 
 
+class RolloutCounters:
+    """Samples and completion tokens the rollout worker has generated (scored and handed to the queue), shared
+    with the trainer's process; `take()` returns what was added since its last call."""
+
+    def __init__(self) -> None:
+        self._totals = multiprocessing.get_context("spawn").Array("d", 2)  # samples, tokens
+        self._taken = (0.0, 0.0)
+
+    def add(self, samples: int, tokens: int) -> None:
+        with self._totals.get_lock():
+            self._totals[0] += samples
+            self._totals[1] += tokens
+
+    def take(self) -> tuple[float, float]:
+        with self._totals.get_lock():
+            totals = (self._totals[0], self._totals[1])
+        taken, self._taken = self._taken, totals
+        return totals[0] - taken[0], totals[1] - taken[1]
+
+    def __getstate__(self) -> dict:
+        # The worker process gets the shared totals, not the trainer's bookmark. Shared memory pickles only
+        # while a process is being spawned; TRL's start() first test-pickles its arguments, which gets None.
+        spawning = multiprocessing.context.get_spawning_popen() is not None
+        return {"_totals": self._totals if spawning else None, "_taken": (0.0, 0.0)}
+
+
 class VersionedRolloutLoop(_AsyncRolloutLoop):
     """TRL's rollout loop, reading the weight version of every completion from the server's headers."""
 
-    def __init__(self, *, version_base: int = 0, **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        version_base: int = 0,
+        max_ahead: int = 0,
+        counters: RolloutCounters | None = None,
+        seed: int | None = None,
+        **kwargs: Any,
+    ):
         if multiprocessing.parent_process() is not None:  # TRL's spawned worker, not a test's main process
             # Ctrl-C reaches the whole process group: the trainer stops this process after its last step.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where is it stuck?
+        if seed is not None:  # TRL draws each request's vLLM sampling seed from `random`
+            random.seed(seed)
         super().__init__(**kwargs)
         # When the trainer stops us it no longer reads: samples still buffered for the pipe must not hold this
         # process's exit (the trainer would wait out TRL's 15 s join, then kill us).
@@ -67,6 +110,15 @@ class VersionedRolloutLoop(_AsyncRolloutLoop):
         token = os.environ.get(TOKEN_ENV)
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._rollout_versions: dict[str, int] = {}  # rollout id -> oldest weight version it used
+        self.max_ahead = max_ahead  # 0: no bound beyond TRL's own
+        self.counters = counters
+        self._ahead = 0  # rollouts started and not yet scored (then they are in the queue until trained)
+
+    async def _wait_for_room(self) -> None:
+        """Back-pressure: wait while `max_ahead` rollouts are generating, being scored or queued untrained."""
+        while self.max_ahead and self._ahead + self.rollout_buffer.qsize() >= self.max_ahead:
+            await asyncio.sleep(0.05)
+        self._ahead += 1
 
     async def _post(self, path: str, payload: dict, timeout: float, max_retries: int = 3) -> dict:
         import aiohttp
@@ -88,6 +140,7 @@ class VersionedRolloutLoop(_AsyncRolloutLoop):
         return await self._retry(post, label=f"POST {path}", max_attempts=max_retries)
 
     async def _generate_one(self, prompt, tool_dict, tools, group_id: int = 0):
+        await self._wait_for_room()  # before the first request: its weight version is the rollout's
         versions: list[int] = []
         _turn_versions.set(versions)  # this task's own context: concurrent rollouts do not mix
         result = await super()._generate_one(prompt, tool_dict, tools, group_id)
@@ -111,13 +164,18 @@ class VersionedRolloutLoop(_AsyncRolloutLoop):
                 sample.model_version = version - self.version_base + 1
         for row in rows:
             self._rollout_versions.pop(row.rollout_id, None)
+        # No await between here and TRL putting these samples into the queue: they are counted there now.
+        self._ahead -= len(group.completions_sequences)
+        if self.counters is not None:
+            self.counters.add(len(samples), sum(len(ids) for ids in group.completions_ids))
         return samples
 
 
-def use_versioned_loop(worker: AsyncRolloutWorker, version_base: int) -> None:
-    """Make `worker` (not started yet) run `VersionedRolloutLoop`; TRL's version 1 is step `version_base`."""
+def use_versioned_loop(worker: AsyncRolloutWorker, version_base: int, **loop_kwargs: Any) -> None:
+    """Make `worker` (not started yet) run `VersionedRolloutLoop`; TRL's version 1 is step `version_base`.
+    `loop_kwargs`: `max_ahead`, `counters`, `seed` (see `VersionedRolloutLoop`)."""
     worker._loop_cls = VersionedRolloutLoop
-    worker._loop_kwargs["version_base"] = version_base
+    worker._loop_kwargs.update(version_base=version_base, **loop_kwargs)
     if not isinstance(worker.stop, functools.partial):
         worker.stop = functools.partial(_stop, worker, worker.stop)
 

@@ -20,9 +20,15 @@ SHORT_BUDGET = 80  # tokens: the `short` reward is 0 at and beyond this many com
 _FEEDBACK = re.compile(r"Feedback:\n(?:[A-Z] ){4}[A-Z]\n((?:[GYX] ){4}[GYX])")
 
 
-def dataset_rows(n: int) -> dict[str, list]:
-    """`n` identical prompts (the game, not the prompt, varies: every reset draws a new secret word)."""
-    return {"prompt": [[{"role": "user", "content": USER_PROMPT}] for _ in range(n)]}
+def dataset_rows(n: int, seed: int = 0) -> dict[str, list]:
+    """`n` identical prompts, each with the seed of its game (the env's reset takes the row's `seed`).
+
+    A group's rollouts share their row, so they play the same secret word: GRPO's advantages then compare
+    guesses, not how hard each rollout's word happened to be. The seeds make a run's games reproducible."""
+    return {
+        "prompt": [[{"role": "user", "content": USER_PROMPT}] for _ in range(n)],
+        "seed": [seed * n + i for i in range(n)],
+    }
 
 
 def short_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:

@@ -31,7 +31,17 @@ from deltasync.settings import from_env
 from deltasync.sync.storage import open_storage
 from deltasync.telemetry.reader import TelemetryReader
 
-PLOTS = ["sparsity", "payload", "staleness-seconds", "staleness-steps", "reward", "trainer-time"]
+PLOTS = [
+    "sparsity",
+    "payload",
+    "staleness-seconds",
+    "staleness-steps",
+    "reward",
+    "rollouts",
+    "tokens",
+    "trainer-time",
+]
+REWARD_WINDOW = 5  # steps in the reward's rolling mean
 REPLICA_COLUMNS = [
     "replica",
     "status",
@@ -145,7 +155,9 @@ def build_figures(series: dict[str, Any]) -> list[go.Figure]:
         _payload(trainer, delta, anchor),
         _staleness_seconds(series["replicas"]),
         _info_figure(trainer, "Staleness of trained rollouts (steps)", "versions behind", "staleness_steps"),
-        _info_figure(trainer, "Reward", "reward", "reward"),
+        _reward(trainer),
+        _rollouts(trainer),
+        _tokens(trainer),
         _trainer_time(trainer, delta | anchor),
     ]
 
@@ -234,14 +246,54 @@ def _staleness_seconds(replicas: dict[str, dict[str, list]]) -> go.Figure:
 
 def _info_figure(trainer: dict[str, np.ndarray], title: str, y_title: str, prefix: str) -> go.Figure:
     """The trainer's own numbers info[<prefix>_mean] and info[<prefix>_max], where it reported them."""
-    traces = []
-    for stat, dash in (("mean", "solid"), ("max", "dot")):
-        values = trainer.get(f"info.{prefix}_{stat}")
-        if values is not None:
-            known = values != None  # noqa: E711 (element-wise on an object array)
-            traces.append(_line(stat, trainer["step"][known], values[known].astype(float), line_dash=dash))
+    traces = [
+        _line(stat, *_info(trainer, f"{prefix}_{stat}"), line_dash=dash)
+        for stat, dash in (("mean", "solid"), ("max", "dot"))
+    ]
     empty = f"the trainer reports no {prefix}_mean" if len(trainer["step"]) else "no data yet"
     return _figure(title, y_title, traces, empty)
+
+
+def _info(trainer: dict[str, np.ndarray], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """Steps and float values of info[key] where the trainer reported it."""
+    values = trainer.get(f"info.{key}")
+    if values is None:
+        return np.zeros(0), np.zeros(0)
+    known = values != None  # noqa: E711 (element-wise on an object array)
+    return trainer["step"][known], values[known].astype(float)
+
+
+def _reward(trainer: dict[str, np.ndarray]) -> go.Figure:
+    steps, reward = _info(trainer, "reward_mean")
+    # trailing mean over the last REWARD_WINDOW reported steps (fewer at the start)
+    sums = np.convolve(reward, np.ones(REWARD_WINDOW))[: len(reward)] if len(reward) else reward
+    rolling = sums / np.minimum(np.arange(1, len(reward) + 1), REWARD_WINDOW)
+    traces = [
+        go.Scatter(name="mean per step", x=steps, y=reward, mode="lines", line=dict(width=1), opacity=0.5),
+        _line(f"rolling mean of {REWARD_WINDOW} steps", steps, rolling, line=dict(width=3)),
+    ]
+    empty = "the trainer reports no reward_mean" if len(trainer["step"]) else "no data yet"
+    return _figure("Reward", "reward", traces, empty)
+
+
+def _rollouts(trainer: dict[str, np.ndarray]) -> go.Figure:
+    """Of the rollouts generated so far, the share trained and the share dropped as too stale."""
+    steps, generated = _info(trainer, "rollouts_generated")
+    total = np.maximum(np.cumsum(generated), 1)
+    traces = []
+    for key, name in (("rollouts_trained", "trained"), ("rollouts_dropped", "dropped as stale")):
+        used_steps, used = _info(trainer, key)
+        if len(steps) and np.array_equal(used_steps, steps):  # the trainer reports the three together
+            share = np.cumsum(used) / total * 100
+            traces.append(_line(name, steps, share, hovertemplate="%{y:.1f}%<extra></extra>"))
+    empty = "the trainer reports no rollouts_generated" if len(trainer["step"]) else "no data yet"
+    return _figure("Generated rollouts used (cumulative)", "% of generated", traces, empty)
+
+
+def _tokens(trainer: dict[str, np.ndarray]) -> go.Figure:
+    traces = [_line(name, *_info(trainer, f"tokens_{name}")) for name in ("generated", "trained")]
+    empty = "the trainer reports no tokens_generated" if len(trainer["step"]) else "no data yet"
+    return _figure("Tokens per step", "tokens", traces, empty)
 
 
 def _trainer_time(trainer: dict[str, np.ndarray], published: np.ndarray) -> go.Figure:
@@ -350,8 +402,8 @@ def status_markdown(summary: dict[str, Any], refresh_s: float) -> str:
                 f"⚠ Replica **{row['replica']}** stopped reporting {fmt_seconds(row['silent_s'])} ago "
                 f"(holds step {row['step']}, {row['behind_steps']} behind)."
             )
-    if summary["problems"]:
-        lines.append(f"⚠ {summary['problems']} invalid telemetry files skipped (listed below).")
+    if summary["problem_count"]:
+        lines.append(f"⚠ {summary['problem_count']} invalid telemetry files skipped (listed below).")
     if summary["unread"]:
         lines.append(f"⚠ {summary['unread']} telemetry files could not be read this time; retrying.")
     return "\n\n".join(lines)

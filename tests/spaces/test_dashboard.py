@@ -40,6 +40,11 @@ def write_run(storage: Storage, steps: range, t0: float, replicas=REPLICAS, seed
             "reward_std": 0.3,
             "staleness_steps_mean": 1 + rng.random(),
             "staleness_steps_max": 2 + rng.randrange(2),
+            "rollouts_generated": 8 + rng.randrange(3),
+            "rollouts_trained": 8,
+            "rollouts_dropped": rng.randrange(2),
+            "tokens_generated": 400 + rng.randrange(100),
+            "tokens_trained": 400,
         }
         kind = "anchor" if step == 0 else "skipped" if step == SKIPPED_STEP else "delta"
         changed = {"anchor": NUMEL, "delta": int(NUMEL * rng.uniform(0.008, 0.017)), "skipped": 0}[kind]
@@ -110,7 +115,9 @@ def expected(storage: Storage) -> dict:
                 sum("replica" in r and not r["verified"] for r in records),
             ],
             "staleness-steps": [len(trainer), len(trainer)],
-            "reward": [len(trainer)],
+            "reward": [len(trainer), len(trainer)],  # per step and its rolling mean
+            "rollouts": [len(trainer), len(trainer)],  # trained and dropped shares
+            "tokens": [len(trainer), len(trainer)],
             "trainer-time": [len(trainer), len(published), len(published)],
         },
     }

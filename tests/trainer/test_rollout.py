@@ -4,9 +4,11 @@ The server here is a few lines of HTTP that answer TRL's exact /v1/completions r
 Space labels it (x-weight-version, x-weight-version-end); the real Space is exercised in test_train_e2e.py.
 """
 
+import contextlib
 import multiprocessing
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from accelerate import PartialState
@@ -16,7 +18,14 @@ from fastapi.responses import JSONResponse
 from transformers import AutoTokenizer
 
 from trainer.processes import serving_in_thread
-from trainer.rollout import REWARD_SQ, VERSION_KNOWN, WEIGHT_VERSION, VersionedRolloutLoop, parse_version
+from trainer.rollout import (
+    REWARD_SQ,
+    VERSION_KNOWN,
+    WEIGHT_VERSION,
+    RolloutCounters,
+    VersionedRolloutLoop,
+    parse_version,
+)
 from trainer.tiny_model import build_tokenizer
 
 TOKEN = "sekret"
@@ -55,14 +64,10 @@ def test_parse_version():
     assert [parse_version(v) for v in ("12", "0", "model", None, "-1")] == [12, 0, None, None, None]
 
 
-def test_samples_carry_the_servers_weight_version(server, tokenizer, monkeypatch):
-    url, seen = server
-    monkeypatch.setenv("INFERENCE_API_TOKEN", TOKEN)
+def rollout_loop(url: str, tokenizer, buffer, **kwargs) -> VersionedRolloutLoop:
     PartialState()  # TRL logs through accelerate
     ctx = multiprocessing.get_context("spawn")
-    buffer = ctx.Queue()
-    loop = VersionedRolloutLoop(
-        version_base=2,  # TRL's version 1 is published step 2
+    return VersionedRolloutLoop(
         model_name="tiny",
         dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "Play."}]] * 4}),
         reward_funcs=[reward_by_length],
@@ -75,22 +80,55 @@ def test_samples_carry_the_servers_weight_version(server, tokenizer, monkeypatch
         exception_info_queue=ctx.Queue(maxsize=1),
         metrics_queue=ctx.Queue(),
         num_generations=2,
-        max_inflight_tasks=2,
         vllm_server_url=url,
         max_tokens=1,
+        **kwargs,
     )
+
+
+@contextlib.contextmanager
+def running(loop: VersionedRolloutLoop) -> Iterator[None]:
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
     try:
-        samples = [buffer.get(timeout=60) for _ in range(4)]
+        yield
     finally:
         loop._loop.call_soon_threadsafe(loop._stop_event.set)
         thread.join(30)
+
+
+def test_samples_carry_the_servers_weight_version(server, tokenizer, monkeypatch):
+    url, seen = server
+    monkeypatch.setenv("INFERENCE_API_TOKEN", TOKEN)
+    buffer = multiprocessing.get_context("spawn").Queue()
+    # TRL's version 1 is published step 2
+    loop = rollout_loop(url, tokenizer, buffer, version_base=2, max_inflight_tasks=2)
+    with running(loop):
+        samples = [buffer.get(timeout=60) for _ in range(4)]
     assert seen["auth"] and set(seen["auth"]) == {f"Bearer {TOKEN}"}
     for sample in samples:  # the oldest version that produced any of its tokens
         assert sample.metrics[WEIGHT_VERSION] == 5.0 and sample.metrics[VERSION_KNOWN] == 1.0
         assert sample.model_version == 5 - 2 + 1  # so TRL's staleness counts real versions
         assert sample.metrics[REWARD_SQ] == sample.metrics["reward"] ** 2
+
+
+def test_generation_stays_at_most_max_ahead_rollouts_ahead_of_training(server, tokenizer):
+    # TRL alone would fill all 16 slots and its queue; with max_ahead=4 a rollout starts only while fewer than
+    # 4 are generating, being scored or waiting in the queue untrained.
+    url, seen = server
+    buffer = multiprocessing.get_context("spawn").Queue()
+    counters = RolloutCounters()
+    loop = rollout_loop(url, tokenizer, buffer, max_ahead=4, counters=counters, max_inflight_tasks=16)
+    with running(loop):
+        first = [buffer.get(timeout=60) for _ in range(2)]  # the trainer takes one group ...
+        deadline = time.monotonic() + 60
+        while seen["calls"] < 6:  # ... which makes room for exactly one more
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.05)
+        time.sleep(1.0)  # time enough for a 7th request, which must not come
+        assert seen["calls"] == 6 and buffer.qsize() == 4 and len(first) == 2
+        assert counters.take() == (6.0, 6.0)  # six one-token rollouts
+        assert counters.take() == (0.0, 0.0)
 
 
 def test_stop_returns_when_the_worker_process_died(server, tokenizer):

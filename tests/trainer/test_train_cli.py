@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainer.rollout import REWARD_SQ, VERSION_KNOWN
+from trainer.rollout import REWARD_SQ, VERSION_KNOWN, RolloutCounters
 from trainer.train import GracefulStop, main, parse_args, step_info
 
 REQUIRED = ["--sync_root", "root", "--inference_url", "http://infer", "--env_url", "http://env"]
@@ -73,9 +73,17 @@ def test_step_info_from_trls_metric_sink():
     metrics[REWARD_SQ] += [0.5, 1.0]  # rewards are 0 or 1
     metrics[VERSION_KNOWN] += [1.0, 0.5]
     metrics["sample/staleness_mean"] += [0.0, 1.0, 1.0, 2.0, 1.0, 1.0, 0.0, 2.0]  # one per rollout
+    metrics["sample/dropped_stale_total"] += [1.0, 1.0]
     trainer = SimpleNamespace(_metrics={"train": metrics}, accelerator=SimpleNamespace(num_processes=1))
-    info = step_info(trainer)
-    assert info["reward_mean"] == pytest.approx(0.625) and info["samples"] == 8
+    trainer._step_trained_tokens = 300.0  # TRL's per-step sum, flushed after the sync
+    counters = RolloutCounters()
+    counters.add(samples=8, tokens=400)
+    counters.add(samples=4, tokens=150)
+    info = step_info(trainer, counters)
+    assert (info["rollouts_generated"], info["rollouts_trained"], info["rollouts_dropped"]) == (12, 8, 2)
+    assert (info["tokens_generated"], info["tokens_trained"]) == (550, 300)
+    assert step_info(trainer, counters)["rollouts_generated"] == 0  # counted once
+    assert info["reward_mean"] == pytest.approx(0.625)
     assert info["reward_std"] == pytest.approx((0.625 * 0.375) ** 0.5)
     assert info["staleness_steps_mean"] == 1.0 and info["staleness_steps_max"] == 2.0
     assert info["version_known"] == pytest.approx(0.875)
