@@ -321,13 +321,18 @@ class LocalStorage(Storage):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            current = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            current = ""
+            for _ in range(100):  # the holder writes its name right after locking: give it that moment
+                current = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+                if current:
+                    break
+                time.sleep(0.005)
             os.close(fd)
             raise WriterConflict(
                 f"{self.url} is being written by another publisher ({current or 'holder unknown'})"
             ) from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, holder.encode(), 0)
+        os.pwrite(fd, holder.encode() + b"\n", 0)
         return WriterLock(lambda: os.close(fd))
 
 

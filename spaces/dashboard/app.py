@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 from pydantic_settings import BaseSettings
 
 from deltasync.settings import from_env
-from deltasync.sync.storage import open_storage
+from deltasync.sync.storage import open_storage, redact
 from deltasync.telemetry.reader import TelemetryReader
 
 PLOTS = [
@@ -71,7 +71,7 @@ class Board:
     poll."""
 
     def __init__(self, root: str, stale_after_s: float = 120.0, min_poll_s: float = 0.0):
-        self.root = root
+        self.root = redact(root)  # shown on the page and in /api/summary: never its credentials
         self.stale_after_s = stale_after_s
         self.min_poll_s = min_poll_s
         self._polled_at = -float("inf")
@@ -89,7 +89,7 @@ class Board:
         try:
             self.reader = TelemetryReader(open_storage(root))
         except Exception as e:  # a malformed URL is shown on the page, like any other failure
-            self.error = f"cannot open {root}: {e}"
+            self.error = redact(f"cannot open {root}: {e}")
 
     def refresh(self) -> int:
         """Read the records written since the last poll, unless a poll is under way or ended less than
@@ -102,7 +102,7 @@ class Board:
             try:
                 fetched = self.reader.fetch()  # the slow part, outside self.lock
             except Exception as e:  # the root is unreadable: keep the last data and say why
-                self.error = str(e) or type(e).__name__
+                self.error = redact(str(e)) or type(e).__name__
                 return self.version
             finally:
                 self._polled_at = time.monotonic()

@@ -1,0 +1,199 @@
+"""One writer per sync root (issue 16, points 1 and 3): a second publisher is refused naming the holder, a
+stale one is fenced and never acknowledges, and no acknowledged step is ever lost."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_sync import bf16, bitwise_equal, make_params, run_steps, train_step
+
+from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
+from deltasync.sync import protocol
+from deltasync.sync.publisher import WRITER_PATH, Publisher, PublisherConfig
+from deltasync.sync.storage import LocalStorage, WriterConflict, open_storage
+from deltasync.sync.subscriber import Subscriber
+
+ROUNDS = 24
+
+# One of two publisher processes: in each round (started when the test creates go-<round>), it opens the root,
+# publishes its own state and closes; one JSON line per round says whether that step was acknowledged.
+RACING_PUBLISHER = textwrap.dedent(
+    """
+    import json, sys, time
+    from pathlib import Path
+    sys.path[:0] = {paths!r}
+    from test_sync import make_params
+    from deltasync.sync.publisher import Publisher, PublisherConfig
+
+    root, me, rounds, gate = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+    config = PublisherConfig(keep_anchors=10_000)  # retain every step: every acknowledged one can be pulled
+    for r in range(rounds):
+        while not (gate / f"go-{{r}}").exists():
+            time.sleep(0.002)
+        seed = 1000 * me + r
+        try:
+            with Publisher(root, model="tiny", config=config) as publisher:
+                step = publisher.publish(make_params(seed))
+            print(json.dumps({{"round": r, "seed": seed, "step": step}}), flush=True)
+        except Exception as e:  # refused or fenced: not acknowledged
+            print(json.dumps({{"round": r, "refused": str(e)}}), flush=True)
+    """
+)
+
+
+def wait_for(condition, what: str, timeout_s: float = 120.0) -> None:
+    """Wait for `condition()`; the deadline only turns a hang into a failure (no timing is asserted)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_two_publisher_processes_lose_no_acknowledged_step(tmp_path):
+    root, gate = tmp_path / "root", tmp_path / "gate"
+    gate.mkdir()
+    run_steps(root, 1)  # the run exists: both processes resume it in every round
+    script = RACING_PUBLISHER.format(paths=[os.path.dirname(__file__), os.getcwd()])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(root), str(me), str(ROUNDS), str(gate)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for me in (1, 2)
+    ]
+    replica, stop = Subscriber(root), threading.Event()
+    follower = threading.Thread(target=replica.follow, args=(stop, 0.01), daemon=True)
+    follower.start()
+    results = []
+    try:
+        for r in range(ROUNDS):
+            (gate / f"go-{r}").touch()  # both start the round together
+            for proc in procs:
+                results.append(json.loads(proc.stdout.readline()))
+    finally:
+        for proc in procs:
+            proc.wait(timeout=120)
+    acked = [x for x in results if "step" in x]
+    refused = [x for x in results if "refused" in x]
+    assert len(results) == 2 * ROUNDS and all(p.returncode == 0 for p in procs)
+    odd = [x for x in refused if not re.search("another publisher .*(pid|moved)", x["refused"])]
+    assert not odd
+    steps = [x["step"] for x in acked]
+    assert len(set(steps)) == len(steps), "two publishers acknowledged the same step"
+    head = protocol.read_head(LocalStorage(root))
+    assert head.step == max(steps)
+    for x in acked:  # every acknowledged step comes back bit for bit
+        reader = Subscriber(root)
+        reader.sync(x["step"])
+        assert bitwise_equal(reader.state, bf16(make_params(x["seed"]))), x
+    wait_for(lambda: replica.step == head.step, "the replica to reach the head")
+    stop.set()
+    follower.join()
+    assert format_fingerprint(replica.fingerprint) == head.fingerprint
+    assert bitwise_equal(
+        replica.state, bf16(make_params(next(x["seed"] for x in acked if x["step"] == head.step)))
+    )
+
+
+def test_second_local_publisher_is_refused_naming_the_holder(tmp_path):
+    with Publisher(tmp_path, model="tiny") as first:
+        first.publish(make_params())
+        first.flush()
+        with pytest.raises(WriterConflict, match=f"another publisher.*pid {os.getpid()}"):
+            Publisher(tmp_path)
+        pushed = subprocess.run(
+            [sys.executable, "-m", "deltasync.cli", "gc", str(tmp_path)], capture_output=True, text=True
+        )
+        assert pushed.returncode == 1 and pushed.stderr.count("\n") == 1
+        assert f"pid {os.getpid()}" in pushed.stderr
+    with Publisher(tmp_path) as second:  # released on close
+        assert second.publish(make_params(1)) == 1
+
+
+def test_hub_lease_refuses_a_second_writer_and_fences_a_stale_one(fake_hub):
+    root = "hf://buckets/user/sync/run"
+    config = PublisherConfig(lease_s=3600)  # no renewal during the test: the takeover below is deterministic
+    first = Publisher(root, model="tiny", config=config)
+    first.publish(make_params(0))
+    first.flush()
+    with pytest.raises(WriterConflict, match=re.escape(first.claim.holder)):
+        Publisher(root, config=config)
+    # The first writer stalls (a long GC pause, a partition) past its lease: a new writer takes over.
+    storage = open_storage(root)
+    stale = {"holder": first.claim.holder, "epoch": first.claim.epoch, "expires_at": time.time() - 1}
+    storage.write_bytes(WRITER_PATH, json.dumps(stale).encode())
+    second = Publisher(root, config=config)
+    assert second.claim.epoch > first.claim.epoch
+    first.publish(make_params(1))  # the stale writer wakes up: fenced, its step is never acknowledged
+    with pytest.raises(RuntimeError, match="another publisher moved the head"):
+        first.flush()
+    assert second.publish(make_params(2)) == 1
+    second.close()
+    reader = Subscriber(root)
+    reader.sync()
+    assert reader.step == 1 and bitwise_equal(reader.state, bf16(make_params(2)))
+    assert storage.sizes([WRITER_PATH])[WRITER_PATH] is None  # released
+
+
+class Stalling(LocalStorage):
+    """A folder whose head write for step `step` waits until `release` is set (an upload in progress)."""
+
+    def __init__(self, root: Path, step: int):
+        super().__init__(root)
+        self.step, self.reached, self.release = step, threading.Event(), threading.Event()
+
+    def _write_bytes(self, path, data):
+        if path == protocol.HEAD_PATH and f'"step": {self.step},'.encode() in data:
+            self.reached.set()
+            self.release.wait(60)
+        super()._write_bytes(path, data)
+
+
+def test_publisher_starting_during_a_publish_deletes_nothing(tmp_path):
+    """Issue 16 point 3: a starting publisher's GC deleted the delta the next head named (bricked root)."""
+    params = make_params()
+    storage = Stalling(tmp_path, step=3)
+    with Publisher(storage, model="tiny") as publisher:
+        for step in range(3):
+            if step:
+                train_step(params, step)
+            publisher.publish(params)
+            publisher.flush()
+        train_step(params, 3)
+        publisher.publish(params)
+        assert storage.reached.wait(60)  # step 3's delta is uploaded, its head not yet written
+        with pytest.raises(WriterConflict):
+            Publisher(tmp_path)
+        assert (tmp_path / protocol.delta_path(3)).exists()
+        storage.release.set()
+    reader = Subscriber(tmp_path)
+    reader.sync()
+    assert reader.step == 3 and bitwise_equal(reader.state, bf16(params))
+
+
+def test_replica_trusts_fingerprints_not_step_numbers(tmp_path):
+    """Issue 16 point 2: a replica holding another writer's step N reloads the head's step N."""
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    run_steps(ours, 3)
+    params = make_params(7)  # another run with the same schema and step numbers
+    with Publisher(theirs, model="tiny") as publisher:
+        for step in range(3):
+            if step:
+                train_step(params, step)
+            publisher.publish(params)
+    replica = Subscriber(ours)
+    replica.sync()
+    assert replica.step == 2
+    replica.storage = LocalStorage(theirs)  # the root now holds the other writer's step 2
+    applied = replica.sync()
+    assert applied[0].kind == "anchor"  # its own state is not in this chain: only an anchor is a start
+    assert replica.step == 2 and bitwise_equal(replica.state, bf16(params))
+    assert format_fingerprint(state_fingerprint(replica.state)) == replica.head.fingerprint
