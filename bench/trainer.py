@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -121,8 +122,10 @@ def bench_send(args) -> None:
 
 
 def bench_wordle(args) -> None:
-    from trainer.processes import serving
+    from trainer.processes import placement, serving
     from trainer.tiny_model import default_model_dir, ensure_tiny_model
+
+    cores = placement()  # vLLM's CPU engine on its share of the cores, the env and the trainer on the rest
 
     model = ensure_tiny_model(default_model_dir())
     work = Path(args.out or tempfile.mkdtemp(prefix="bench-wordle-"))
@@ -137,12 +140,14 @@ def bench_wordle(args) -> None:
         "VLLM_ARGS": "--enforce-eager --max-model-len 4096 --max-num-seqs 16",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        **cores.server_env(),
     }
     with ExitStack() as stack:
         app = [sys.executable, str(REPO / "spaces/env/app.py")]
-        env_url = stack.enter_context(serving(app, work / "env.log", {}, 60))
+        env_url = stack.enter_context(serving(app, work / "env.log", {}, 60, cpus=cores.others))
         app = [sys.executable, str(REPO / "spaces/inference/app.py")]
-        inference_url = stack.enter_context(serving(app, work / "inference.log", inference_env, 600))
+        serve = serving(app, work / "inference.log", inference_env, 600, cpus=cores.server)
+        inference_url = stack.enter_context(serve)
         command = [sys.executable, "-m", "trainer", "--sync_root", str(root)]
         command += ["--inference_url", inference_url]
         command += ["--env_url", env_url, "--model", str(model), "--max_steps", str(args.steps)]
@@ -150,7 +155,8 @@ def bench_wordle(args) -> None:
         command += ["--learning_rate", str(args.lr)]
         start = time.perf_counter()
         with open(work / "trainer.log", "w") as log:
-            subprocess.run(command, cwd=REPO, stdout=log, stderr=log, check=True)
+            pin = partial(os.sched_setaffinity, 0, cores.others)
+            subprocess.run(command, cwd=REPO, stdout=log, stderr=log, check=True, preexec_fn=pin)
         wall = time.perf_counter() - start
         time.sleep(3)  # the replica applies the last step
     trainer = _records(root / telemetry.TRAINER_DIR, telemetry.TrainerRecord)

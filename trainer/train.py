@@ -153,6 +153,7 @@ def project_defaults(model: str | None, cuda: bool) -> dict[str, Any]:
         "per_device_train_batch_size": 32 if cuda else 8,
         "max_completion_length": 256 if cuda else 64,  # tokens per model turn
         "max_tool_calling_iterations": 3,  # executed guesses per rollout
+        "gradient_checkpointing": False,  # TRL's default trades compute for memory; small models need none
         "chat_template_kwargs": dict(CHAT_TEMPLATE_KWARGS),
         # Explicit: None would ask the server's /v1/models without our bearer token.
         "token_budget": 0,
@@ -459,12 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("httpx", "urllib3", "huggingface_hub", "deltasync.sync.publisher"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    # no secrets in it: tokens come from the environment, and TRL masks its own
-    log.info("config %s", json.dumps(run_config(ours, args)))
     stop = GracefulStop()
     stop.install()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where is it stuck?
     trainer, transfer = build_trainer(ours, args, stop)
+    # as the trainer runs it; no secrets in it: tokens come from the environment, and TRL masks its own
+    log.info("config %s", json.dumps(run_config(ours, args)))
     start, error = time.perf_counter(), None
     try:
         trainer.train()

@@ -50,6 +50,7 @@ class BucketWeightTransfer:
         self.root, self.model_id, self.config = root, model_id, config
         self.info, self.guard, self.on_first_step = info, guard, on_first_step
         self.publisher: Publisher | None = None
+        self.closed = False
         self.first_step: int | None = None  # the published step of the weights training started from
         self.last_step: int | None = None
         self.blocked_s: list[float] = []  # per sync: how long send_weights held the training loop
@@ -89,8 +90,10 @@ class BucketWeightTransfer:
         self.blocked_s.append(time.perf_counter() - start)
 
     def destroy(self) -> None:
-        """Publish what was handed over, then stop the publisher's thread."""
-        if self.publisher is not None:
+        """Publish what was handed over, then stop the publisher's thread. Idempotent (TRL's own finally
+        calls it, then the trainer's), while Publisher.close() releases the writer lock each time."""
+        if self.publisher is not None and not self.closed:
+            self.closed = True
             self.publisher.close()
 
     @torch.no_grad()
