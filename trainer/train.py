@@ -414,7 +414,11 @@ def build_trainer(ours: DeltaSyncArguments, args: AsyncGRPOConfig, stop: Gracefu
             trainer.rollout_worker._loop_kwargs["model_name"] = ours.served_model_name
         # the base is fixed by the cold sync (first_step)
         use_versioned_loop(trainer.rollout_worker, 0, **loop_kwargs)
-    resumed = continue_from_head(trainer.model, ours.sync_root)
+    # Only the main process touches the sync root (TRL calls the transfer there alone too); under DDP the
+    # other ranks get the resumed weights when the model is wrapped, which broadcasts rank 0's parameters.
+    resumed = None
+    if trainer.accelerator.is_main_process:
+        resumed = continue_from_head(trainer.model, ours.sync_root)
     if resumed is not None:
         log.info("continuing the run in %s from its step %d", ours.sync_root, resumed)
     return trainer, transfer
@@ -438,6 +442,8 @@ def write_summary(
     summary = {
         "config": run_config(ours, args),
         "optimizer_steps": trainer.state.global_step,
+        "num_processes": trainer.accelerator.num_processes,
+        "writer_pid": os.getpid(),  # the main process: the only one that publishes
         "first_step": transfer.first_step,
         "last_step": transfer.last_step,
         "head_step": head.step if head else None,
