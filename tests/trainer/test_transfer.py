@@ -65,6 +65,7 @@ def test_every_sync_is_published_exactly(tmp_path, device, tied, dtype):
         optimizer_step(model)
         sync(transfer, model)
     transfer.destroy()
+    transfer.destroy()  # TRL's finally, then the trainer's: the second does nothing
 
     assert (transfer.first_step, transfer.last_step) == (0, 2) and len(transfer.blocked_s) == 3
     state = published_state(tmp_path / "root")
