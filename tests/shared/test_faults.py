@@ -46,7 +46,7 @@ def one_line_error(r, *expected: str) -> None:
 
 
 class Counting(LocalStorage):
-    """A folder that counts head reads (polls) and the files it copies out."""
+    """A folder that counts head reads (polls) and the files it reads or copies out."""
 
     def __init__(self, root):
         super().__init__(root)
@@ -55,6 +55,10 @@ class Counting(LocalStorage):
     def read_bytes(self, path, limit=None):
         self.polls += path == protocol.HEAD_PATH
         return super().read_bytes(path, limit)
+
+    def _read_bytes(self, path):
+        self.copied.append(path)
+        return super()._read_bytes(path)
 
     def _download_file(self, path, local):
         self.copied.append(path)
