@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +18,7 @@ TRAINER_DIR = "telemetry/trainer"
 REPLICAS_DIR = "telemetry/replicas"
 REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_RECORD_BYTES = 64 << 10
+MAX_MAGNITUDE = 2**63  # largest number a record may hold: any count, size, time or trainer number is smaller
 
 
 class RecordError(ValueError):
@@ -92,7 +92,7 @@ def from_json(cls: type[Record], data: bytes, where: str = "record") -> Record:
         raise RecordError(f"{where}: {len(data)} bytes, more than {MAX_RECORD_BYTES}")
     try:
         raw = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # also an integer over 4300 digits, or deep nesting
         raise RecordError(f"{where}: not JSON: {e}") from None
     if not isinstance(raw, dict):
         raise RecordError(f"{where}: not a JSON object")
@@ -113,19 +113,25 @@ def from_json(cls: type[Record], data: bytes, where: str = "record") -> Record:
 
 def _check(cls: type, name: str, annotation: str, value: Any, where: str) -> Any:
     ok = {
-        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-        "float": lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v),
+        "int": lambda v: _number(v) and isinstance(v, int),
+        "float": _number,  # finite too
         "str": lambda v: isinstance(v, str),
         "bool": lambda v: isinstance(v, bool),
+        # the trainer's own numbers may be NaN or infinite (a diverged reward): readers show those as gaps
         "dict[str, float]": lambda v: (
-            isinstance(v, dict)
-            and all(isinstance(x, int | float) and not isinstance(x, bool) for x in v.values())
+            isinstance(v, dict) and all(_number(x) or isinstance(x, float) for x in v.values())
         ),
     }
     base, _, optional = annotation.partition(" | ")
     if (optional == "None" and value is None) or ok[base](value):
         return value
     raise RecordError(f"{where}: field {name!r} should be {annotation}, got {value!r:.80}")
+
+
+def _number(v: Any) -> bool:
+    """An int or float (not a bool) of magnitude at most MAX_MAGNITUDE: sums, means and differences of such
+    numbers stay finite floats (a larger integer may not even convert to one)."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and abs(v) <= MAX_MAGNITUDE
 
 
 def write(storage: Storage, record: Record) -> None:

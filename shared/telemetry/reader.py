@@ -4,21 +4,24 @@ A poll reads only files it has not seen. Listing `telemetry/` costs as much as t
 10,000 steps; many paged requests on the Hub), so a poll lists only if listing keeps under `listing_share` of
 the wall time (every poll for a short run, every few seconds for a long one); other polls probe, with one
 `sizes()` call, the next few step names of each writer already known. Listings find the rest: new replicas, a
-replica that jumped ahead to an anchor, stray files. Records are untrusted: a bad one is skipped and reported,
-never fatal.
+replica that jumped ahead to an anchor, stray files. Records are untrusted: a bad one (malformed, huge, not a
+regular file) is skipped and reported in one line naming it, never fatal, and never blocks a poll.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import stat
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltasync.sync.storage import LocalStorage, Storage, TransientStorageError
+from deltasync.sync.storage import LocalStorage, Storage, TooLargeError, TransientStorageError
 from deltasync.telemetry import (
+    MAX_RECORD_BYTES,
     REPLICAS_DIR,
     TRAINER_DIR,
     RecordError,
@@ -33,6 +36,7 @@ REPLICA_KINDS = {"anchor", "delta"}
 REMOTE_READERS = 16  # parallel reads on object stores, where each read is a round trip
 LISTING_SHARE = 0.1
 PROBE_STEPS = 8  # next step names probed per writer; a faster writer is followed over successive polls
+SUMMARY_PROBLEMS = 50  # newest problems listed in summary(); all are in `problems`
 
 
 # What reading one file gave: the record and its size, a bad record, a failure to retry, or nothing (removed).
@@ -129,13 +133,19 @@ class TelemetryReader:
         else:
             return RecordError(f"{path}: not a telemetry record path")
         try:
-            data = self.storage.read_bytes(path)
+            if isinstance(self.storage, LocalStorage):
+                _check_local_file(self.storage.root / path, path)
+            data = self.storage.read_bytes(path, limit=MAX_RECORD_BYTES)
             record = from_json(cls, data, path)
             _check(record, path)
         except FileNotFoundError:
             return None  # removed since the listing
         except (RecordError, TransientStorageError) as e:
             return e
+        except TooLargeError as e:
+            return RecordError(str(e))
+        except Exception as e:  # the file is untrusted: whatever it makes reading raise skips it alone
+            return RecordError(f"{path}: unreadable: {type(e).__name__}: {e}")
         return record, len(data)
 
     def _add(self, record: TrainerRecord | ReplicaRecord) -> None:
@@ -196,8 +206,20 @@ class TelemetryReader:
                 _replica_row(name, records, head, now, stale_after_s)
                 for name, records in sorted(self.replicas.items())
             ],
-            "problems": len(self.problems),
+            "problems": list(self.problems.values())[-SUMMARY_PROBLEMS:],  # each line names its file
+            "problem_count": len(self.problems),
         }
+
+
+def _check_local_file(file: os.PathLike, path: str) -> None:
+    """Refuse, before opening it, what a folder can hold under a record's name but a record never is: a FIFO
+    (opening one blocks until a writer comes), a device, a folder, a symlink, or more than MAX_RECORD_BYTES.
+    FileNotFoundError if it is gone."""
+    st = os.lstat(file)
+    if not stat.S_ISREG(st.st_mode):
+        raise RecordError(f"{path}: not a regular file")
+    if st.st_size > MAX_RECORD_BYTES:
+        raise RecordError(f"{path}: {st.st_size} bytes, more than {MAX_RECORD_BYTES}")
 
 
 def _check(record: TrainerRecord | ReplicaRecord, path: str) -> None:

@@ -210,11 +210,11 @@ def test_reader_retries_unreadable_files_and_rereads_recovered_refusals(tmp_path
     read_bytes = storage.read_bytes
     flaky = "telemetry/trainer/step-00000011.json"
 
-    def failing_once(path):
+    def failing_once(path, limit=None):
         if path == flaky:
             monkeypatch.setattr(storage, "read_bytes", read_bytes)
             raise TransientStorageError("timeout")
-        return read_bytes(path)
+        return read_bytes(path, limit)
 
     monkeypatch.setattr(storage, "read_bytes", failing_once)
     assert list(reader.poll().unread) == [flaky]

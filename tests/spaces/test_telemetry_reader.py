@@ -1,0 +1,212 @@
+"""Hostile telemetry files against the dashboard: each is skipped and named, every other step stays plotted,
+no poll blocks, and the app still stops on SIGTERM (the reader, the in-process Board, `python app.py`)."""
+
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import requests
+
+from deltasync.sync.storage import open_storage
+from deltasync.telemetry import MAX_RECORD_BYTES, ReplicaRecord, TrainerRecord, write
+from deltasync.telemetry.reader import TelemetryReader
+from trainer.processes import free_port, start_process, stop_process, wait_healthy
+
+APP = Path(__file__).resolve().parents[2] / "spaces" / "dashboard" / "app.py"
+GOOD_STEPS = range(10)
+T0 = 1_700_000_000.0
+HUGE = "1" + "0" * 400  # an integer no float can hold
+DIGITS = "9" * 5000  # over Python's 4300-digit limit for int(str)
+DEEP = "[" * 30_000 + "]" * 30_000  # 60 KB: under the size limit, far past the parser's recursion limit
+
+
+def trainer(step: int) -> TrainerRecord:
+    return TrainerRecord(
+        step=step,
+        kind="anchor" if step == 0 else "delta",
+        published_at=T0 + step,
+        numel=1000,
+        changed=1000 if step == 0 else 10,
+        payload_bytes=2000 if step == 0 else 30,
+        full_bytes=2000,
+        encode_s=0.1,
+        upload_s=0.2,
+        blocked_s=0.01,
+        base_step=step - 1 if step else None,
+        info={"reward_mean": 0.5},
+    )
+
+
+def replica(step: int) -> ReplicaRecord:
+    return ReplicaRecord(
+        replica="r0",
+        step=step,
+        kind="anchor" if step == 0 else "delta",
+        published_at=T0 + step,
+        applied_at=T0 + step + 0.5,
+        download_s=0.1,
+        apply_s=0.1,
+        verified=True,
+        lag_steps=0,
+    )
+
+
+def with_raw(record: TrainerRecord | ReplicaRecord, **raw: str) -> bytes:
+    """`record` as JSON with the named fields' values replaced by raw JSON text."""
+    fields = {k: json.dumps(v) for k, v in dataclasses.asdict(record).items()} | raw
+    return ("{" + ",".join(f'"{k}":{v}' for k, v in fields.items()) + "}").encode()
+
+
+BAD = {
+    "float-field-too-large-for-a-float": (trainer(10).path(), with_raw(trainer(10), published_at=HUGE)),
+    "int-over-4300-digits": (trainer(11).path(), with_raw(trainer(11), payload_bytes=DIGITS)),
+    "deep-nesting": (trainer(12).path(), DEEP.encode()),
+    "trainer-number-too-large-for-a-float": (
+        trainer(13).path(),
+        with_raw(trainer(13), info=f'{{"reward_mean": {HUGE}}}'),
+    ),
+    "replica-time-too-large-for-a-float": (replica(10).path(), with_raw(replica(10), applied_at=HUGE)),
+}
+
+
+def write_good_run(storage) -> None:
+    for step in GOOD_STEPS:
+        write(storage, trainer(step))
+        write(storage, replica(step))
+
+
+def assert_only_bad_skipped(reader: TelemetryReader, bad_paths: set[str]) -> None:
+    """Every good step is there, each bad file has one line naming it, and the views are strict JSON."""
+    assert sorted(reader.trainer) == list(GOOD_STEPS)
+    assert sorted(reader.replicas["r0"]) == list(GOOD_STEPS)
+    assert set(reader.problems) == bad_paths
+    assert all(path in why and "\n" not in why for path, why in reader.problems.items())
+    summary = json.loads(json.dumps(reader.summary(T0 + 60), allow_nan=False))
+    assert summary["steps"] == len(GOOD_STEPS) and summary["problem_count"] == len(bad_paths)
+    assert {p for p in bad_paths if any(p in line for line in summary["problems"])} == bad_paths
+    series = json.loads(json.dumps(reader.series(), allow_nan=False))
+    assert series["trainer"]["step"] == list(GOOD_STEPS)
+
+
+@pytest.fixture(params=["local", "memory", "hub"])
+def storage(request, tmp_path):
+    if request.param == "hub":
+        request.getfixturevalue("fake_hub")
+    url = {"local": str(tmp_path / "run"), "memory": f"memory://{tmp_path.name}", "hub": "hf://buckets/u/r"}
+    return open_storage(url[request.param])
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_one_malformed_record_is_skipped_and_named(storage, case):
+    write_good_run(storage)
+    path, data = BAD[case]
+    storage.write_bytes(path, data)
+    reader = TelemetryReader(storage)
+    poll = reader.poll()
+    assert list(poll.problems) == [path] and not poll.unread
+    assert_only_bad_skipped(reader, {path})
+    assert not reader.poll().problems  # reported once
+
+
+def without_blocking(call, fifos: list[Path]):
+    """call() in a thread; if it is still running after a minute (stuck opening a FIFO), open the FIFOs for
+    writing until it returns, and fail."""
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(value=call()), daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():
+        while thread.is_alive():  # it reads the FIFOs one after the other
+            for fifo in fifos:
+                with contextlib.suppress(OSError):  # ENXIO: no reader waits on this one
+                    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # the blocked open() now reads EOF
+            thread.join(0.1)
+        pytest.fail("blocked on a FIFO")
+    return result["value"]
+
+
+def hostile_folder(root: Path) -> tuple[set[str], list[Path]]:
+    """A good run plus a FIFO under a trainer and a replica record's names and a record over the size limit;
+    returns the bad paths and the FIFOs."""
+    storage = open_storage(root)
+    write_good_run(storage)
+    fifos = [root / trainer(20).path(), root / replica(20).path()]
+    for fifo in fifos:
+        os.mkfifo(fifo)
+    big = trainer(21).path()
+    (root / big).write_bytes(b" " * MAX_RECORD_BYTES + b"{}")
+    return {trainer(20).path(), replica(20).path(), big}, fifos
+
+
+def test_fifos_and_oversized_files_are_skipped_without_opening_them(tmp_path):
+    bad, fifos = hostile_folder(tmp_path)
+    reader = TelemetryReader(open_storage(tmp_path))
+    poll = without_blocking(reader.poll, fifos)
+    assert set(poll.problems) == bad
+    assert all("not a regular file" in poll.problems[str(f.relative_to(tmp_path))] for f in fifos)
+    assert_only_bad_skipped(reader, bad)
+    reader.listing_share = float("inf")  # the next poll probes the next step names (20 is a FIFO): no read
+    assert not without_blocking(reader.poll, fifos).problems
+
+
+# ------------------------------------------------------------------------------------------- the dashboard
+
+
+@pytest.fixture(scope="module")
+def dashboard():
+    spec = importlib.util.spec_from_file_location("dashboard_app", APP)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_page_plots_every_good_step_and_lists_each_bad_file(dashboard, tmp_path):
+    bad, fifos = hostile_folder(tmp_path)
+    storage = open_storage(tmp_path)
+    for path, data in BAD.values():
+        storage.write_bytes(path, data)
+        bad.add(path)
+    board = dashboard.Board(str(tmp_path))
+    without_blocking(board.refresh, fifos)
+    version, status, _, _, problems, *figures = dashboard.update(board, -1, 2)
+    assert board.error is None and version == 1
+    assert f"**Live** at `{tmp_path}`: latest step {GOOD_STEPS[-1]}" in status
+    assert f"⚠ {len(bad)} invalid telemetry files skipped" in status
+    assert all(f"`{path}`" in problems for path in bad)
+    sparsity = figures[dashboard.PLOTS.index("sparsity")]
+    assert list(sparsity.data[0].x) == list(GOOD_STEPS[1:])  # every delta plotted
+
+
+def test_the_live_app_reports_bad_files_and_stops_on_sigterm(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    bad, _ = hostile_folder(root)
+    storage = open_storage(root)
+    for path, data in BAD.values():
+        storage.write_bytes(path, data)
+        bad.add(path)
+    log = tmp_path / "dashboard.log"
+    port = free_port()
+    env = {**os.environ, "SYNC_ROOT": str(root), "HOST": "127.0.0.1", "PORT": str(port), "REFRESH_S": "1"}
+    proc = start_process([sys.executable, str(APP)], log, env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, f"{url}/api/summary", log, timeout=90)
+        summary = requests.get(f"{url}/api/summary", timeout=30).json()
+        assert summary["error"] is None and summary["steps"] == len(GOOD_STEPS)
+        assert summary["problem_count"] == len(bad)
+        assert {p for p in bad if any(p in line for line in summary["problems"])} == bad
+        series = requests.get(f"{url}/api/series", timeout=30).json()
+        assert series["trainer"]["step"] == list(GOOD_STEPS)
+        assert series["replicas"]["r0"]["step"] == list(GOOD_STEPS)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)  # TimeoutExpired if SIGTERM does not stop it
+    finally:
+        stop_process(proc, grace_s=0)
