@@ -160,7 +160,7 @@ def test_openenvs_generic_client_plays_unchanged(url):
 
 
 def _reply(ws, message) -> dict:
-    ws.send(message if isinstance(message, str) else json.dumps(message))
+    ws.send(message if isinstance(message, str | bytes) else json.dumps(message))
     return json.loads(ws.recv(timeout=10))
 
 
@@ -187,6 +187,64 @@ def test_malformed_websocket_messages_get_clear_errors_and_the_session_goes_on(u
 
     with connect(ws_url) as ws:
         assert _reply(ws, {"type": "reset", "data": {}})["type"] == "observation"
+
+
+# Frames that OpenEnv 0.10's /ws loop ends the session on (the app's FrameGuard answers them instead): each
+# with the error code the reply must carry.
+HOSTILE_FRAMES = {
+    "array": ("[1, 2]", "VALIDATION_ERROR"),
+    "number": ("5", "VALIDATION_ERROR"),
+    "string": ('"reset"', "VALIDATION_ERROR"),
+    "null": ("null", "VALIDATION_ERROR"),
+    "int-over-4300-digits": ('{"type": "reset", "data": {"seed": ' + "9" * 5000 + "}}", "INVALID_JSON"),
+    "deep-nesting": ("[" * 30_000 + "]" * 30_000, "INVALID_JSON"),  # past the JSON parser's recursion limit
+    "deep-but-parsable": (
+        '{"type": "step", "data": {"message": ' + "[" * 500 + "]" * 500 + "}}",
+        "VALIDATION_ERROR",
+    ),
+    "binary": (b'{"type": "state"}', "INVALID_JSON"),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE_FRAMES)
+def test_hostile_frames_get_an_error_and_the_game_goes_on(url, name):
+    frame, code = HOSTILE_FRAMES[name]
+    with connect(url.replace("http", "ws") + "/ws") as ws:
+        _reply(ws, {"type": "reset", "data": {"seed": seed_for("abbey")}})
+        _reply(ws, {"type": "step", "data": {"message": "[crane]"}})
+        error = _reply(ws, frame)
+        assert (error["type"], error["data"]["code"]) == ("error", code)
+        state = _reply(ws, {"type": "state"})["data"]
+        assert (state["guesses"], state["step_count"]) == (["crane"], 1)  # same session, same game
+        won = _reply(ws, {"type": "step", "data": {"message": "[abbey]"}})["data"]
+        assert (won["reward"], won["done"]) == (1.0, True)
+
+
+def test_a_frame_at_the_depth_limit_reaches_openenv(url):
+    from_depth_limit = '{"type": "step", "data": {"message": ' + "[" * 29 + "]" * 29 + "}}"  # 32 levels
+    with connect(url.replace("http", "ws") + "/ws") as ws:
+        error = _reply(ws, from_depth_limit)
+        assert (error["data"]["code"], error["data"]["errors"][0]["loc"]) == ("VALIDATION_ERROR", ["message"])
+        assert _reply(ws, {"type": "reset", "data": {}})["type"] == "observation"
+
+
+def test_hostile_frames_on_the_mcp_socket_get_json_rpc_errors(url):
+    with connect(url.replace("http", "ws") + "/mcp") as ws:
+        for frame in ["[1]", "null", "9" * 5000, b"{}"]:
+            assert _reply(ws, frame)["error"]["code"] in (-32700, -32600)  # parse error, invalid request
+        listed = _reply(ws, {"jsonrpc": "2.0", "method": "tools/list", "id": 1})
+        assert listed["id"] == 1
+
+
+@pytest.mark.parametrize("episode_id", [5, 1.5, True, ["a"], {"id": "a"}])
+def test_a_reset_with_a_non_string_episode_id_is_refused_and_state_still_works(env, episode_id):
+    env.reset(seed=seed_for("abbey"), episode_id="game-1")
+    guess(env, "crane")
+    with pytest.raises(RuntimeError, match="episode_id must be a string"):
+        env.reset(episode_id=episode_id)
+    state = env.state()
+    assert (state.episode_id, state.guesses) == ("game-1", ["crane"])  # the refused reset changed nothing
+    assert guess(env, "abbey").reward == 1.0
 
 
 def test_malformed_http_requests_get_4xx(url):

@@ -29,9 +29,12 @@ class WordleEnvironment(Environment[WordleAction, WordleObservation, WordleState
     def reset(
         self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any
     ) -> WordleObservation:
-        # WebSocket resets reach here unvalidated (HTTP ones went through OpenEnv's ResetRequest).
+        # WebSocket resets reach here unvalidated (HTTP ones went through OpenEnv's ResetRequest): check
+        # before changing anything, so that a refused reset leaves the session's game and state as they were.
         if seed is not None and (type(seed) is not int or seed < 0):
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r:.80}")
+        if episode_id is not None and not isinstance(episode_id, str):
+            raise ValueError(f"episode_id must be a string, got {episode_id!r:.80}")
         self._game = Game.seeded(seed) if seed is not None else Game()
         self._episode_id = episode_id or str(uuid4())
         self._steps = 0
