@@ -258,6 +258,17 @@ class LocalStorage(Storage):
         with _atomic_file(self.root / path) as tmp:
             shutil.copyfile(local, tmp)
 
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
+        if limit is None:
+            return super().read_bytes(path)
+        check_path(path)
+        with self._failures("read", path, absent_is_final=True), open(self.root / path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = f.read(limit + 1) if size <= limit else b""  # read() bounds a file that grew meanwhile
+        if size > limit or len(data) > limit:
+            raise TooLargeError(f"{self.url}: {path} has {max(size, len(data))} bytes, more than {limit}")
+        return data
+
     def download_file(self, path: str, local: Path, limit: int | None = None) -> None:
         size = _file_size(self.root / check_path(path))
         if limit is not None and size is not None and size > limit:  # refused before copying a byte

@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from test_sync import bf16, bitwise_equal, make_params, run_steps, train_step
 
 from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
 from deltasync.sync import protocol
-from deltasync.sync.publisher import WRITER_PATH, Publisher, PublisherConfig
+from deltasync.sync.publisher import WRITER_PATH, Publisher, PublisherConfig, WriterClaim
 from deltasync.sync.storage import LocalStorage, WriterConflict, open_storage
 from deltasync.sync.subscriber import Subscriber
 
@@ -197,3 +198,19 @@ def test_replica_trusts_fingerprints_not_step_numbers(tmp_path):
     assert applied[0].kind == "anchor"  # its own state is not in this chain: only an anchor is a start
     assert replica.step == 2 and bitwise_equal(replica.state, bf16(params))
     assert format_fingerprint(state_fingerprint(replica.state)) == replica.head.fingerprint
+
+
+def test_lease_renewal_extends_it_and_detects_a_takeover():
+    storage = open_storage(f"memory://{uuid.uuid4().hex}/run")
+    claim = WriterClaim(storage, lease_s=60)
+    first = json.loads(storage.read_bytes(WRITER_PATH))
+    claim.renew()
+    assert json.loads(storage.read_bytes(WRITER_PATH))["expires_at"] >= first["expires_at"]
+    with pytest.raises(WriterConflict, match=re.escape(claim.holder)):
+        WriterClaim(storage)
+    other = {"holder": "someone else", "epoch": 9, "expires_at": time.time() + 60}
+    storage.write_bytes(WRITER_PATH, json.dumps(other).encode())
+    with pytest.raises(WriterConflict, match="someone else"):
+        claim.renew()
+    claim.release()  # not its lease any more: left alone
+    assert json.loads(storage.read_bytes(WRITER_PATH))["holder"] == "someone else"

@@ -1,10 +1,12 @@
 """The storage contract on all three backends: a local folder, fsspec `memory://`, and a Hub bucket served by
 the in-process fake Hub (tests/fakehub.py) through the real huggingface_hub client."""
 
+import importlib.util
 import os
 import tempfile
 import threading
 import uuid
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -16,9 +18,11 @@ from deltasync.sync.storage import (
     FsspecStorage,
     HubBucketStorage,
     LocalStorage,
+    TooLargeError,
     TransientStorageError,
     check_path,
     open_storage,
+    redact,
 )
 
 UNSAFE_PATHS = [
@@ -310,3 +314,24 @@ def test_safe_paths_round_trip_inside_the_root(segments):
         assert storage.read_bytes(path) == b"x"
         assert storage.list() == [path]
         assert (root / path).resolve().is_relative_to(root.resolve())
+
+
+def test_reads_over_a_limit_are_refused(storage, tmp_path):
+    storage.write_bytes("heads/latest.json", b"x" * 100)
+    assert storage.read_bytes("heads/latest.json", limit=100) == b"x" * 100
+    with pytest.raises(TooLargeError, match="100 bytes, more than"):
+        storage.read_bytes("heads/latest.json", limit=99)
+    with pytest.raises(TooLargeError):
+        storage.download_file("heads/latest.json", tmp_path / "f", limit=99)
+    assert not (tmp_path / "f").exists()
+    with pytest.raises(FileNotFoundError, match="deltas/step-00000001.safetensors"):  # named, not "2"
+        storage.read_bytes("deltas/step-00000001.safetensors", limit=99)
+
+
+def test_missing_fsspec_backends_and_credentials_are_one_clear_line():
+    missing = importlib.util.find_spec("s3fs") is None
+    with pytest.raises(ValueError, match="Install s3fs") if missing else nullcontext():
+        open_storage("s3://bucket/root")
+    storage = open_storage("memory://user:hunter2@x/root")
+    assert "hunter2" not in storage.url and "hunter2" not in repr(storage)
+    assert redact("GET http://a:b@h/x with hf_abcdefghijkl") == "GET http://***@h/x with hf_***"
