@@ -1,21 +1,30 @@
-"""What applying a step costs the inference server: generation paused and in-place write time vs changes.
+"""What applying a step costs the inference server, and what it costs generation.
 
     python -m bench.apply                  # Qwen3-0.6B-shaped random model on this machine's vLLM
-    python -m bench.apply --preset tiny    # the tests' tiny Qwen3
-    python -m bench.apply --kernel         # the apply kernel alone, in torch, on CPU and CUDA when present
+    python -m bench.apply --preset tiny    # the tests' tiny Qwen3 (a quick check of the bench itself)
 
-The server path exactly (spaces/inference/app.py): one AsyncLLM with the Space's worker extension, and its
-VllmApplier writing synthetic steps of growing density while two request streams keep generating. Per step:
-the raw patch file is written while serving, then pause(keep) -> RPC in-place write -> reset prefix cache ->
-weight version -> resume. Each step is read back from the worker and checked against the expected fingerprint.
-Columns: changed elements (share of the model), raw patch bytes, file write (outside the pause), the worker's
-in-place write, the pause window (generation paused), all medians over --repeat steps.
+The server path exactly (spaces/inference/app.py): one AsyncLLM with the Space's worker extension, placed as
+the tests place it (`trainer.processes.placement()`: vLLM's worker on its own cores, this process on the
+others), and its VllmApplier writing synthetic steps. Two tables:
+
+1. Apply, per density and write path, while two request streams keep generating: "stage", the worker's
+   stage RPC (the patch file read, checked and moved into the worker's memory, outside the pause; the worker
+   is busy with it between two forward steps); "write", the worker's in-place write; "paused", the whole
+   window generation was paused (from the engine's pause acknowledgement to its resume acknowledgement: the
+   write, the weight version, the RPC round trips); "floor", measured in the same run as the worker writes
+   (generation paused, on the server's cores, one thread): a plain indexed copy of the same values into
+   same-size bf16 tensors. Each step is read back from the worker and checked against the expected
+   fingerprint. Medians over --repeat steps.
+2. Throughput: --streams concurrent long generations for --seconds, while a step of --step-density lands
+   every --every seconds, with KV_ON_UPDATE=keep, with recompute, and with no updates. Generated tokens per
+   second (tokens recomputed after a preemption are not counted), and vLLM's preemption count.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shlex
 import statistics
 import sys
@@ -28,10 +37,11 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from bench import load_space_app
-from deltasync.codec.changes import TensorChanges, apply_changes
+from deltasync.codec.changes import TensorChanges
 from deltasync.codec.fingerprint import state_fingerprint
 from deltasync.codec.patch import fingerprint_after
 from deltasync.vllm.applier import VllmApplier
+from trainer.processes import placement
 from trainer.tiny_model import build_tiny_model
 
 QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16)
@@ -63,22 +73,120 @@ def random_changes(state: dict[str, torch.Tensor], density: float, seed: int) ->
     return changes
 
 
-async def generate_forever(engine, stop: asyncio.Event, stream: int, counts: list[int]) -> None:
+def indexed_copy_s(state: dict[str, torch.Tensor], changes: dict[str, TensorChanges]) -> float:
+    """The floor: the same values written at the same positions into same-size bf16 tensors (`state`)."""
+    start = time.perf_counter()
+    for name, ch in changes.items():
+        state[name].view(-1).index_put_((ch.indices,), ch.values)
+    return time.perf_counter() - start
+
+
+async def generate(engine, stream: int, max_tokens: int, tokens: list[int], stop: asyncio.Event) -> None:
+    """Back-to-back requests of `max_tokens` tokens; adds each token to `tokens[stream]` as it comes."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=32, ignore_eos=True, temperature=1.0)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0)
     i = 0
     while not stop.is_set():
         prompt = TokensPrompt(prompt_token_ids=[5 + stream, 6, 7, 8])
+        seen = 0
         async for out in engine.generate(prompt, params, request_id=f"bench-{stream}-{i}"):
-            final = out
-        assert final.finished and len(final.outputs[0].token_ids) == 32
-        counts[stream] += 1
+            n = len(out.outputs[0].token_ids)
+            tokens[stream] += n - seen
+            seen = n
+        assert out.finished and seen == max_tokens
         i += 1
 
 
-async def server_bench(model: Path, densities: list[float], repeat: int, vllm_args: list[str]) -> list[dict]:
+async def floor_s(engine, cpus, state, changes) -> float:
+    """The floor, measured as the worker writes: generation paused, on the server's cores."""
+    await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+    os.sched_setaffinity(0, cpus.server)
+    try:
+        return indexed_copy_s(state, changes)
+    finally:
+        cpus.pin_self()
+        await engine.resume_generation()
+
+
+async def apply_table(engine, applier, cpus, state, densities, paths, repeat) -> list[dict]:
+    numel = sum(t.numel() for t in state.values())
+    fp = state_fingerprint(state)
+    rows, step = [], 0
+    for density in densities:
+        for applier.write in paths:
+            samples = []
+            for _ in range(repeat):
+                step += 1
+                changes = random_changes(state, density, step)
+                fp = fingerprint_after(fp, state, changes)
+                changed = sum(len(c) for c in changes.values())
+                await asyncio.to_thread(applier.patch, changes, step)
+                floor = await floor_s(engine, cpus, state, changes)  # writes the changes into `state`
+                assert await asyncio.to_thread(applier.fingerprint) == fp, f"readback after step {step}"
+                w = applier.last_write
+                assert w["tensors"]["vllm" if applier.write == "direct" else "direct"] == 0, w
+                samples.append(
+                    {
+                        "changed": changed,
+                        "share": changed / numel,
+                        "raw MB": 6 * changed / 1e6,
+                        "stage ms": 1e3 * w["stage_s"],
+                        "write ms": 1e3 * w["write_s"],
+                        "paused ms": 1e3 * w["pause_s"],
+                        "floor ms": 1e3 * floor,
+                    }
+                )
+            medians = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+            medians["paused / write"] = medians["paused ms"] / medians["write ms"]
+            medians["write / floor"] = medians["write ms"] / medians["floor ms"]
+            rows.append({"density": f"{100 * density:g}%", "write path": applier.write, **medians})
+    return rows
+
+
+async def throughput_table(engine, applier, state, a, preemptions) -> list[dict]:
+    # Steps cycle through a few change sets made beforehand: this process's CPU goes to the serving path
+    # (patch file, stage, pause), as the subscriber's would, not to making random changes.
+    pool = [random_changes(state, a.step_density, 10_000 + i) for i in range(3)]
+    rows, step = [], 10_000
+    for policy in ("none", "keep", "recompute"):
+        applier.kv_on_update = "keep" if policy == "none" else policy
+        stop, tokens = asyncio.Event(), [0] * a.streams
+        streams = [
+            asyncio.create_task(generate(engine, s, a.long_tokens, tokens, stop)) for s in range(a.streams)
+        ]
+        await asyncio.sleep(a.every)  # every stream past its prefill
+        preempted, counted, updates = preemptions(), sum(tokens), 0
+        start = time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < a.seconds:
+            next_at = a.seconds if policy == "none" else min(a.every * (updates + 1), a.seconds)
+            await asyncio.sleep(max(0.0, next_at - elapsed))
+            if policy != "none" and time.perf_counter() - start < a.seconds:
+                step += 1
+                await asyncio.to_thread(applier.patch, pool[step % len(pool)], step)
+                updates += 1
+        seconds, generated = time.perf_counter() - start, sum(tokens) - counted
+        rows.append(
+            {
+                "KV_ON_UPDATE": "(no updates)" if policy == "none" else policy,
+                "updates": updates,
+                "tokens": generated,
+                "tokens/s": generated / seconds,
+                "preemptions": preemptions() - preempted,
+            }
+        )
+        stop.set()
+        for task in streams:
+            task.cancel()  # aborts the request in flight
+        await asyncio.gather(*streams, return_exceptions=True)
+    none = rows[0]["tokens/s"]
+    for row in rows:
+        row["vs no updates"] = f"{row['tokens/s'] / none:.1%}"
+    return rows
+
+
+async def server_bench(model: Path, a, cpus) -> tuple[list[dict], list[dict]]:
     from safetensors.torch import load_file
 
     inference = load_space_app("inference")
@@ -86,132 +194,66 @@ async def server_bench(model: Path, densities: list[float], repeat: int, vllm_ar
         model=str(model),
         sync_root="-",  # unused: the bench drives the applier itself
         replica_id="bench",
-        vllm_args=shlex.join(["--skip-tokenizer-init", *vllm_args]),
+        vllm_args=shlex.join(["--skip-tokenizer-init", *a.vllm_args.split()]),
     )
     args = inference.engine_args(cfg)
-    rows = []
     async with inference.build_async_engine_client(args) as engine:
+        cpus.pin_self()  # the engine's processes stay on the server's cores, as the app's do
         layout = (await engine.collective_rpc("deltasync_layout"))[0]
         applier = VllmApplier(engine, asyncio.get_running_loop(), layout)
         state = load_file(model / "model.safetensors")
-        numel = sum(t.numel() for t in state.values())
-        fp = state_fingerprint(state)
-        stop, counts = asyncio.Event(), [0, 0]
-        streams = [asyncio.create_task(generate_forever(engine, stop, s, counts)) for s in range(2)]
-        await asyncio.sleep(2.0)
-        start = time.perf_counter()
         await asyncio.to_thread(applier.load, state, 0)
-        anchor = _timings(numel, numel, 2 * numel, time.perf_counter() - start, applier)
-        rows.append({"step": "anchor (full load)", "write path": "vLLM dense", **anchor})
-        assert await asyncio.to_thread(applier.fingerprint) == fp, "anchor readback"
-        step = 0
-        for density in densities:
-            for applier.direct in (False, True):
-                samples = []
-                for _ in range(repeat):
-                    step += 1
-                    changes = random_changes(state, density, step)
-                    fp = fingerprint_after(fp, state, changes)
-                    apply_changes(state, changes)
-                    changed = sum(len(c) for c in changes.values())
-                    start = time.perf_counter()
-                    await asyncio.to_thread(applier.patch, changes, step)
-                    total_s = time.perf_counter() - start
-                    assert await asyncio.to_thread(applier.fingerprint) == fp, f"readback after step {step}"
-                    samples.append(_timings(changed, numel, 6 * changed, total_s, applier))
-                path = "direct" if applier.direct else "vLLM sparse"
-                medians = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-                rows.append({"step": f"{100 * density:g}%", "write path": path, **medians})
+        assert await asyncio.to_thread(applier.fingerprint) == state_fingerprint(state), "anchor readback"
+        stop, tokens = asyncio.Event(), [0, 0]
+        streams = [asyncio.create_task(generate(engine, s, 32, tokens, stop)) for s in range(2)]
+        await asyncio.sleep(2.0)
+        apply_rows = await apply_table(engine, applier, cpus, state, a.densities, a.paths, a.repeat)
         stop.set()
         await asyncio.gather(*streams)
-        print(f"requests completed across the updates: {sum(counts)}, none failed", file=sys.stderr)
-    return rows
-
-
-def _timings(changed: int, numel: int, raw_bytes: int, total_s: float, applier) -> dict:
-    write = applier.last_write
-    return {
-        "changed": changed,
-        "share": changed / numel,
-        "raw MB": raw_bytes / 1e6,
-        "file ms": 1e3 * (total_s - write["pause_s"]),
-        "write ms": 1e3 * write["write_s"],
-        "paused ms": 1e3 * write["pause_s"],
-    }
-
-
-def kernel_bench(densities: list[float], repeat: int) -> list[dict]:
-    """vLLM's sparse write (NaN-filled staging tensor, index_copy_, torch.where into the parameter) against a
-    plain index_put_, on one Qwen3-0.6B embedding-sized and one MLP-sized tensor."""
-    rows = []
-    devices = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
-    for device in devices:
-        for shape in [(151936, 1024), (3072, 1024)]:
-            param = (torch.randn(shape, device=device) * 0.02).bfloat16()
-            for density in densities:
-                k = max(1, round(density * param.numel()))
-                idx = torch.randint(param.numel(), (k,), device=device).unique()
-                values = torch.randn(idx.numel(), device=device).bfloat16()
-                vllm_s = _timed(_nan_masked_write, (param, idx, values), repeat, device)
-                put_s = _timed(_index_put, (param, idx, values), repeat, device)
-                rows.append(
-                    {"device": device, "tensor": "x".join(map(str, shape)), "share": density}
-                    | {"changed": idx.numel(), "vLLM sparse ms": 1e3 * vllm_s, "index_put ms": 1e3 * put_s}
-                )
-    return rows
-
-
-def _nan_masked_write(param: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
-    staging = torch.full((param.numel(),), float("nan"), dtype=param.dtype, device=param.device)
-    staging.index_copy_(0, idx, values)
-    torch.where(torch.isnan(staging.view(param.shape)), param, staging.view(param.shape), out=param)
-
-
-def _index_put(param: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
-    param.view(-1).index_put_((idx,), values)
-
-
-def _timed(fn, args: tuple, repeat: int, device: str) -> float:
-    times = []
-    for _ in range(repeat + 1):  # the first call warms up
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn(*args)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+        print(f"requests completed across the updates: {sum(tokens) // 32}, none failed", file=sys.stderr)
+        throughput_rows = await throughput_table(engine, applier, state, a, inference.preemptions)
+    return apply_rows, throughput_rows
 
 
 def print_table(rows: list[dict]) -> None:
     def cell(key, value):
         if key == "share":
             return f"{value:.2%}"
-        if key == "changed":
+        if key in ("changed", "tokens"):
             return f"{value:,.0f}"
+        if " / " in key:
+            return f"{value:.2f}x"
         return f"{value:.3g}" if isinstance(value, float) else str(value)
 
     print("| " + " | ".join(rows[0]) + " |")
     print("|" + "---|" * len(rows[0]))
     for row in rows:
         print("| " + " | ".join(cell(k, v) for k, v in row.items()) + " |")
+    print()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=["qwen3-0.6b", "tiny"], default="qwen3-0.6b")
-    ap.add_argument("--densities", type=float, nargs="+", default=[1e-4, 1e-3, 1e-2, 3e-2, 1e-1])
+    ap.add_argument("--densities", type=float, nargs="+", default=[1e-3, 1e-2, 3e-2])
+    ap.add_argument("--paths", nargs="+", choices=["direct", "vllm"], default=["direct", "vllm"])
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--kernel", action="store_true", help="time only the torch apply kernel")
-    ap.add_argument("--vllm-args", default="--enforce-eager --max-model-len 512 --max-num-seqs 4")
+    ap.add_argument("--streams", type=int, default=4, help="concurrent long generations (throughput)")
+    ap.add_argument("--long-tokens", type=int, default=1024, help="tokens per long generation")
+    ap.add_argument("--seconds", type=float, default=45.0, help="throughput window per KV policy")
+    ap.add_argument("--every", type=float, default=3.0, help="seconds between steps (throughput)")
+    ap.add_argument("--step-density", type=float, default=1e-2, help="share changed per step (throughput)")
+    ap.add_argument("--vllm-args", default="--enforce-eager --max-model-len 2048 --max-num-seqs 8")
     a = ap.parse_args()
-    if a.kernel:
-        print_table(kernel_bench(a.densities, a.repeat))
-        return
+    cpus = placement()
+    os.environ |= cpus.server_env()  # vLLM's worker binds its threads to the server's cores
+    torch.set_num_threads(len(cpus.server))  # the floor with as many threads as the worker has
     with tempfile.TemporaryDirectory(prefix="bench-apply-") as tmp:
         model = build_tiny_model(Path(tmp)) if a.preset == "tiny" else qwen3_06b_shaped(Path(tmp))
-        print_table(asyncio.run(server_bench(model, a.densities, a.repeat, a.vllm_args.split())))
+        os.sched_setaffinity(0, cpus.server)  # the engine's processes start here
+        apply_rows, throughput_rows = asyncio.run(server_bench(model, a, cpus))
+    print_table(apply_rows)
+    print_table(throughput_rows)
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ class VllmApplier(Applier):
             "tensors": {path: sum(s["paths"][path] for s in staged) for path in ("direct", "vllm")},
             "kv_on_update": self.kv_on_update,
             "requests_in_flight": in_flight,  # unfinished requests when generation paused
-            "stage_s": stage_s if staged_early else None,
+            "stage_s": stage_s if staged_early else None,  # the stage RPC, outside the pause
             "write_s": write_s,
             "pause_s": pause_s,
         }

@@ -1,8 +1,11 @@
 """The inference Space end to end on CPU vLLM: `python spaces/inference/app.py` follows a local sync root that
 the project's Publisher fills with a tiny Qwen3's states, and serves them through vLLM's OpenAI API.
 
-Two engine starts: server A follows the run from its first anchor (steps, readback, requests across an update,
-a corrupt delta, security); server B starts late, catches up from an anchor and feeds TRL's rollout worker.
+Two engine starts: server A (the defaults: direct writes, KV_ON_UPDATE=keep) follows the run from its first
+anchor (steps, readback, a request across an update, a corrupt delta, security); server B (vLLM's loader,
+KV_ON_UPDATE=recompute) starts late, catches up from an anchor, takes a request across an update and feeds
+TRL's rollout worker. The servers run on their own cores, this process on the others (`placement()`): vLLM's
+CPU engine would otherwise slow this process ~5x, and an update would land whenever that allowed.
 """
 
 import json
@@ -22,7 +25,7 @@ from deltasync import telemetry
 from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
 from deltasync.sync.protocol import HEAD_PATH, RUN_PATH, Head, step_of
 from deltasync.sync.publisher import Publisher, PublisherConfig
-from trainer.processes import serving
+from trainer.processes import placement, serving
 from trainer.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow  # starts vLLM
@@ -33,6 +36,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PROMPT = [5, 6, 7, 8, 20, 30]
 ANCHOR_EVERY = 10
 BIG_STEP = 10  # a step that changes every weight a lot: greedy outputs must change with it
+LONG = 8000  # tokens of the request that runs across an update (--max-model-len 8192)
+CPUS = placement()
 ADMIN_ROUTES = [
     "/pause",
     "/resume",
@@ -111,6 +116,38 @@ def write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def request_across_an_update(run: Run, server: "Server") -> tuple[dict, dict, dict]:
+    """A LONG-token request during which a step lands: the server's own record says the request was in
+    flight when generation paused for the write; it completes with exactly its tokens, sampled by the two
+    versions in turn (vLLM's `weight_versions` spans). Returns the status before and after, and the choice."""
+    before, result = server.status(), {}
+    assert before["requests_in_flight"] == 0, before
+
+    def generate():
+        params = {"max_tokens": LONG, "temperature": 0.0, "ignore_eos": True}
+        body = {"model": server.model, "token_ids": PROMPT, "sampling_params": params}
+        url = f"{server.url}/inference/v1/generate"
+        result["response"] = requests.post(url, json=body, headers=server.headers, timeout=600)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    try:
+        server.wait_for(lambda s: s["requests_in_flight"] == 1, "the request to start")
+        step = run.step()
+        status = server.wait_for(lambda s: s["step"] == step, f"step {step}")
+    finally:
+        thread.join()
+    assert status["last_write"]["step"] == step and status["last_write"]["requests_in_flight"] == 1, status
+    response = result["response"]
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert len(choice["token_ids"]) == LONG
+    spans = choice["weight_versions"]  # vLLM's own record of which weights sampled which tokens
+    assert [s["version"] for s in spans] == [str(before["step"]), str(step)], spans
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == LONG
+    return before, status, choice
+
+
 class Server:
     def __init__(self, url: str, model: str, log: Path, headers: dict):
         self.url, self.model, self.log, self.headers = url, model, log, headers
@@ -152,7 +189,8 @@ def running_server(run: Run, log: Path, **env):
         "TOKENIZERS_PARALLELISM": "false",
         **env,
     }
-    with serving([sys.executable, str(APP)], log, env, timeout=600) as url:
+    env |= CPUS.server_env()
+    with serving([sys.executable, str(APP)], log, env, timeout=600, cpus=CPUS.server) as url:
         yield Server(url, str(run.model_dir), log, AUTH if env.get("API_TOKEN") else {})
 
 
@@ -162,7 +200,16 @@ def replica_record(run: Run, replica: str, step: int) -> telemetry.ReplicaRecord
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Run:
+def pinned():
+    """This process (and the threads it starts, the publisher's included) on the cores the servers leave."""
+    before = os.sched_getaffinity(0)
+    CPUS.pin_self()
+    yield
+    os.sched_setaffinity(0, before)
+
+
+@pytest.fixture(scope="module")
+def run(pinned, tmp_path_factory) -> Run:
     tmp = tmp_path_factory.mktemp("inference")
     run = Run(tmp, build_tiny_model(tmp / "tiny-qwen3"))
     yield run
@@ -195,6 +242,8 @@ class TestFollowingServer:
             assert status["step"] == step and status["readback"]["fingerprint"] == run.fingerprints[step]
             assert status["lag_steps"] == 0 and status["weight_version"] == str(step)
             outputs[step] = server.greedy()
+        tensors = status["last_write"]["tensors"]
+        assert tensors["direct"] > 0 and tensors["vllm"] == 0  # the default path
         applied = [a for a in server.status()["recent"] if a["step"] > 0]
         assert [a["step"] for a in applied] == list(range(1, 21))
         assert all(a["pause_s"] < a["apply_s"] for a in applied)
@@ -204,40 +253,10 @@ class TestFollowingServer:
         # Small steps rarely flip a greedy token; the big one changes every weight, and the outputs with it.
         assert outputs[BIG_STEP] != outputs[BIG_STEP - 1], outputs
 
-    def test_request_running_across_an_update_completes(self, run, server):
-        # Generation speed varies by machine: a request that ended before the update proves nothing, so such
-        # an attempt is repeated with a longer request.
-        for max_tokens in (1500, 4000, 8000):
-            before, result = server.status()["step"], {}
-
-            def generate(max_tokens=max_tokens, result=result):
-                params = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-                body = {"model": server.model, "token_ids": PROMPT, "sampling_params": params}
-                url = f"{server.url}/inference/v1/generate"
-                result["response"] = requests.post(url, json=body, headers=server.headers, timeout=300)
-                result["ended_at"] = time.time()
-
-            thread = threading.Thread(target=generate)
-            thread.start()
-            time.sleep(0.5)
-            step = run.step()
-            status = server.wait_for(lambda s, step=step: s["step"] == step, f"step {step}")
-            thread.join()
-            applied_at = status["recent"][-1]["applied_at"]
-            if result["ended_at"] > applied_at:
-                break
-        else:
-            # Seen on this 2-core machine since 2026-11-24 (also on older commits): the update lands only
-            # after the running request ends. Not the behaviour under test, so not a pass either.
-            pytest.xfail("no request overlapped an update: every one ended before the update was applied")
-        response = result["response"]
-        assert response.status_code == 200, response.text
-        choice = response.json()["choices"][0]
-        assert len(choice["token_ids"]) == max_tokens
-        spans = choice["weight_versions"]  # vLLM's own record of which weights sampled which tokens
-        assert [s["version"] for s in spans] == [str(before), str(step)], spans
-        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"]
-        assert spans[1]["end"] == max_tokens
+    def test_request_running_across_an_update_keeps_its_kv(self, run, server):
+        before, status, choice = request_across_an_update(run, server)
+        assert status["last_write"]["kv_on_update"] == "keep"
+        assert server.status()["preemptions"] == before["preemptions"]  # vLLM kept the request running
 
     def test_trl_rollout_request_shape(self, run, server):
         # The exact body TRL 1.16's AsyncRolloutWorker._generate_one_turn posts.
@@ -304,8 +323,9 @@ def late_server(run, tmp_path_factory):
     while run.step() < run.head().anchors[-1].step + 2:  # the head moves past the newest anchor
         pass
     log = tmp_path_factory.mktemp("server-b") / "server.log"
-    # The direct write path: index writes into the parameter views learned from vLLM's loader.
-    with running_server(run, log, REPLICA_ID="replica-b", PATCH_WRITE="direct") as server:
+    # vLLM's own loader for every tensor; running requests recompute their context after an update.
+    env = {"REPLICA_ID": "replica-b", "PATCH_WRITE": "vllm", "KV_ON_UPDATE": "recompute"}
+    with running_server(run, log, **env) as server:
         yield server
 
 
@@ -317,7 +337,13 @@ class TestLateServer:
         expected = [(anchor, "anchor"), (anchor + 1, "delta"), (anchor + 2, "delta")]
         assert [(a["step"], a["kind"]) for a in status["recent"]] == expected
         assert status["readback"]["fingerprint"] == run.fingerprints[head]
+        assert status["last_write"]["tensors"]["direct"] == 0 and status["last_write"]["tensors"]["vllm"] > 0
         assert replica_record(run, "replica-b", head).verified
+
+    def test_request_running_across_an_update_recomputes(self, run, late_server):
+        before, status, choice = request_across_an_update(run, late_server)
+        assert status["last_write"]["kv_on_update"] == "recompute"
+        assert late_server.status()["preemptions"] > before["preemptions"]  # preempted, then recomputed
 
     def test_front_page_completion_box(self, late_server):
         assert "gradio" in requests.get(late_server.url, timeout=10).text.lower()
