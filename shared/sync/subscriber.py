@@ -26,7 +26,7 @@ import torch
 from deltasync import telemetry
 from deltasync.codec import fingerprint
 from deltasync.codec.changes import TensorChanges, apply_changes
-from deltasync.codec.patch import Patch, PatchError, decode
+from deltasync.codec.patch import Patch, PatchError, decode, read_info
 from deltasync.sync.anchor import read_anchor
 from deltasync.sync.protocol import Entry, Head, ManifestError, RunInfo, read_head, read_run
 from deltasync.sync.storage import Storage, TransientStorageError, open_storage
@@ -275,6 +275,9 @@ class Subscriber:
         return applied
 
     def _decode(self, data: bytes, entry: Entry) -> Patch:
+        claimed = read_info(data).changed  # from the headers alone: decoding allocates per claimed change
+        if claimed != entry.changed:
+            raise PatchError(f"patch claims {claimed} changes, the head lists {entry.changed}")
         patch = decode(data, self.state, self.fingerprint, self.threads)
         if (patch.step, fingerprint.format_fingerprint(patch.fingerprint)) != (entry.step, entry.fingerprint):
             raise PatchError(

@@ -298,3 +298,22 @@ def test_cli_errors_are_one_line(tmp_path):
     r = cli("pull", "hf://buckets/user/sync", "-o", tmp_path / "o", env=env)
     one_line_error(r, "cannot reach")
     assert "x" * 30 not in r.stderr
+
+
+def test_patch_claiming_more_changes_than_the_head_lists_is_refused_before_decoding(tmp_path, monkeypatch):
+    """Issue 16 point 9: decoding allocates per claimed change; a patch that claims more than its head entry
+    says is refused from its headers alone."""
+    states = run_steps(tmp_path, 3)
+    head = json.loads((tmp_path / protocol.HEAD_PATH).read_bytes())
+    head["entries"][-1]["changed"] = 1  # the file claims its real count: more than the head lists
+    (tmp_path / protocol.HEAD_PATH).write_text(json.dumps(head))
+    replica = Subscriber(tmp_path)
+    replica.sync(1)
+
+    def never(*args, **kwargs):
+        raise AssertionError("decoded a patch whose claim does not match its head entry")
+
+    monkeypatch.setattr("deltasync.sync.subscriber.decode", never)
+    with pytest.raises(SyncError, match="refused delta of step 2: patch claims .* changes, the head lists 1"):
+        replica.sync()
+    assert replica.step == 1 and bitwise_equal(replica.state, states[1])
