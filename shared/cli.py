@@ -109,6 +109,7 @@ def cmd_ls(args: argparse.Namespace) -> None:
 
 def cmd_gc(args: argparse.Namespace) -> dict:
     storage = open_storage(args.root)
+    protocol.read_head(storage)  # no run: nothing to claim
     claim = WriterClaim(storage)  # GC deletes: only as the root's one writer
     try:
         return {"head": protocol.read_head(storage).step, "deleted": collect_garbage(storage)}
