@@ -53,7 +53,8 @@ class WriterConflict(RuntimeError):
 
 
 class TooLargeError(ValueError):
-    """An object larger than the reader's limit (a hostile or corrupt file); retrying cannot help."""
+    """An object larger than the reader's limit, or not a regular file (its size is unknown): hostile or
+    corrupt; retrying cannot help."""
 
 
 def redact(text: str) -> str:
@@ -262,9 +263,17 @@ class LocalStorage(Storage):
         if limit is None:
             return super().read_bytes(path)
         check_path(path)
-        with self._failures("read", path, absent_is_final=True), open(self.root / path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            data = f.read(limit + 1) if size <= limit else b""  # read() bounds a file that grew meanwhile
+        # O_NONBLOCK: opening a FIFO planted at `path` must not wait for a writer; it is then refused.
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+        with (
+            self._failures("read", path, absent_is_final=True),
+            open(os.open(self.root / path, flags), "rb") as f,
+        ):
+            st = os.fstat(f.fileno())
+            regular, size = stat.S_ISREG(st.st_mode), st.st_size
+            data = f.read(limit + 1) if regular and size <= limit else b""  # bounded if it grew meanwhile
+        if not regular:
+            raise TooLargeError(f"{self.url}: {path} is not a regular file")
         if size > limit or len(data) > limit:
             raise TooLargeError(f"{self.url}: {path} has {max(size, len(data))} bytes, more than {limit}")
         return data

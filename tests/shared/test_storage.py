@@ -335,3 +335,10 @@ def test_missing_fsspec_backends_and_credentials_are_one_clear_line():
     storage = open_storage("memory://user:hunter2@x/root")
     assert "hunter2" not in storage.url and "hunter2" not in repr(storage)
     assert redact("GET http://a:b@h/x with hf_abcdefghijkl") == "GET http://***@h/x with hf_***"
+
+
+def test_local_limited_read_refuses_a_fifo_without_blocking(tmp_path):
+    (tmp_path / "heads").mkdir()
+    os.mkfifo(tmp_path / "heads" / "latest.json")  # opening it for reading would wait for a writer
+    with pytest.raises(TooLargeError, match="not a regular file"):
+        LocalStorage(tmp_path).read_bytes("heads/latest.json", limit=1 << 20)
