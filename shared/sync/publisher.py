@@ -90,13 +90,18 @@ class _Pending:
     skipped: list[telemetry.TrainerRecord] = field(default_factory=list)  # steps this one replaced
 
 
+def new_holder() -> str:
+    """A writer's name, unique per claim, that tells a person where it runs."""
+    return f"pid {os.getpid()} on {socket.gethostname()}, claim {uuid.uuid4().hex[:8]}"
+
+
 class WriterClaim:
     """This process's claim to be the only writer of `storage` (see the module docstring): its lock where the
     backend has one, else a lease. Raises WriterConflict naming the holder when another writer has it."""
 
     def __init__(self, storage: Storage, lease_s: float = PublisherConfig.lease_s, holder: str | None = None):
         self.storage, self.lease_s = storage, lease_s
-        self.holder = holder or f"pid {os.getpid()} on {socket.gethostname()}, claim {uuid.uuid4().hex[:8]}"
+        self.holder = holder or new_holder()
         self._renewed_at = 0.0
         since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         self._lock = storage.lock(WRITER_PATH, f"{self.holder}, since {since}")
@@ -177,7 +182,7 @@ class Publisher:
         self._published: dict[str, torch.Tensor] | None = None  # the state the head names, bf16 on the host
         self._published_fp = 0
         self._head_bytes: set[bytes | None] = {None}  # what the head may be now: what we wrote (or none)
-        holder = f"pid {os.getpid()} on {socket.gethostname()}, claim {uuid.uuid4().hex[:8]}"
+        holder = new_holder()  # one name across retries: a lease written by a failed attempt is its own
         self.claim = self._retrying(lambda: WriterClaim(self.storage, self.config.lease_s, holder))
         try:
             self._retrying(self._resume)

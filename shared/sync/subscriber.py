@@ -211,7 +211,8 @@ class Subscriber:
         deltas = [d for d in head.deltas if d.step <= goal]
         starts = [a for a in head.anchors if a.step <= goal]
         here = fingerprint.format_fingerprint(self.fingerprint)
-        if self.step is not None and any(e.step == self.step and e.fingerprint == here for e in head.entries):
+        held = self.step is not None and self.step <= goal
+        if held and any(e.step == self.step and e.fingerprint == here for e in head.entries):
             starts.append(None)  # replay from what the target holds
         paths = []
         for start in starts:

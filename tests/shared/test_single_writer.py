@@ -214,3 +214,11 @@ def test_lease_renewal_extends_it_and_detects_a_takeover():
         claim.renew()
     claim.release()  # not its lease any more: left alone
     assert json.loads(storage.read_bytes(WRITER_PATH))["holder"] == "someone else"
+
+
+def test_replica_goes_back_to_an_older_retained_step(tmp_path):
+    states = run_steps(tmp_path, 4)
+    replica = Subscriber(tmp_path)
+    replica.sync()
+    replica.sync(1)  # from an anchor: deltas only lead forward
+    assert replica.step == 1 and bitwise_equal(replica.state, states[1])
