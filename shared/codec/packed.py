@@ -12,6 +12,7 @@ bytes of the whole tensor.
 
 from __future__ import annotations
 
+import math
 import struct
 
 import numpy as np
@@ -52,11 +53,11 @@ def unpack(
     """The bf16 tensor of `shape` that `data` packs. Raises PackedError when it cannot be."""
     from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
 
-    numel = int(np.prod(shape))
+    numel = math.prod(shape)
+    table = 8 * max(1, -(-numel // chunk))  # a u64 frame length per chunk (an empty tensor has one)
+    if len(data) < table + numel:  # (before listing the chunks: `chunk` comes from the file)
+        raise PackedError(f"{len(data)} bytes cannot pack {numel} elements in chunks of {chunk}")
     pieces = spans(numel, chunk)
-    table = 8 * len(pieces)
-    if len(data) < table + numel:
-        raise PackedError(f"{len(data)} bytes cannot pack {numel} elements")
     lengths = struct.unpack_from(f"<{len(pieces)}Q", data)
     if table + sum(lengths) + numel != len(data):
         held = len(data) - table - numel

@@ -443,9 +443,10 @@ def _compact_chunks(info: PatchInfo, entries: dict, base: Mapping[str, torch.Ten
         except compact.CompactDecodeError as e:
             raise PatchError(f"{name}: corrupt compact data: {e}") from None
         old_bits = bits(base[name]).cpu().numpy()
+        needed = -(-old_bits.size // chunk)
+        if len(streams) != needed:  # (before listing the spans: `chunk` comes from the patch)
+            raise PatchError(f"{name}: {len(streams)} chunks, {old_bits.size} elements need {needed}")
         pieces = spans(old_bits.size, chunk)
-        if len(streams) != len(pieces):
-            raise PatchError(f"{name}: {len(streams)} chunks, {old_bits.size} elements need {len(pieces)}")
         out += [(name, s, old_bits[lo:hi], lo) for s, (lo, hi) in zip(streams, pieces, strict=True)]
     return out
 

@@ -34,6 +34,16 @@ def test_every_bf16_pattern_survives_packing_on_any_thread_count(chunk):
         assert torch.equal(bits(packed.unpack(data, [256, 256], threads, chunk)), bits(t))
 
 
+def test_empty_and_one_element_tensors_pack():
+    for t in (torch.zeros(0, 3, dtype=torch.bfloat16), torch.ones(1, dtype=torch.bfloat16)):
+        assert torch.equal(bits(packed.unpack(packed.pack(t), list(t.shape))), bits(t))
+
+
+def test_a_chunk_size_that_would_list_billions_of_chunks_is_refused_first():
+    with pytest.raises(packed.PackedError, match="chunks of 1"):
+        packed.unpack(b"\0" * 100, [1 << 40], chunk=1)
+
+
 def test_packing_realistic_weights_saves_a_third():
     t = weights()
     assert len(packed.pack(t, chunk=7000)) <= 0.70 * t.nbytes
