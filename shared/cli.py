@@ -85,8 +85,9 @@ def cmd_inspect(args: argparse.Namespace) -> dict:
 
 def cmd_push(args: argparse.Namespace) -> dict:
     config = PublisherConfig(anchor_every=args.anchor_every, encoding=args.encoding)
+    state = load_bf16(args.checkpoint)  # a bad checkpoint is refused before the root is touched
     with Publisher(args.root, model=str(args.checkpoint), config=config) as publisher:
-        step = publisher.publish(load_bf16(args.checkpoint), step=args.step)
+        step = publisher.publish(state, step=args.step)
     entries = [e for e in publisher.head.entries if e.step == step]
     return {"step": step, "kinds": [e.kind for e in entries], "payload_bytes": entries[0].bytes}
 

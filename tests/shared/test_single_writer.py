@@ -110,11 +110,11 @@ def test_second_local_publisher_is_refused_naming_the_holder(tmp_path):
         first.flush()
         with pytest.raises(WriterConflict, match=f"another publisher.*pid {os.getpid()}"):
             Publisher(tmp_path)
-        pushed = subprocess.run(
+        gc = subprocess.run(
             [sys.executable, "-m", "deltasync.cli", "gc", str(tmp_path)], capture_output=True, text=True
         )
-        assert pushed.returncode == 1 and pushed.stderr.count("\n") == 1
-        assert f"pid {os.getpid()}" in pushed.stderr
+        assert gc.returncode == 1 and gc.stderr.count("\n") == 1
+        assert f"pid {os.getpid()}" in gc.stderr
     with Publisher(tmp_path) as second:  # released on close
         assert second.publish(make_params(1)) == 1
 
