@@ -102,7 +102,7 @@ class WriterClaim:
     def __init__(self, storage: Storage, lease_s: float = PublisherConfig.lease_s, holder: str | None = None):
         self.storage, self.lease_s = storage, lease_s
         self.holder = holder or new_holder()
-        self._renewed_at = 0.0
+        self._renewed_at, self._released = 0.0, False
         since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         self._lock = storage.lock(WRITER_PATH, f"{self.holder}, since {since}")
         self.epoch = 1  # raised past the head's by Publisher; past the last lease's here
@@ -152,9 +152,13 @@ class WriterClaim:
             raise WriterConflict(f"{self.storage.url}: another publisher ({other}) {what}")
 
     def release(self) -> None:
+        """Let the next writer in; again is a no-op."""
         if self._lock is not None:
             self._lock.release()
             return
+        if self._released:
+            return
+        self._released = True
         try:
             lease = self._lease()
             if lease and lease["holder"] == self.holder:

@@ -103,10 +103,16 @@ def _atomic_file(dest: Path) -> Iterator[Path]:
 
 
 class WriterLock:
-    """A held lock; `release()` (also on process exit) lets the next writer in."""
+    """A held lock; `release()` (also on process exit) lets the next writer in. Releasing twice is a no-op
+    (a second close of the lock's fd could close another file that reused its number)."""
 
     def __init__(self, release: Callable[[], None]):
-        self.release = release
+        self._release: Callable[[], None] | None = release
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
 
 def _through_symlink(root: Path, path: str) -> bool:

@@ -115,6 +115,7 @@ def test_second_local_publisher_is_refused_naming_the_holder(tmp_path):
         )
         assert gc.returncode == 1 and gc.stderr.count("\n") == 1
         assert f"pid {os.getpid()}" in gc.stderr
+    first.close()  # again: a no-op (a second close of the lock's fd could close someone else's file)
     with Publisher(tmp_path) as second:  # released on close
         assert second.publish(make_params(1)) == 1
 
