@@ -429,6 +429,25 @@ class FsspecStorage(Storage):
             with suppress(FileNotFoundError):
                 self.fs.rm_file(self._key(path))
 
+    def delete_leftovers(self, older_than_s: float) -> list[str]:
+        if self.atomic_puts:  # object stores never hold temporary keys
+            return []
+        cutoff, removed = time.time() - older_than_s, []
+        with self._failures("list", "temporary files"):
+            self.fs.invalidate_cache()
+            found = self.fs.find(self.root, detail=True)
+        for key, info in found.items():
+            modified = info.get("mtime", info.get("created"))  # the filesystems differ; undated: kept
+            if hasattr(modified, "timestamp"):
+                modified = modified.timestamp()
+            name = key.rsplit("/", 1)[-1]
+            dated = isinstance(modified, float | int) and modified < cutoff
+            if TMP_MARK in name and info.get("type") == "file" and dated and key.startswith(self.root + "/"):
+                with self._failures("delete", name), suppress(FileNotFoundError):
+                    self.fs.rm_file(key)
+                removed.append(key[len(self.root) + 1 :])
+        return sorted(removed)
+
 
 class HubBucketStorage(Storage):
     """A Hugging Face Hub bucket, or a folder in one, through huggingface_hub's bucket API.
