@@ -15,8 +15,9 @@ others), and its VllmApplier writing synthetic steps. Two tables:
    (generation paused, on the server's cores, one thread): a plain indexed copy of the same values into
    same-size bf16 tensors. Each step is read back from the worker and checked against the expected
    fingerprint. Medians over --repeat steps.
-2. Throughput: --streams concurrent long generations for --seconds, while a step of --step-density lands
-   every --every seconds, with KV_ON_UPDATE=keep, with recompute, and with no updates. Generated tokens per
+2. Throughput: --streams concurrent long generations while a step of --step-density lands every --every
+   seconds, with KV_ON_UPDATE=keep, with recompute, and with no updates, in --rounds windows of --seconds
+   each, the three taking turns. Generated tokens per
    second (tokens recomputed after a preemption are not counted), and vLLM's preemption count.
 """
 
@@ -145,44 +146,65 @@ async def apply_table(engine, applier, cpus, state, densities, paths, repeat) ->
     return rows
 
 
+async def throughput_window(engine, applier, a, policy: str, pool: list, totals: dict) -> None:
+    """Fresh long generations for a.seconds, a step landing every a.every seconds unless policy is "none";
+    adds tokens, seconds, updates, preemptions and per-update costs to `totals`."""
+    applier.kv_on_update = "keep" if policy == "none" else policy
+    stop, tokens = asyncio.Event(), [0] * a.streams
+    streams = [
+        asyncio.create_task(generate(engine, s, a.long_tokens, tokens, stop)) for s in range(a.streams)
+    ]
+    await asyncio.sleep(a.every)  # every stream past its prefill
+    preempted, counted, updates = totals["preemptions_fn"](), sum(tokens), 0
+    start = time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < a.seconds:
+        next_at = a.seconds if policy == "none" else min(a.every * (updates + 1), a.seconds)
+        await asyncio.sleep(max(0.0, next_at - elapsed))
+        if policy != "none" and time.perf_counter() - start < a.seconds:
+            totals["step"] += 1
+            await asyncio.to_thread(applier.patch, pool[totals["step"] % len(pool)], totals["step"])
+            totals[policy]["costs"].append((applier.last_write["stage_s"], applier.last_write["pause_s"]))
+            updates += 1
+    row = totals[policy]
+    row["seconds"] += time.perf_counter() - start
+    row["tokens"] += sum(tokens) - counted
+    row["updates"] += updates
+    row["preemptions"] += totals["preemptions_fn"]() - preempted
+    stop.set()
+    for task in streams:
+        task.cancel()  # aborts the request in flight
+    await asyncio.gather(*streams, return_exceptions=True)
+
+
 async def throughput_table(engine, applier, state, a, preemptions) -> list[dict]:
+    """The policies take turns in a.rounds rounds of windows, so that a change in the machine's load (other
+    jobs on these cores) falls on all of them alike."""
     # Steps cycle through a few change sets made beforehand: this process's CPU goes to the serving path
     # (patch file, stage, pause), as the subscriber's would, not to making random changes.
     pool = [random_changes(state, a.step_density, 10_000 + i) for i in range(3)]
-    rows, step = [], 10_000
-    for policy in ("none", "keep", "recompute"):
-        applier.kv_on_update = "keep" if policy == "none" else policy
-        stop, tokens = asyncio.Event(), [0] * a.streams
-        streams = [
-            asyncio.create_task(generate(engine, s, a.long_tokens, tokens, stop)) for s in range(a.streams)
-        ]
-        await asyncio.sleep(a.every)  # every stream past its prefill
-        preempted, counted, updates = preemptions(), sum(tokens), 0
-        start = time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < a.seconds:
-            next_at = a.seconds if policy == "none" else min(a.every * (updates + 1), a.seconds)
-            await asyncio.sleep(max(0.0, next_at - elapsed))
-            if policy != "none" and time.perf_counter() - start < a.seconds:
-                step += 1
-                await asyncio.to_thread(applier.patch, pool[step % len(pool)], step)
-                updates += 1
-        seconds, generated = time.perf_counter() - start, sum(tokens) - counted
+    policies = ("none", "keep", "recompute")
+    totals = {p: {"seconds": 0.0, "tokens": 0, "updates": 0, "preemptions": 0, "costs": []} for p in policies}
+    totals |= {"step": 10_000, "preemptions_fn": preemptions}
+    for _ in range(a.rounds):
+        for policy in policies:
+            await throughput_window(engine, applier, a, policy, pool, totals)
+    rows = []
+    for policy in policies:
+        t, costs = totals[policy], totals[policy]["costs"]
         rows.append(
             {
                 "KV_ON_UPDATE": "(no updates)" if policy == "none" else policy,
-                "updates": updates,
-                "tokens": generated,
-                "tokens/s": generated / seconds,
-                "preemptions": preemptions() - preempted,
+                "updates": t["updates"],
+                "tokens": t["tokens"],
+                "tokens/s": t["tokens"] / t["seconds"],
+                "vs no updates": t["tokens"]
+                / t["seconds"]
+                / (totals["none"]["tokens"] / totals["none"]["seconds"]),
+                "preemptions": t["preemptions"],
+                "stage ms": 1e3 * statistics.median(c[0] for c in costs) if costs else 0.0,
+                "paused ms": 1e3 * statistics.median(c[1] for c in costs) if costs else 0.0,
             }
         )
-        stop.set()
-        for task in streams:
-            task.cancel()  # aborts the request in flight
-        await asyncio.gather(*streams, return_exceptions=True)
-    none = rows[0]["tokens/s"]
-    for row in rows:
-        row["vs no updates"] = f"{row['tokens/s'] / none:.1%}"
     return rows
 
 
@@ -201,7 +223,7 @@ async def server_bench(model: Path, a, cpus) -> tuple[list[dict], list[dict]]:
         cpus.pin_self()  # the engine's processes stay on the server's cores, as the app's do
         layout = (await engine.collective_rpc("deltasync_layout"))[0]
         applier = VllmApplier(engine, asyncio.get_running_loop(), layout)
-        state = load_file(model / "model.safetensors")
+        state = {n: t.clone() for n, t in load_file(model / "model.safetensors").items()}  # paged in
         await asyncio.to_thread(applier.load, state, 0)
         assert await asyncio.to_thread(applier.fingerprint) == state_fingerprint(state), "anchor readback"
         stop, tokens = asyncio.Event(), [0, 0]
@@ -221,7 +243,7 @@ def print_table(rows: list[dict]) -> None:
             return f"{value:.2%}"
         if key in ("changed", "tokens"):
             return f"{value:,.0f}"
-        if " / " in key:
+        if " / " in key or key == "vs no updates":
             return f"{value:.2f}x"
         return f"{value:.3g}" if isinstance(value, float) else str(value)
 
@@ -240,7 +262,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--streams", type=int, default=4, help="concurrent long generations (throughput)")
     ap.add_argument("--long-tokens", type=int, default=1024, help="tokens per long generation")
-    ap.add_argument("--seconds", type=float, default=45.0, help="throughput window per KV policy")
+    ap.add_argument("--seconds", type=float, default=15.0, help="throughput window (one policy, one round)")
+    ap.add_argument("--rounds", type=int, default=3, help="windows per KV policy, taking turns")
     ap.add_argument("--every", type=float, default=3.0, help="seconds between steps (throughput)")
     ap.add_argument("--step-density", type=float, default=1e-2, help="share changed per step (throughput)")
     ap.add_argument("--vllm-args", default="--enforce-eager --max-model-len 2048 --max-num-seqs 8")
