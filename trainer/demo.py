@@ -52,10 +52,10 @@ REWARD_KEY = "reward_mean"  # the trainer's `info` key the dashboard plots as re
 DEFAULT_VLLM_ARGS = "--enforce-eager"
 # The tiny model never wins a game in a few steps: with the win reward alone every group's rewards are equal,
 # GRPO's advantages are zero and no weight changes. Partial credit (greens and yellows) gives it a gradient.
-# A 1.1M-parameter model learns visibly in a few minutes only with large steps (lr 5e-4, not the 1e-6 of a
+# A 1.1M-parameter model learns visibly in a few minutes only with large steps (lr 1e-3, not the 1e-6 of a
 # 0.6B model) and groups of 8 games of one word each, two groups per step.
 DEFAULT_TRAINER_ARGS = (
-    "--reward wordle-partial --learning_rate 5e-4 --num_generations 8 --per_device_train_batch_size 16"
+    "--reward wordle-partial --learning_rate 1e-3 --num_generations 8 --per_device_train_batch_size 16"
 )
 
 
