@@ -46,6 +46,26 @@ def test_summary_from_telemetry(tmp_path):
     assert "0.500 (reward_mean at step 3)" in text
 
 
+def test_freshness_and_reward_quarters(tmp_path):
+    storage = open_storage(tmp_path)
+    write(storage, trainer_record(0, "anchor", NUMEL, FULL, None))
+    for step in range(1, 9):  # staleness 3 in the first steps (skipped), then 1 and 2 alternating
+        record = trainer_record(step, "delta", 10, 20, 0.1 * step)
+        stale = 3.0 if step < 3 else 1.0 + step % 2
+        counts = {"rollouts_generated": 10.0, "rollouts_trained": 8.0, "rollouts_dropped": 1.0}
+        record.info.update(staleness_steps_mean=stale, staleness_steps_max=stale, **counts)
+        write(storage, record)
+    s = summarize(tmp_path)
+    assert s["staleness_mean"] == pytest.approx(1.5) and s["staleness_max"] == 2.0  # steps 3..8
+    assert (s["rollouts_generated"], s["rollouts_trained"], s["rollouts_dropped"]) == (80, 64, 8)
+    assert (s["dropped_share"], s["trained_share"]) == (0.1, 0.8)
+    assert (s["reward_first_quarter"], s["reward_last_quarter"]) == pytest.approx((0.15, 0.75))
+    assert s["mean_step_s"] == pytest.approx(1.0)  # published_at 100 + step
+    text = format_summary(s)
+    assert "80 generated, 64 trained (80.00%), 8 dropped as stale (10.00%)" in text
+    assert "mean 1.50 steps after the first 3, max 2.0" in text and "first 0.150, last 0.750" in text
+
+
 def test_summary_of_an_empty_root(tmp_path):
     s = summarize(tmp_path)
     assert (s["steps"], s["final_reward"], s["unverified_steps"]) == (0, None, {})
