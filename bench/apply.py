@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import os
 import shlex
+import signal
 import statistics
 import sys
 import tempfile
@@ -268,6 +269,7 @@ def main() -> None:
     ap.add_argument("--step-density", type=float, default=1e-2, help="share changed per step (throughput)")
     ap.add_argument("--vllm-args", default="--enforce-eager --max-model-len 2048 --max-num-seqs 8")
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C: the engine's processes too
     cpus = placement()
     os.environ |= cpus.server_env()  # vLLM's worker binds its threads to the server's cores
     torch.set_num_threads(len(cpus.server))  # the floor with as many threads as the worker has
