@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from trainer.rollout import REWARD_SQ, VERSION_KNOWN, RolloutCounters
-from trainer.train import GracefulStop, main, parse_args, step_info
+from trainer.train import GracefulStop, main, parse_args, rollouts_ahead, step_info
 
 REQUIRED = ["--sync_root", "root", "--inference_url", "http://infer", "--env_url", "http://env"]
 
@@ -46,6 +46,16 @@ def test_project_defaults_on_cpu_unless_set():
     assert parse_args([*REQUIRED, "--model", "Qwen/Qwen3-0.6B"])[1].learning_rate == 1e-6
     _, args = parse_args([*REQUIRED, "--learning_rate", "3e-4", "--num_generations", "6"])
     assert (args.learning_rate, args.num_generations) == (3e-4, 6)
+
+
+def test_back_pressure_bounds_trls_queue_and_inflight_tasks():
+    # 16 rollouts per step, groups of 8: half a step ahead is one group
+    ours, args = parse_args([*REQUIRED, "--per_device_train_batch_size", "16", "--num_generations", "8"])
+    assert rollouts_ahead(ours, args) == 8 and (args.max_inflight_tasks, args.queue_maxsize) == (8, 8)
+    ours, args = parse_args([*REQUIRED, "--rollouts_ahead", "1.2", "--queue_maxsize", "100"])
+    assert rollouts_ahead(ours, args) == 12 and (args.max_inflight_tasks, args.queue_maxsize) == (12, 100)
+    ours, args = parse_args([*REQUIRED, "--rollouts_ahead", "0"])  # TRL's own bounds
+    assert rollouts_ahead(ours, args) == 0 and (args.max_inflight_tasks, args.queue_maxsize) == (-1, 1024)
 
 
 def test_required_flags(capsys):
