@@ -270,18 +270,15 @@ class Publisher:
 
     @staticmethod
     def _skipped_record(pending: _Pending) -> telemetry.TrainerRecord:
+        nothing = dict.fromkeys(("numel", "changed", "payload_bytes", "full_bytes"), 0)
+        nothing |= dict.fromkeys(("encode_s", "upload_s"), 0.0)  # a skipped step measured nothing
         return telemetry.TrainerRecord(
             step=pending.step,
             kind="skipped",
             published_at=time.time(),
-            numel=0,
-            changed=0,
-            payload_bytes=0,
-            full_bytes=0,
-            encode_s=0.0,
-            upload_s=0.0,
             blocked_s=pending.blocked_s,
             info=pending.info,
+            **nothing,
         )
 
     # ------------------------------------------------------------------------------------ worker thread

@@ -18,7 +18,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -325,22 +325,7 @@ class Subscriber:
     # ----------------------------------------------------------------------------------------- telemetry
 
     def _report(self, a: Applied) -> None:
-        self._write_record(
-            telemetry.ReplicaRecord(
-                replica=self.replica,
-                step=a.step,
-                kind=a.kind,
-                published_at=a.published_at,
-                applied_at=a.applied_at,
-                download_s=a.download_s,
-                apply_s=a.apply_s,
-                verified=True,
-                lag_steps=a.lag_steps,
-                payload_bytes=a.payload_bytes,
-                changed=a.changed,
-                pause_s=a.pause_s,
-            )
-        )
+        self._write_record(telemetry.ReplicaRecord(replica=self.replica, verified=True, **asdict(a)))
 
     def _report_refused(self, entry: Entry, head: Head, error: str) -> None:
         now = time.time()

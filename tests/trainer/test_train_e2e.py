@@ -18,6 +18,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -78,9 +80,9 @@ def wait_for_replica(inference: str, step: int, timeout: float = 60) -> dict:
     raise AssertionError(f"replica not at step {step}: {status}")
 
 
-def test_trainer_end_to_end(tmp_path):
-    model = ensure_tiny_model(default_model_dir())  # built once per machine (about a minute), then cached
-    root = tmp_path / "root"
+@contextmanager
+def services(tmp_path: Path, root: Path, model: Path) -> Iterator[tuple[str, str]]:
+    """The Wordle env and a vLLM replica following `root` (vLLM on its own cores); yields their URLs."""
     inference_env = {
         "MODEL": str(model),
         "SYNC_ROOT": str(root),
@@ -100,6 +102,13 @@ def test_trainer_end_to_end(tmp_path):
             inference_app, tmp_path / "inference.log", inference_env, 600, cpus=PLACEMENT.server
         ) as inference_url,
     ):
+        yield env_url, inference_url
+
+
+def test_trainer_end_to_end(tmp_path):
+    model = ensure_tiny_model(default_model_dir())  # built once per machine (about a minute), then cached
+    root = tmp_path / "root"
+    with services(tmp_path, root, model) as (env_url, inference_url):
         first = run_trainer(root, inference_url, env_url, model, tmp_path / "run1", STEPS)
         assert (first["first_step"], first["last_step"], first["error"]) == (0, STEPS, None)
         status = wait_for_replica(inference_url, STEPS)
