@@ -54,9 +54,9 @@ def test_dry_run_writes_self_contained_bundles(tmp_path, capsys, monkeypatch):
         assert deploy.front_matter(out / app / "README.md")["sdk"] == "docker"
     plan = json.loads((out / "plan.json").read_text())
     command = (
-        "python -m trainer --sync-root hf://buckets/alice/deltasync"
-        " --inference-url https://alice-deltasync-inference.hf.space"
-        " --env-url https://alice-deltasync-env.hf.space --model Qwen/Qwen3-0.6B"
+        "python -m trainer --sync_root hf://buckets/alice/deltasync"
+        " --inference_url https://alice-deltasync-inference.hf.space"
+        " --env_url https://alice-deltasync-env.hf.space --model Qwen/Qwen3-0.6B"
     )
     assert plan["trainer_command"] == command and command in printed
     inference, env, dashboard = plan["spaces"]

@@ -79,8 +79,8 @@ class Plan:
 
     def trainer_command(self) -> str:
         """The local trainer run that feeds this deployment."""
-        argv = ["python", "-m", "trainer", "--sync-root", self.sync_root]
-        argv += ["--inference-url", self.space("inference").url, "--env-url", self.space("env").url]
+        argv = ["python", "-m", "trainer", "--sync_root", self.sync_root]
+        argv += ["--inference_url", self.space("inference").url, "--env_url", self.space("env").url]
         return shlex.join([*argv, "--model", self.model])
 
 
