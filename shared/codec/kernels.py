@@ -1,4 +1,5 @@
-"""The compiled per-element loops (numba) of change detection, the fingerprint and the compact encoding.
+"""The compiled per-element loops (numba) of change detection, the fingerprint, the compact encoding (its
+rANS coder included) and packed anchors. All release the GIL: the codec's thread pool runs them in parallel.
 
 Import this module inside the functions that use it, never at module level: numba must not be loaded in the
 inference Space before vLLM starts. vLLM's CPU worker, forked from the app (which imports shared.*), scans
