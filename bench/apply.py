@@ -183,6 +183,7 @@ async def throughput_table(engine, applier, state, a, preemptions) -> list[dict]
     # Steps cycle through a few change sets made beforehand: this process's CPU goes to the serving path
     # (patch file, stage, pause), as the subscriber's would, not to making random changes.
     pool = [random_changes(state, a.step_density, 10_000 + i) for i in range(3)]
+    applier.write = "direct"  # the default path (the apply table leaves the last one it measured)
     policies = ("none", "keep", "recompute")
     totals = {p: {"seconds": 0.0, "tokens": 0, "updates": 0, "preemptions": 0, "costs": []} for p in policies}
     totals |= {"step": 10_000, "preemptions_fn": preemptions}
