@@ -28,11 +28,8 @@ import constriction
 import numpy as np
 import torch
 
-MAX_CLASSES = 4
-Q_SYMBOLS = 32  # Rice quotients 0..30, 31 escapes to a raw 32-bit quotient
-V_SYMBOLS = 16  # zigzag value steps 1..15, 16 escapes to the raw 16-bit new pattern
-MAX_RICE = 23  # remainders stay well inside the 32-bit bit writer (and v1's uniform model, < 2^24)
-CLASS_COST_BITS = 48.0  # rough header + model cost of one more class, for choosing K
+from deltasync.codec.symbols import ANS_SCALE, MAX_CLASSES, MAX_RICE, Q_SYMBOLS, V_SYMBOLS
+
 CHUNK = 1 << 22  # elements per chunk: ~40k changes at 1%, headers of a few bytes
 MAX_CHUNK = 1 << 31  # raw escapes hold 32-bit quotients
 
@@ -85,8 +82,6 @@ class Models:
 
     def tables(self) -> Tables:
         """The rANS models. Integer arithmetic only, so encoder and decoder build identical tables."""
-        from deltasync.codec.kernels import ANS_SCALE  # not at import time: see deltasync.codec.kernels
-
         counts = np.zeros((2 * MAX_CLASSES, Q_SYMBOLS), np.int64)
         counts[:MAX_CLASSES], counts[MAX_CLASSES:, :V_SYMBOLS] = self.q, self.v
         total = counts.sum(1, keepdims=True)

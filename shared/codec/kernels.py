@@ -19,7 +19,7 @@ import math
 import numba
 import numpy as np
 
-from deltasync.codec.compact import CLASS_COST_BITS, MAX_CLASSES, MAX_RICE, Q_SYMBOLS, V_SYMBOLS
+from deltasync.codec.symbols import ANS_SCALE, CLASS_COST_BITS, MAX_CLASSES, MAX_RICE, Q_SYMBOLS, V_SYMBOLS
 
 BLOCK = 64
 _jit = numba.njit(nogil=True, cache=True)
@@ -360,7 +360,6 @@ def decode_symbols(old_bits, limits, starts, rice, q, r, steps, raws):
 
 # ----------------------------------------------------------------------------------------------- rANS
 
-ANS_SCALE = 14  # the quantized frequencies of every model sum to 2^14
 ANS_LOW = 1 << 16  # the coder's state stays in [2^16, 2^32) and moves 16-bit words
 _ANS_RENORM = (ANS_LOW >> ANS_SCALE) << 16  # times a frequency: the state bound before a symbol is pushed
 ANS_ERRORS = {
