@@ -9,10 +9,10 @@ when the replica applied it. `VersionedRolloutLoop` keeps TRL's loop and request
 - records the versions of every turn of a rollout, and stamps its samples with the OLDEST one, so TRL's
   `max_staleness` filter and its `sample/staleness_*` metrics measure real staleness,
 - adds per-sample metrics for the trainer's telemetry (see `step_info` in trainer/train.py),
-- applies back-pressure: a rollout starts only while fewer than `max_ahead` rollouts are generating, waiting
-  to be scored or waiting in the queue for the trainer (TRL's loop refills its in-flight slots as soon as a
-  rollout ends and stops only once its queue AND its 16-group scoring queue are full, so generation runs
-  steps ahead of training and its rollouts go stale),
+- applies back-pressure: a group of rollouts starts only while fewer than `max_ahead` rollouts are
+  generating, waiting to be scored or waiting in the queue for the trainer (TRL's loop refills its in-flight
+  slots as soon as a rollout ends and stops only once its queue AND its 16-group scoring queue are full, so
+  generation runs steps ahead of training and its rollouts go stale),
 - counts what it generated (`RolloutCounters`), so the trainer can tell per step how much of it was trained.
 
 Install it with `use_versioned_loop(worker, base_step)`: `_loop_cls` is the worker's documented hook for loop
@@ -112,13 +112,20 @@ class VersionedRolloutLoop(_AsyncRolloutLoop):
         self._rollout_versions: dict[str, int] = {}  # rollout id -> oldest weight version it used
         self.max_ahead = max_ahead  # 0: no bound beyond TRL's own
         self.counters = counters
-        self._ahead = 0  # rollouts started and not yet scored (then they are in the queue until trained)
+        self._ahead = 0  # rollouts of admitted groups not scored yet (then they are queued until trained)
+        self._admitted: set[int] = set()
 
-    async def _wait_for_room(self) -> None:
-        """Back-pressure: wait while `max_ahead` rollouts are generating, being scored or queued untrained."""
-        while self.max_ahead and self._ahead + self.rollout_buffer.qsize() >= self.max_ahead:
-            await asyncio.sleep(0.05)
-        self._ahead += 1
+    async def _wait_for_room(self, group_id: int) -> None:
+        """Back-pressure: a group starts only while fewer than `max_ahead` rollouts are generating, being
+        scored or queued untrained; its other rollouts then start at once. Whole groups, because a group is
+        scored only when all its rollouts are done: admitting rollouts one by one could fill the room with
+        parts of groups that never complete (seen: a restarted e2e run hung after one step)."""
+        while group_id not in self._admitted:
+            if self.max_ahead and self._ahead + self.rollout_buffer.qsize() >= self.max_ahead:
+                await asyncio.sleep(0.05)
+            else:
+                self._admitted.add(group_id)
+                self._ahead += self.num_generations
 
     async def _post(self, path: str, payload: dict, timeout: float, max_retries: int = 3) -> dict:
         import aiohttp
@@ -140,7 +147,7 @@ class VersionedRolloutLoop(_AsyncRolloutLoop):
         return await self._retry(post, label=f"POST {path}", max_attempts=max_retries)
 
     async def _generate_one(self, prompt, tool_dict, tools, group_id: int = 0):
-        await self._wait_for_room()  # before the first request: its weight version is the rollout's
+        await self._wait_for_room(group_id)  # before the first request: its weight version is the rollout's
         versions: list[int] = []
         _turn_versions.set(versions)  # this task's own context: concurrent rollouts do not mix
         result = await super()._generate_one(prompt, tool_dict, tools, group_id)
@@ -165,7 +172,8 @@ class VersionedRolloutLoop(_AsyncRolloutLoop):
         for row in rows:
             self._rollout_versions.pop(row.rollout_id, None)
         # No await between here and TRL putting these samples into the queue: they are counted there now.
-        self._ahead -= len(group.completions_sequences)
+        self._ahead -= self.num_generations
+        self._admitted.discard(group.group_id)
         if self.counters is not None:
             self.counters.add(len(samples), sum(len(ids) for ids in group.completions_ids))
         return samples

@@ -131,6 +131,21 @@ def test_generation_stays_at_most_max_ahead_rollouts_ahead_of_training(server, t
         assert counters.take() == (0.0, 0.0)
 
 
+def test_back_pressure_admits_whole_groups(server, tokenizer):
+    # max_ahead 3 with groups of 2: a second group starts whole. One rollout of it alone would wait, unscored,
+    # for a partner the bound never lets start (with rollouts that fork into two samples, a hung trainer).
+    url, seen = server
+    buffer = multiprocessing.get_context("spawn").Queue()
+    loop = rollout_loop(url, tokenizer, buffer, max_ahead=3, max_inflight_tasks=16)
+    with running(loop):
+        deadline = time.monotonic() + 60
+        while buffer.qsize() < 4:  # both groups complete and queued, with nothing taken
+            assert time.monotonic() < deadline, (seen, buffer.qsize())
+            time.sleep(0.05)
+        time.sleep(1.0)  # time enough for a 5th request, which must not come before the trainer takes some
+        assert seen["calls"] == 4 and buffer.qsize() == 4
+
+
 def test_stop_returns_when_the_worker_process_died(server, tokenizer):
     # An unreachable env server fails the worker process; TRL's stop() would then block forever on its
     # multiprocessing stop event (the waiter is gone). The trainer must still get to publish and exit.
