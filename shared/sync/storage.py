@@ -381,6 +381,20 @@ class FsspecStorage(Storage):
     def _read_bytes(self, path: str) -> bytes:
         return self.fs.cat_file(self._key(path))
 
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
+        if limit is None:
+            return super().read_bytes(path)
+        check_path(path)
+        with self._failures("read", path, absent_is_final=True):
+            size = self._size(path)
+            if size is None:
+                raise FileNotFoundError(path)
+            # at most limit + 1 bytes, straight into memory: no temporary file (the dashboard reads thousands)
+            data = self.fs.cat_file(self._key(path), start=0, end=limit + 1) if size <= limit else b""
+        if size > limit or len(data) > limit:
+            raise TooLargeError(f"{self.url}: {path} has {max(size, len(data))} bytes, more than {limit}")
+        return data
+
     def _write_bytes(self, path: str, data: bytes) -> None:
         self._put(path, lambda key: self.fs.pipe_file(key, data))
 
