@@ -1,7 +1,6 @@
 """The dashboard Space: the incremental telemetry reader and its summary, the app's states and JSON API, and
 the page itself in Debian's Chromium driven by Playwright (`python app.py` on a loopback port)."""
 
-import importlib.util
 import json
 import os
 import random
@@ -20,8 +19,6 @@ from deltasync.telemetry.reader import TelemetryReader
 from trainer.deploy import build_bundle
 from trainer.processes import serving
 
-REPO = Path(__file__).resolve().parents[2]
-APP = REPO / "spaces" / "dashboard" / "app.py"
 CHROMIUM = Path("/usr/bin/chromium")
 NUMEL = 22_713_216  # all-MiniLM-L6-v2
 REPLICAS = ("r0", "r1")
@@ -301,14 +298,6 @@ def test_series_since(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- app (in process)
-
-
-@pytest.fixture(scope="module")
-def dashboard():
-    spec = importlib.util.spec_from_file_location("dashboard_app", APP)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_board_states(dashboard, tmp_path, monkeypatch):

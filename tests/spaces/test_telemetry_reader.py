@@ -3,7 +3,6 @@ no poll blocks, and the app still stops on SIGTERM (the reader, the in-process B
 
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import os
 import signal
@@ -157,14 +156,6 @@ def test_fifos_and_oversized_files_are_skipped_without_opening_them(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- the dashboard
-
-
-@pytest.fixture(scope="module")
-def dashboard():
-    spec = importlib.util.spec_from_file_location("dashboard_app", APP)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_page_plots_every_good_step_and_lists_each_bad_file(dashboard, tmp_path):
