@@ -1,6 +1,6 @@
 """An in-process stand-in for the Hub's bucket API that the real `huggingface_hub` client can talk to offline.
 
-Routes and wire formats follow huggingface_hub 2.4 (`../shared/reference/apis.md`, 1.4 and Appendix A).
+Routes and wire formats follow huggingface_hub 2.4's bucket client (`huggingface_hub.hf_api`, `_buckets`).
 File bytes never pass through the fake: its Xet token route answers `casUrl: local://<dir>`, so `hf_xet`
 stores and fetches chunks in a local folder itself. The fake reads a file back (to learn its size, or to serve
 a plain GET) through the client's own Xet session, and the local CAS is locked per process: the fake must run
