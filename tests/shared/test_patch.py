@@ -234,3 +234,16 @@ def test_not_a_patch_is_rejected():
     base = {"w": torch.zeros(8, dtype=torch.bfloat16)}
     assert_rejected(save(base), base, match="not a deltasync patch")
     assert_rejected(b"\xff" * 64, base, match="truncated or corrupt")
+
+
+def test_class_counts_claiming_more_changes_than_elements_are_refused_before_decoding():
+    """Issue 16 point 9: each class may claim up to every element; together they must not claim more (a
+    982-byte patch once made decoding allocate ~50 B per claimed change of four whole tensors)."""
+    from deltasync.codec import compact
+
+    models = compact.Models()
+    models.q[:], models.v[:] = 1, 1
+    numel = 1000
+    header = compact._varints([4, 10, 20, 30, 400, 400, 400, 0, 0, 0, 0, 0, 0])  # 1200 claims, 0 words
+    with pytest.raises(compact.CompactDecodeError, match="classes claim 1200 changes among 1000 elements"):
+        compact.decode_chunk(header, np.zeros(numel, np.uint16), models.tables())
