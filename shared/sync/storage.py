@@ -168,10 +168,16 @@ class Storage(ABC):
         check_path(path)
         local = Path(local)
         with self._failures("download", path, absent_is_final=True):
+            if limit is not None:  # refused before a byte is fetched (one stat on remote backends)
+                self._refuse_over(path, self._sizes([path])[path], limit)
             self._download_file(path, local)
         size = local.stat().st_size
-        if limit is not None and size > limit:
+        if limit is not None and size > limit:  # it grew since the stat: fetched, but refused
             local.unlink()
+            self._refuse_over(path, size, limit)
+
+    def _refuse_over(self, path: str, size: int | None, limit: int) -> None:
+        if size is not None and size > limit:
             raise TooLargeError(f"{self.url}: {path} has {size} bytes, more than the {limit} expected")
 
     def sizes(self, paths: list[str]) -> dict[str, int | None]:
@@ -283,12 +289,6 @@ class LocalStorage(Storage):
         if size > limit or len(data) > limit:
             raise TooLargeError(f"{self.url}: {path} has {max(size, len(data))} bytes, more than {limit}")
         return data
-
-    def download_file(self, path: str, local: Path, limit: int | None = None) -> None:
-        size = _file_size(self.root / check_path(path))
-        if limit is not None and size is not None and size > limit:  # refused before copying a byte
-            raise TooLargeError(f"{self.url}: {path} has {size} bytes, more than the {limit} expected")
-        super().download_file(path, local, limit)
 
     def _download_file(self, path: str, local: Path) -> None:
         with _atomic_file(local) as tmp:

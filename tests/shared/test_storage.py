@@ -328,6 +328,23 @@ def test_reads_over_a_limit_are_refused(storage, tmp_path):
         storage.read_bytes("deltas/step-00000001.safetensors", limit=99)
 
 
+def test_downloads_over_a_limit_fetch_nothing(storage, tmp_path, monkeypatch):
+    """The size is checked before the download on every backend (on the Hub a 1.5 GB head would otherwise be
+    fetched on every poll); an object that grew after that check is still refused, and not left behind."""
+    storage.write_bytes("heads/latest.json", b"x" * 100)
+    fetched = []
+    download = type(storage)._download_file
+    monkeypatch.setattr(storage, "_download_file", lambda p, d: fetched.append(p) or download(storage, p, d))
+    with pytest.raises(TooLargeError, match="100 bytes, more than the 99 expected"):
+        storage.download_file("heads/latest.json", tmp_path / "f", limit=99)
+    assert fetched == []
+
+    monkeypatch.setattr(storage, "_sizes", lambda paths: dict.fromkeys(paths, 50))  # it grows after the stat
+    with pytest.raises(TooLargeError, match="100 bytes, more than the 99 expected"):
+        storage.download_file("heads/latest.json", tmp_path / "f", limit=99)
+    assert fetched == ["heads/latest.json"] and not (tmp_path / "f").exists()
+
+
 def test_missing_fsspec_backends_and_credentials_are_one_clear_line():
     missing = importlib.util.find_spec("s3fs") is None
     with pytest.raises(ValueError, match="Install s3fs") if missing else nullcontext():
