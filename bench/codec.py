@@ -314,7 +314,9 @@ class HistoryCosts:
         self.values = {state: np.zeros((n, V_SYMBOLS), np.int64) for state, n in rows.items()}
         self.signs = {state: np.zeros((n, 2), np.int64) for state, n in rows.items()}
 
-    def add_chunk(self, old_bits, idx, new_bits, since, up) -> None:
+    def add_chunk(
+        self, old_bits: np.ndarray, idx: np.ndarray, new_bits: np.ndarray, since: np.ndarray, up: np.ndarray
+    ) -> None:
         """One chunk as the encoder sees it; `since`, `up`: the history of its elements."""
         limits = compact._limits(compact.to_symbols(old_bits, idx, new_bits).bounds)
         magnitude = old_bits.astype(np.int64) & 0x7FFF
@@ -351,14 +353,15 @@ class HistoryCosts:
         }
 
 
-def history_step(old: dict, new: dict, since: dict, up: dict) -> tuple[float, int, HistoryCosts]:
+def history_step(old: dict, new: dict, since: dict, up: dict) -> tuple[int, int, HistoryCosts]:
     """Today's real compact bytes of one step, its changed count and its ideal costs; then the history
     (`since`: steps since each element last changed, 255 never; `up`: that change's direction) moves on."""
     patch = patches.make_patch(old, new, 1, 0)
     data = patches.encode(patch, old)
     dense = json.loads(patches.read_info(data).metadata["dense"])
     costs, offsets = HistoryCosts(), dict.fromkeys(old, 0)
-    for name, (old_bits, idx, new_bits) in patches._chunks(patch.changes, old, compact.CHUNK):
+    chunks = patches._chunks(patch.changes, old, compact.CHUNK)  # the encoder's own split
+    for name, (old_bits, idx, new_bits) in chunks:
         lo, hi = offsets[name], offsets[name] + old_bits.size
         offsets[name] = hi
         if name not in dense:
