@@ -17,7 +17,7 @@ USER_PROMPT = "Let's play Wordle. Make each guess with the `guess` tool."
 CHAT_TEMPLATE_KWARGS: dict[str, Any] = {"enable_thinking": False}
 SHORT_BUDGET = 80  # tokens: the `short` reward is 0 at and beyond this many completion tokens
 
-_FEEDBACK = re.compile(r"Feedback:\n(?:[A-Z] ){4}[A-Z]\n((?:[GYX] ){4}[GYX])")
+_FEEDBACK = re.compile(r"Feedback:\n((?:[A-Z] ){4}[A-Z])\n((?:[GYX] ){4}[GYX])")
 
 
 def dataset_rows(n: int, seed: int = 0) -> dict[str, list]:
@@ -42,19 +42,33 @@ def short_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
 
 
 def partial_reward(completions: list[list[dict]], **kwargs: Any) -> list[float]:
-    """Partial credit from the game's feedback in the tool messages: the best (greens + yellows / 2) / 5.
+    """Partial credit for what the game's feedback (in the tool messages) has uncovered of the secret word:
+    1/5 for each position found green by any guess, 1/10 for each other letter found present (yellow, never
+    green). A solved game scores 1.0; a single guess scores its (greens + yellows / 2) / 5.
 
-    Meant beside the environment's own win reward (1.0), which a small model almost never earns.
+    Meant beside the environment's own win reward (1.0), which a small model almost never earns. Counting what
+    all the guesses found, not the best guess alone, rewards what Wordle guesses are for: each guess should
+    test letters the earlier ones did not.
     """
-    scores = []
-    for messages in completions:
-        best = 0.0
-        for m in messages:
-            if m.get("role") == "tool":
-                for marks in _FEEDBACK.findall(str(m.get("content", ""))):
-                    best = max(best, (marks.count("G") + 0.5 * marks.count("Y")) / 5)
-        scores.append(best)
-    return scores
+    return [_found(messages) for messages in completions]
+
+
+def _found(messages: list[dict]) -> float:
+    greens: set[int] = set()
+    green_letters: set[str] = set()
+    yellow_letters: set[str] = set()
+    for m in messages:
+        if m.get("role") != "tool":
+            continue
+        for letters, marks in _FEEDBACK.findall(str(m.get("content", ""))):
+            for i, (letter, mark) in enumerate(zip(letters.split(), marks.split(), strict=True)):
+                if mark == "G":
+                    greens.add(i)
+                    green_letters.add(letter)
+                elif mark == "Y":
+                    yellow_letters.add(letter)
+    # a letter found yellow and never green sits at one of the positions not found yet: at most 5 in all
+    return min(1.0, (len(greens) + 0.5 * len(yellow_letters - green_letters)) / 5)
 
 
 # --reward choices: the reward functions beside the environment's own `get_reward` column
