@@ -11,8 +11,6 @@ from deltasync.sync.storage import open_storage
 from deltasync.telemetry import ReplicaRecord, TrainerRecord, write
 from trainer.demo import format_summary, summarize
 from trainer.processes import start_process, stop_process, wait_healthy
-from trainer.task import partial_reward
-from wordle_env.rules import Game
 
 NUMEL, FULL = 1000, 2000
 
@@ -72,32 +70,6 @@ def test_summary_of_an_empty_root(tmp_path):
     s = summarize(tmp_path)
     assert (s["steps"], s["final_reward"], s["unverified_steps"]) == (0, None, {})
     assert "no replica reported" in format_summary(s)
-
-
-def played(answer: str, *words: str) -> list[dict]:
-    """A rollout's messages as TRL holds them: each guess's tool reply is the game's new text."""
-    game, messages = Game(answer=answer), []
-    for word in words:
-        reply = game.play(f"[{word}]").message
-        messages += [
-            {"role": "assistant", "content": ""},
-            {"role": "tool", "name": "guess", "content": f"\n[Player 0] [{word}]\n[GAME] {reply}"},
-        ]
-    return messages
-
-
-def test_partial_reward_counts_what_all_the_guesses_found():
-    rewards = partial_reward(
-        [
-            played("slate", "crane"),  # a, e green: 2/5
-            played("slate", "crane", "lusty"),  # + t green, l and s yellow: (3 + 2 / 2) / 5
-            played("slate", "crane", "lusty", "slate"),  # solved
-            played("slate", "lusty", "least"),  # a, t green; l, e, s yellow (t too, but found green)
-            played("slate", "qwxyz", "crane"),  # an invalid move finds nothing
-            [],
-        ]
-    )
-    assert rewards == pytest.approx([0.4, 0.8, 1.0, 0.7, 0.4, 0.0])
 
 
 def test_stop_process_ends_the_whole_group(tmp_path):

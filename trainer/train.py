@@ -102,7 +102,8 @@ class DeltaSyncArguments:
         default="wordle-partial",
         metadata={
             "help": "Rewards beside the environment's win reward (1.0 for a solved game): 'wordle-partial' "
-            "the best (greens + yellows/2)/5 of the guesses, so that groups that never win still differ; "
+            "what all the guesses found of the word (1/5 per green position, 1/10 per other letter "
+            "found), so that groups that never win still differ; "
             "'wordle' none; 'short' shorter completions (a sanity reward the tiny model learns in a few "
             "dozen steps).",
             "choices": ["wordle", "wordle-partial", "short"],

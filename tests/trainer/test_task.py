@@ -1,0 +1,32 @@
+"""The trainer's Wordle rewards, scored on real game feedback."""
+
+import pytest
+
+from trainer.task import partial_reward
+from wordle_env.rules import Game
+
+
+def played(answer: str, *words: str) -> list[dict]:
+    """A rollout's messages as TRL holds them: each guess's tool reply is the game's new text."""
+    game, messages = Game(answer=answer), []
+    for word in words:
+        reply = game.play(f"[{word}]").message
+        messages += [
+            {"role": "assistant", "content": ""},
+            {"role": "tool", "name": "guess", "content": f"\n[Player 0] [{word}]\n[GAME] {reply}"},
+        ]
+    return messages
+
+
+def test_partial_reward_counts_what_all_the_guesses_found():
+    rewards = partial_reward(
+        [
+            played("slate", "crane"),  # a, e green: 2/5
+            played("slate", "crane", "lusty"),  # + t green, l and s yellow: (3 + 2 / 2) / 5
+            played("slate", "crane", "lusty", "slate"),  # solved
+            played("slate", "lusty", "least"),  # a, t green; l, e, s yellow (t too, but found green)
+            played("slate", "qwxyz", "crane"),  # an invalid move finds nothing
+            [],
+        ]
+    )
+    assert rewards == pytest.approx([0.4, 0.8, 1.0, 0.7, 0.4, 0.0])
