@@ -132,7 +132,7 @@ class Subscriber:
         self.state: dict[str, torch.Tensor] | None = None  # bf16 shadow of the target, HF names
         self.step: int | None = None  # the step the target holds, verified; None: unknown
         self.fingerprint = 0
-        self.last_error: str | None = None  # why the last sync() failed; None once one succeeds
+        self.last_error: str | None = None  # why the last sync() failed; None once a step applies
         self._refusal: str | None = None  # why the last file was refused (kept while waiting for an anchor)
         self.history: collections.deque[Applied] = collections.deque(maxlen=256)
         self._bad: set[tuple[str, int]] = set()  # (file, bytes) that failed verification
@@ -257,6 +257,7 @@ class Subscriber:
         else:
             apply_changes(self.state, patch.changes, self.threads)
         fp = int(entry.fingerprint, 16)  # verified above: by the anchor's content or the patch's promise
+        self.last_error = None  # before the step moves: a status read must not pair the new step with it
         self.step, self.fingerprint = entry.step, fp
         self._verify_target(entry)
         applied = Applied(

@@ -208,8 +208,11 @@ def test_corrupt_delta_is_refused_and_recovered_from_the_next_anchor(tmp_path):
         assert refused["verified"] is False and "step 3" not in refused["error"] and refused["error"]
         publish(5)  # anchor_every=5: a complete anchor
         publish(6)
+    seen, report = [], subscriber._report  # what a status reader sees once each step is in place
+    subscriber._report = lambda a: seen.append((subscriber.step, subscriber.last_error)) or report(a)
     applied = subscriber.sync()
     assert [(a.kind, a.step) for a in applied] == [("anchor", 5), ("delta", 6)]
+    assert seen == [(5, None), (6, None)]  # never a new step beside the old refusal
     assert bitwise_equal(bf16(target), states[6]) and subscriber.last_error is None
 
 
