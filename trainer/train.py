@@ -133,6 +133,15 @@ class DeltaSyncArguments:
             "step stale (measured: 1.0 steps; 2.0 at 1.0)."
         },
     )
+    mask_truncated_completions: bool = field(
+        default=True,
+        metadata={
+            "help": "Leave out of the loss a rollout's last turn when max_completion_length cut it off (as "
+            "TRL's GRPOTrainer flag of that name). Trained, the cut-off last turns of the best games teach "
+            "the policy to ramble instead of guessing: a demo run at lr 5e-4 collapsed to no guesses at step "
+            "101 without it."
+        },
+    )
     dataset_size: int = field(default=1000, metadata={"help": "Prompt rows (each game draws its own word)."})
     progress: bool = field(default=True, metadata={"help": "Show a progress bar (else a log line per step)."})
 
@@ -380,7 +389,12 @@ def build_trainer(ours: DeltaSyncArguments, args: AsyncGRPOConfig, stop: Gracefu
     counters = RolloutCounters()
     # the rollout worker's sampling seeds follow TRL's --seed: with the seeded games, runs are reproducible
     # up to the timing of the asynchronous pipeline (which weights answer which request)
-    loop_kwargs = {"max_ahead": rollouts_ahead(ours, args), "counters": counters, "seed": args.seed}
+    loop_kwargs = {
+        "max_ahead": rollouts_ahead(ours, args),
+        "counters": counters,
+        "seed": args.seed,
+        "mask_truncated": ours.mask_truncated_completions,
+    }
     trainer_ref: dict = {"trainer": None}
 
     def first_step(step: int) -> None:  # the cold sync's step: TRL's model version 1

@@ -24,6 +24,7 @@ from trainer.rollout import (
     WEIGHT_VERSION,
     RolloutCounters,
     VersionedRolloutLoop,
+    mask_last_turn,
     parse_version,
 )
 from trainer.tiny_model import build_tokenizer
@@ -38,9 +39,9 @@ def tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(path)
 
 
-@pytest.fixture
-def server(tokenizer):
-    """Answers each completion with one EOS token, labelled as produced while step 5 became step 6."""
+@contextlib.contextmanager
+def serving(token_ids: list[int]) -> Iterator[tuple[str, dict]]:
+    """Answers each completion with `token_ids`, labelled as produced while step 5 became step 6."""
     app = FastAPI()
     seen = {"auth": [], "calls": 0}
 
@@ -48,12 +49,20 @@ def server(tokenizer):
     async def completions(request: Request):
         seen["auth"].append(request.headers.get("authorization"))
         seen["calls"] += 1
-        choice = {"token_ids": [tokenizer.eos_token_id], "logprobs": {"token_logprobs": [-0.5]}, "text": ""}
+        logprobs = {"token_logprobs": [-0.5] * len(token_ids)}
+        choice = {"token_ids": token_ids, "logprobs": logprobs, "text": ""}
         headers = {"x-weight-version": "5", "x-weight-version-end": "6"}
         return JSONResponse({"choices": [choice]}, headers=headers)
 
     with serving_in_thread(app) as url:
         yield url, seen
+
+
+@pytest.fixture
+def server(tokenizer):
+    """Ends each turn at once: one EOS token."""
+    with serving([tokenizer.eos_token_id]) as served:
+        yield served
 
 
 def reward_by_length(completions, **kwargs):
@@ -62,6 +71,32 @@ def reward_by_length(completions, **kwargs):
 
 def test_parse_version():
     assert [parse_version(v) for v in ("12", "0", "model", None, "-1")] == [12, 0, None, None, None]
+
+
+def test_mask_last_turn_leaves_the_earlier_turns_trained():
+    mask = [0, 0, 1, 1, 0, 0, 1, 1, 1]  # prompt, turn 1, tool reply, turn 2 (the cut-off one)
+    mask_last_turn(mask)
+    assert mask == [0, 0, 1, 1, 0, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("mask_truncated", [True, False])
+def test_a_turn_cut_off_by_max_tokens_is_left_out_of_the_loss(tokenizer, mask_truncated):
+    # Every turn runs into max_tokens (3 tokens, none an end of turn); a turn that ends on EOS is kept.
+    ramble = [t for t in range(5, 50) if t not in (tokenizer.eos_token_id, tokenizer.pad_token_id)][:3]
+    buffer = multiprocessing.get_context("spawn").Queue()
+    with serving(ramble) as (url, _):
+        loop = rollout_loop(url, tokenizer, buffer, mask_truncated=mask_truncated, max_tokens=3)
+        with running(loop):
+            samples = [buffer.get(timeout=60) for _ in range(2)]
+    for sample in samples:
+        assert sample.input_ids[-3:].tolist() == ramble
+        assert sample.completion_mask[-3:].tolist() == ([0] * 3 if mask_truncated else [1] * 3)
+    buffer = multiprocessing.get_context("spawn").Queue()  # the first loop may have queued more
+    with serving([*ramble[:2], tokenizer.eos_token_id]) as (url, _):
+        loop = rollout_loop(url, tokenizer, buffer, mask_truncated=True, max_tokens=3)
+        with running(loop):
+            samples = [buffer.get(timeout=60) for _ in range(2)]
+    assert [sample.completion_mask[-3:].tolist() for sample in samples] == [[1] * 3] * 2
 
 
 def rollout_loop(url: str, tokenizer, buffer, **kwargs) -> VersionedRolloutLoop:
@@ -81,8 +116,7 @@ def rollout_loop(url: str, tokenizer, buffer, **kwargs) -> VersionedRolloutLoop:
         metrics_queue=ctx.Queue(),
         num_generations=2,
         vllm_server_url=url,
-        max_tokens=1,
-        **kwargs,
+        **{"max_tokens": 1} | kwargs,
     )
 
 
