@@ -40,8 +40,8 @@ import torch
 from safetensors.torch import load, save
 
 from bench.codec import QWEN3, qwen3_shapes
+from deltasync.storage import LocalStorage, Storage
 from deltasync.sync.publisher import Publisher, PublisherConfig
-from deltasync.sync.storage import LocalStorage, Storage
 from deltasync.sync.subscriber import Subscriber, TensorsApplier
 
 

@@ -37,7 +37,7 @@ import torch
 
 from bench.codec import qwen3_shapes
 from deltasync import telemetry
-from trainer.transfer import BucketWeightTransfer
+from deltasync.trl.transfer import BucketWeightTransfer
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,8 @@
 import pytest
-from fakehub import FakeHub
 from huggingface_hub import constants
+
+from bench import load_space_app
+from tests.fakehub import FakeHub
 
 
 @pytest.fixture(scope="session")
@@ -24,3 +26,9 @@ def fake_hub(_fake_hub_server, monkeypatch):
     monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
     monkeypatch.setenv("HF_TOKEN", hub.token)
     return hub
+
+
+@pytest.fixture(scope="session")
+def dashboard():
+    """The dashboard Space's app.py, imported in this process."""
+    return load_space_app("dashboard")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from deltasync.sync.storage import open_storage
+from deltasync.storage import open_storage
 from deltasync.telemetry import ReplicaRecord, TrainerRecord, write
 from trainer.demo import format_summary, summarize
 from trainer.processes import start_process, stop_process, wait_healthy

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import REPO
 from trainer import deploy
 
-REPO = Path(__file__).resolve().parents[1]
 API_TOKEN = "api-token-never-printed"
 SPACE_TOKEN = "hf_space_token_never_printed"
 
@@ -27,7 +27,7 @@ def without_caches(files: dict[str, bytes]) -> dict[str, bytes]:
 
 
 def check_bundle(app: str, files: dict[str, bytes]) -> None:
-    """The app's folder, plus the library wheel (exactly shared/'s modules) where the app uses it."""
+    """The app's folder, plus the library wheel (exactly the package's modules) where the app uses it."""
     wheels = {p: files.pop(p) for p in list(files) if p.startswith("wheels/")}
     assert files == without_caches(tree(REPO / "spaces" / app)), app
     if app not in deploy.USES_LIBRARY:
@@ -39,7 +39,7 @@ def check_bundle(app: str, files: dict[str, bytes]) -> None:
         modules = {
             n.removeprefix("deltasync/"): z.read(n) for n in z.namelist() if n.startswith("deltasync/")
         }
-    assert modules == without_caches(tree(REPO / "shared")), app
+    assert modules == without_caches(tree(REPO / "shared" / "deltasync")), app
 
 
 def test_dry_run_writes_self_contained_bundles(tmp_path, capsys, monkeypatch):

@@ -39,7 +39,7 @@ from typing import Any
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from deltasync.settings import from_env
-from deltasync.sync.storage import open_storage
+from deltasync.storage import open_storage
 from deltasync.telemetry import ReplicaRecord, TrainerRecord
 from deltasync.telemetry.reader import TelemetryReader
 from trainer.processes import free_port, log_tail, placement, start_process, stop_process, wait_healthy

@@ -56,10 +56,10 @@ from trl.experimental.async_grpo import AsyncGRPOConfig  # noqa: E402
 
 from deltasync.codec.fingerprint import format_fingerprint  # noqa: E402
 from deltasync.sync.publisher import PublisherConfig  # noqa: E402
+from deltasync.trl.transfer import BucketWeightTransfer  # noqa: E402
 from trainer import cpu_shims  # noqa: E402
 from trainer.rollout import REWARD_SQ, VERSION_KNOWN, RolloutCounters, use_versioned_loop  # noqa: E402
 from trainer.task import CHAT_TEMPLATE_KWARGS  # noqa: E402
-from trainer.transfer import BucketWeightTransfer  # noqa: E402
 
 log = logging.getLogger("deltasync.trainer")
 TINY = "tiny"  # --model value: the warm-started tiny Qwen3, built locally and cached (trainer/tiny_model.py)
@@ -343,8 +343,8 @@ def resolve_model(name: str) -> str:
 
 def continue_from_head(model: torch.nn.Module, root: str) -> int | None:
     """Load the newest published weights into `model` if the sync root holds a run; returns its step."""
+    from deltasync.storage import open_storage
     from deltasync.sync.protocol import HEAD_PATH
-    from deltasync.sync.storage import open_storage
     from deltasync.sync.subscriber import Subscriber, TensorsApplier
 
     storage = open_storage(root)

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 from pydantic_settings import BaseSettings
 
 from deltasync.settings import from_env
-from deltasync.sync.storage import open_storage, redact
+from deltasync.storage import open_storage, redact
 from deltasync.telemetry.reader import TelemetryReader
 
 PLOTS = [

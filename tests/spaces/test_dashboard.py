@@ -13,7 +13,7 @@ import gradio as gr
 import pytest
 import requests
 
-from deltasync.sync.storage import Storage, TransientStorageError, open_storage
+from deltasync.storage import Storage, TransientStorageError, open_storage
 from deltasync.telemetry import ReplicaRecord, TrainerRecord, write
 from deltasync.telemetry.reader import TelemetryReader
 from trainer.deploy import build_bundle

@@ -2,7 +2,6 @@
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import requests
@@ -12,12 +11,13 @@ from openenv.core.generic_client import GenericEnvClient
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from tests.helpers import REPO
 from trainer.processes import serving
 from wordle_env.client import WordleEnvClient
 from wordle_env.models import WordleAction
 from wordle_env.rules import PROMPT, answer_for_seed
 
-APP = Path(__file__).resolve().parents[2] / "spaces" / "env" / "app.py"
+APP = REPO / "spaces" / "env" / "app.py"
 MISSES = ["crane", "slate", "doubt", "fight", "mount", "pride", "lymph"]  # valid guesses, none shares a game
 
 

@@ -25,12 +25,13 @@ from deltasync import telemetry
 from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
 from deltasync.sync.protocol import HEAD_PATH, RUN_PATH, Head, step_of
 from deltasync.sync.publisher import Publisher, PublisherConfig
+from tests.helpers import REPO
 from trainer.processes import placement, serving
 from trainer.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow  # starts vLLM
 
-APP = Path(__file__).resolve().parents[2] / "spaces" / "inference" / "app.py"
+APP = REPO / "spaces" / "inference" / "app.py"
 TOKEN = "test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PROMPT = [5, 6, 7, 8, 20, 30]

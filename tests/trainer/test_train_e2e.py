@@ -27,13 +27,13 @@ import pytest
 import requests
 
 from deltasync import telemetry
+from tests.helpers import REPO
 from trainer.demo import freshness
 from trainer.processes import placement, serving
 from trainer.tiny_model import default_model_dir, ensure_tiny_model
 
 pytestmark = pytest.mark.slow  # starts vLLM
 
-REPO = Path(__file__).resolve().parents[2]
 REPLICA = "replica-e2e"
 STEPS = 32  # first run; a restart adds RESUME_STEPS
 RESUME_STEPS = 3

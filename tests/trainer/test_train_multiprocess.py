@@ -9,18 +9,17 @@ bf16 weights.
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 from test_train_e2e import services, wait_for_replica
 
 from deltasync.sync.protocol import HEAD_PATH
+from tests.helpers import REPO
 from trainer.processes import log_tail, placement, start_process
 from trainer.tiny_model import default_model_dir, ensure_tiny_model
 
 pytestmark = pytest.mark.slow  # starts vLLM
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 
 

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltasync.sync.storage import Storage
+from deltasync.storage import Storage
 
 TRAINER_DIR = "telemetry/trainer"
 REPLICAS_DIR = "telemetry/replicas"

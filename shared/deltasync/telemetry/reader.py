@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltasync.sync.storage import LocalStorage, Storage, TooLargeError, TransientStorageError
+from deltasync.storage import LocalStorage, Storage, TooLargeError, TransientStorageError
 from deltasync.telemetry import (
     MAX_RECORD_BYTES,
     REPLICAS_DIR,

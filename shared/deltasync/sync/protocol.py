@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from deltasync.sync.storage import Storage, TooLargeError, check_path
+from deltasync.storage import Storage, TooLargeError, check_path
 
 FORMAT_VERSION = 1
 RUN_PATH = "run.json"

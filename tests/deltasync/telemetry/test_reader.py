@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import requests
 
-from deltasync.sync.storage import open_storage
+from deltasync.storage import open_storage
 from deltasync.telemetry import MAX_RECORD_BYTES, ReplicaRecord, TrainerRecord, write
 from deltasync.telemetry.reader import TelemetryReader
+from tests.helpers import REPO
 from trainer.processes import free_port, start_process, stop_process, wait_healthy
 
-APP = Path(__file__).resolve().parents[2] / "spaces" / "dashboard" / "app.py"
+APP = REPO / "spaces" / "dashboard" / "app.py"
 GOOD_STEPS = range(10)
 T0 = 1_700_000_000.0
 HUGE = "1" + "0" * 400  # an integer no float can hold

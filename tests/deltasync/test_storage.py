@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltasync.sync.storage import (
+from deltasync.storage import (
     TMP_MARK,
     FsspecStorage,
     HubBucketStorage,

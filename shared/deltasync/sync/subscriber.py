@@ -27,9 +27,9 @@ from deltasync import telemetry
 from deltasync.codec import fingerprint
 from deltasync.codec.changes import TensorChanges, apply_changes
 from deltasync.codec.patch import Patch, PatchError, decode, read_info
+from deltasync.storage import Storage, TransientStorageError, open_storage
 from deltasync.sync.anchor import read_anchor
 from deltasync.sync.protocol import Entry, Head, ManifestError, RunInfo, read_head, read_run
-from deltasync.sync.storage import Storage, TransientStorageError, open_storage
 
 log = logging.getLogger(__name__)
 MAX_ERROR_CHARS = 500  # last_error and telemetry errors: one readable line, however long the cause

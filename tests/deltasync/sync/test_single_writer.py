@@ -13,13 +13,14 @@ import uuid
 from pathlib import Path
 
 import pytest
-from test_sync import bf16, bitwise_equal, make_params, run_steps, train_step
 
 from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
+from deltasync.storage import LocalStorage, WriterConflict, open_storage
 from deltasync.sync import protocol
-from deltasync.sync.publisher import WRITER_PATH, Publisher, PublisherConfig, WriterClaim
-from deltasync.sync.storage import LocalStorage, WriterConflict, open_storage
+from deltasync.sync.claim import WRITER_PATH, WriterClaim
+from deltasync.sync.publisher import Publisher, PublisherConfig
 from deltasync.sync.subscriber import Subscriber
+from tests.helpers import bf16, bitwise_equal, make_params, run_steps, train_step, wait_for
 
 ROUNDS = 24
 
@@ -30,7 +31,7 @@ RACING_PUBLISHER = textwrap.dedent(
     import json, sys, time
     from pathlib import Path
     sys.path[:0] = {paths!r}
-    from test_sync import make_params
+    from tests.helpers import make_params
     from deltasync.sync.publisher import Publisher, PublisherConfig
 
     root, me, rounds, gate = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
@@ -47,14 +48,6 @@ RACING_PUBLISHER = textwrap.dedent(
             print(json.dumps({{"round": r, "refused": str(e)}}), flush=True)
     """
 )
-
-
-def wait_for(condition, what: str, timeout_s: float = 120.0) -> None:
-    """Wait for `condition()`; the deadline only turns a hang into a failure (no timing is asserted)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def test_two_publisher_processes_lose_no_acknowledged_step(tmp_path):

@@ -5,30 +5,15 @@ it with the last published state, encodes the patch, uploads it and moves the he
 states replace the pending one (the skipped step is folded into the next delta) instead of queueing without
 bound. The last published state advances only once the head naming it is written and read back.
 
-One writer per sync root, enforced in two layers:
-- a claim held for the publisher's life: on a local folder an flock on `writer.lock` (exclusive between
-  processes of this host, released by the kernel if the holder dies); on object stores and fsspec URLs, which
-  offer no conditional write through the APIs used here, a lease in `writer.lock` (holder, expiry; renewed
-  while the publisher lives) that a second publisher reads and respects, then reads back after taking it;
-- fencing: each claim takes an epoch larger than any before it and rewrites the head with it at once; before
-  writing a head the publisher re-reads the current one, and after writing reads it back: a head with another
-  writer's epoch, or not the bytes it wrote, stops it with WriterConflict, and the step is never acknowledged.
-Guarantees: on a local folder a second writer is refused outright. On object stores a second writer is
-refused while the lease is live, and one that raced past it is fenced at its next head write; what remains is
-a window of one request between a writer's re-read and its write, in which two heads can cross (detected by
-the read-back, but one of them may already be acknowledged). Leases also assume clocks within `lease_s`.
+Only one publisher writes a root at a time: see `deltasync.sync.claim`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import socket
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -40,7 +25,16 @@ from deltasync import telemetry
 from deltasync.codec import fingerprint
 from deltasync.codec.changes import SchemaError
 from deltasync.codec.patch import encode, make_patch
+from deltasync.storage import (
+    LocalStorage,
+    Storage,
+    TransientStorageError,
+    WriterConflict,
+    open_storage,
+)
 from deltasync.sync.anchor import anchor_encoding, write_anchor
+from deltasync.sync.claim import LEASE_S, WriterClaim, new_holder
+from deltasync.sync.gc import collect_garbage
 from deltasync.sync.protocol import (
     HEAD_PATH,
     RUN_PATH,
@@ -49,24 +43,13 @@ from deltasync.sync.protocol import (
     ManifestError,
     RunInfo,
     delta_path,
-    read_head,
     read_manifest,
     read_run,
-    step_of,
-)
-from deltasync.sync.storage import (
-    LocalStorage,
-    Storage,
-    TransientStorageError,
-    WriterConflict,
-    open_storage,
 )
 
 log = logging.getLogger(__name__)
 Params = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 T = TypeVar("T")
-WRITER_PATH = "writer.lock"
-LEFTOVER_GRACE_S = 15 * 60.0  # a temporary file untouched this long belongs to a writer that crashed
 
 
 @dataclass
@@ -78,7 +61,7 @@ class PublisherConfig:
     anchor_encoding: str = "auto"  # plain | packed | auto: packed unless the root is a local folder
     threads: int | None = None  # codec threads; None: every core this process may run on
     retry_s: tuple[float, float] = (0.5, 30.0)  # backoff of failed uploads: first and longest wait
-    lease_s: float = 120.0  # object stores: a writer's lease lasts this long unless renewed (every quarter)
+    lease_s: float = LEASE_S  # object stores: a writer's lease lasts this long unless renewed (every quarter)
 
 
 @dataclass
@@ -88,83 +71,6 @@ class _Pending:
     info: dict[str, float]
     blocked_s: float
     skipped: list[telemetry.TrainerRecord] = field(default_factory=list)  # steps this one replaced
-
-
-def new_holder() -> str:
-    """A writer's name, unique per claim, that tells a person where it runs."""
-    return f"pid {os.getpid()} on {socket.gethostname()}, claim {uuid.uuid4().hex[:8]}"
-
-
-class WriterClaim:
-    """This process's claim to be the only writer of `storage` (see the module docstring): its lock where the
-    backend has one, else a lease. Raises WriterConflict naming the holder when another writer has it."""
-
-    def __init__(self, storage: Storage, lease_s: float = PublisherConfig.lease_s, holder: str | None = None):
-        self.storage, self.lease_s = storage, lease_s
-        self.holder = holder or new_holder()
-        self._renewed_at, self._released = 0.0, False
-        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-        self._lock = storage.lock(WRITER_PATH, f"{self.holder}, since {since}")
-        self.epoch = 1  # raised past the head's by Publisher; past the last lease's here
-        if self._lock is None:
-            lease = self._lease()
-            if lease and lease["holder"] != self.holder and lease["expires_at"] > time.time():
-                raise WriterConflict(
-                    f"{storage.url} is being written by another publisher ({lease['holder']}, lease until "
-                    f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(lease['expires_at']))})"
-                )
-            self.epoch = (lease["epoch"] + 1) if lease else 1
-            self.renew(taking=True)
-
-    def _lease(self) -> dict | None:
-        """The current lease; None if there is none or it is unreadable (then it protects nothing)."""
-        try:
-            lease = json.loads(self.storage.read_bytes(WRITER_PATH, limit=4096))
-        except FileNotFoundError:
-            return None
-        except (ValueError, RecursionError):
-            log.warning("ignoring an unreadable lease in %s", self.storage.url)
-            return None
-        kinds = {"holder": str, "epoch": int, "expires_at": (int, float)}
-        ok = isinstance(lease, dict) and all(isinstance(lease.get(k), t) for k, t in kinds.items())
-        return lease if ok and 0 <= lease["epoch"] < 1 << 62 and abs(lease["expires_at"]) < 1e12 else None
-
-    def renew_due(self) -> bool:
-        return self._lock is None and time.time() - self._renewed_at > self.lease_s / 4
-
-    def renew(self, taking: bool = False) -> None:
-        """Extend the lease (a lock needs nothing); WriterConflict if another writer took it over."""
-        if self._lock is not None:
-            return
-        if not taking:
-            self._check_lease("took over")
-        now = time.time()
-        lease = {"holder": self.holder, "epoch": self.epoch, "expires_at": now + self.lease_s}
-        self.storage.write_bytes(WRITER_PATH, json.dumps(lease).encode())
-        self._renewed_at = now
-        if taking:  # two claims racing both wrote: only the last one reads itself back
-            self._check_lease("claimed it at the same time")
-
-    def _check_lease(self, what: str) -> None:
-        lease = self._lease()
-        if lease is None or lease["holder"] != self.holder:
-            other = lease["holder"] if lease else "a writer that removed the lease"
-            raise WriterConflict(f"{self.storage.url}: another publisher ({other}) {what}")
-
-    def release(self) -> None:
-        """Let the next writer in; again is a no-op."""
-        if self._lock is not None:
-            self._lock.release()
-            return
-        if self._released:
-            return
-        self._released = True
-        try:
-            lease = self._lease()
-            if lease and lease["holder"] == self.holder:
-                self.storage.delete([WRITER_PATH])
-        except TransientStorageError as e:  # the lease then expires by itself
-            log.warning("could not release the writer lease of %s: %s", self.storage.url, e)
 
 
 class Publisher:
@@ -474,22 +380,6 @@ class Publisher:
             collect_garbage(self.storage)  # what a crashed predecessor left
         except TransientStorageError as e:
             log.warning("garbage collection of %s failed: %s", self.storage.url, e)
-
-
-def collect_garbage(storage: Storage, grace_s: float = LEFTOVER_GRACE_S) -> list[str]:
-    """Delete the step files (deltas/, anchors/) of steps up to the head that it does not name, and what
-    crashed writers left untouched for `grace_s` (temporary files, empty anchor folders); returns them.
-    Call it as the root's writer (WriterClaim); the head is read again right before deleting, and only files
-    named exactly as a publisher names them are touched."""
-    head = read_head(storage)
-    candidates = [
-        path
-        for path in storage.list("deltas") + storage.list("anchors")
-        if (step := step_of(path)) is not None and step <= head.step and path not in head.files()
-    ]
-    garbage = [path for path in candidates if path not in read_head(storage).files()]
-    storage.delete(garbage)
-    return garbage + storage.delete_leftovers(grace_s)
 
 
 def require_floats(tensors: Mapping[str, torch.Tensor], where: str) -> None:

@@ -3,7 +3,6 @@ patches of format version 1 still read."""
 
 import json
 import struct
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,9 +12,9 @@ from safetensors.torch import load_file
 from deltasync.codec import patch as patches
 from deltasync.codec.bf16 import bits
 from deltasync.codec.changes import apply_changes, diff
-from tests.shared.test_patch import assert_bitwise_equal, random_state, step_state
+from tests.helpers import REPO, assert_bitwise_equal, random_state, step_state
 
-DATA = Path(__file__).parent / "data"
+DATA = REPO / "tests" / "deltasync" / "data"
 SHAPES = {"embed": (300, 64), "w": (64, 48), "norm": (64,)}
 
 

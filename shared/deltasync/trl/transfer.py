@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
+from deltasync.storage import Storage
 from deltasync.sync.publisher import Publisher, PublisherConfig
-from deltasync.sync.storage import Storage
 
 log = logging.getLogger(__name__)
 

@@ -10,39 +10,9 @@ from deltasync.codec import fingerprint
 from deltasync.codec import patch as patches
 from deltasync.codec.bf16 import bits
 from deltasync.codec.changes import SchemaError, apply_changes
+from tests.helpers import assert_bitwise_equal, bf16_from_bits, random_state, step_state
 
 ENCODINGS = patches.ENCODINGS
-
-
-def bf16_from_bits(b: np.ndarray, shape) -> torch.Tensor:
-    return torch.from_numpy(b.astype(np.int16)).view(torch.bfloat16).view(shape)
-
-
-def random_state(rng: np.random.Generator, shapes: dict) -> dict:
-    """Realistic weights: N(0, 0.02) plus a sprinkle of every kind of special bit pattern."""
-    state = {}
-    for name, shape in shapes.items():
-        t = torch.from_numpy(rng.normal(0, 0.02, size=shape).astype(np.float32)).bfloat16()
-        b = bits(t).numpy().copy()
-        special = rng.random(b.size) < 0.01
-        b[special] = rng.integers(-(1 << 15), 1 << 15, size=int(special.sum()))
-        state[name] = bf16_from_bits(b, shape)
-    return state
-
-
-def step_state(rng: np.random.Generator, old: dict, density: float) -> dict:
-    """Move a `density` share of elements: mostly +-1 ulp, some bigger jumps, some arbitrary patterns."""
-    new = {}
-    for name, t in old.items():
-        b = bits(t).numpy().astype(np.int32)
-        mask = rng.random(b.size) < density
-        moves = rng.choice([-1, 1, -2, 2, 7, -300], size=b.size, p=[0.45, 0.45, 0.04, 0.04, 0.01, 0.01])
-        arbitrary = rng.random(b.size) < 0.01
-        b = np.where(mask, b + moves, b)
-        b = np.where(mask & arbitrary, rng.integers(-(1 << 15), 1 << 15, size=b.size), b)
-        b = ((b + (1 << 15)) % (1 << 16)) - (1 << 15)
-        new[name] = bf16_from_bits(b, t.shape)
-    return new
 
 
 def roundtrip(old: dict, new: dict, encoding: str) -> tuple[dict, bytes]:
@@ -52,12 +22,6 @@ def roundtrip(old: dict, new: dict, encoding: str) -> tuple[dict, bytes]:
     result = {n: t.clone() for n, t in old.items()}
     apply_changes(result, decoded.changes)
     return result, data
-
-
-def assert_bitwise_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(bits(a[name]), bits(b[name])), name
 
 
 shapes_strategy = st.dictionaries(

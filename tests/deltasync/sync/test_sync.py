@@ -15,54 +15,12 @@ import torch
 
 from deltasync import telemetry
 from deltasync.codec.fingerprint import state_fingerprint
+from deltasync.storage import LocalStorage, Storage, open_storage
 from deltasync.sync import protocol
-from deltasync.sync.publisher import Publisher, PublisherConfig, collect_garbage
-from deltasync.sync.storage import LocalStorage, Storage, open_storage
+from deltasync.sync.gc import collect_garbage
+from deltasync.sync.publisher import Publisher, PublisherConfig
 from deltasync.sync.subscriber import Subscriber, SyncError, TensorsApplier
-
-# Big enough that a chain of 20 deltas weighs less than an anchor (else the publisher anchors earlier).
-SHAPES = {
-    "model.embed_tokens.weight": (256, 64),
-    "model.layers.0.mlp.up_proj.weight": (192, 64),
-    "lm.bias": (7,),
-}
-
-
-def make_params(seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {n: 0.05 * torch.randn(s, generator=g) for n, s in SHAPES.items()}
-
-
-def train_step(params: dict[str, torch.Tensor], step: int, density: float = 0.01) -> None:
-    """Moves about `density` of the elements by more than a bf16 rounding step, like an optimizer step."""
-    g = torch.Generator().manual_seed(1000 + step)
-    for t in params.values():
-        mask = torch.rand(t.shape, generator=g) < density
-        t += mask * t.abs().clamp_min(1e-3) * 0.05 * torch.randn(t.shape, generator=g).sign()
-
-
-def bf16(params):
-    return {n: t.to(torch.bfloat16) for n, t in params.items()}
-
-
-def bitwise_equal(a, b) -> bool:
-    return a.keys() == b.keys() and all(
-        torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a
-    )
-
-
-def run_steps(root, steps: int, config: PublisherConfig | None = None, flush: bool = True):
-    """Publishes `steps` states (each flushed, so none is coalesced); returns the bf16 state of every step."""
-    params, states = make_params(), []
-    with Publisher(root, model="tiny", config=config) as publisher:
-        for step in range(steps):
-            if step:
-                train_step(params, step)
-            publisher.publish(params, step=step, info={"reward_mean": step / 10})
-            states.append(bf16(params))
-            if flush:
-                publisher.flush()
-    return states
+from tests.helpers import SHAPES, bf16, bitwise_equal, make_params, run_steps, train_step
 
 
 class Flaky(Storage):
@@ -288,9 +246,9 @@ CRASHING_PUBLISHER = textwrap.dedent(
     """
     import sys, time
     sys.path[:0] = {paths!r}
-    from test_sync import make_params, train_step
+    from tests.helpers import make_params, train_step
     from deltasync.sync.publisher import Publisher
-    from deltasync.sync.storage import LocalStorage
+    from deltasync.storage import LocalStorage
 
     class Stalling(LocalStorage):  # the head write of step 5 never finishes: killed there
         def _write_bytes(self, path, data):

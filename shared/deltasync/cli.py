@@ -29,9 +29,11 @@ from safetensors.torch import load_file, save_file
 from deltasync.codec import patch as patches
 from deltasync.codec.bf16 import as_bf16
 from deltasync.codec.changes import apply_changes
+from deltasync.storage import open_storage, redact
 from deltasync.sync import protocol
-from deltasync.sync.publisher import Publisher, PublisherConfig, WriterClaim, collect_garbage, require_floats
-from deltasync.sync.storage import open_storage, redact
+from deltasync.sync.claim import WriterClaim
+from deltasync.sync.gc import collect_garbage
+from deltasync.sync.publisher import Publisher, PublisherConfig, require_floats
 from deltasync.sync.subscriber import Subscriber
 
 

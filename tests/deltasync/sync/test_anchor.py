@@ -11,12 +11,12 @@ from safetensors.torch import load_file
 from deltasync.codec import packed
 from deltasync.codec.bf16 import bits
 from deltasync.codec.fingerprint import state_fingerprint
+from deltasync.storage import LocalStorage
 from deltasync.sync.anchor import AnchorError, anchor_encoding, read_anchor, write_anchor
 from deltasync.sync.protocol import RunInfo
 from deltasync.sync.publisher import PublisherConfig
-from deltasync.sync.storage import LocalStorage
 from deltasync.sync.subscriber import Subscriber
-from tests.shared.test_sync import bitwise_equal, run_steps
+from tests.helpers import bitwise_equal, run_steps
 
 ALL_PATTERNS = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
 

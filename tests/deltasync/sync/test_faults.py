@@ -18,15 +18,13 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from test_single_writer import wait_for
-from test_sync import bf16, bitwise_equal, make_params, run_steps, train_step
 
+from deltasync.storage import TMP_MARK, LocalStorage, open_storage
 from deltasync.sync import protocol
-from deltasync.sync.publisher import Publisher, PublisherConfig, collect_garbage
-from deltasync.sync.storage import TMP_MARK, LocalStorage, open_storage
+from deltasync.sync.gc import collect_garbage
+from deltasync.sync.publisher import Publisher, PublisherConfig
 from deltasync.sync.subscriber import MAX_ERROR_CHARS, Subscriber, SyncError
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO, bf16, bitwise_equal, make_params, run_steps, train_step, wait_for
 
 
 def cli(*args, env=None):

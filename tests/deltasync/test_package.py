@@ -6,17 +6,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-LIBRARY = REPO / "shared"
+from tests.helpers import REPO
+
+LIBRARY = REPO / "shared" / "deltasync"
 HEAVY = ("trl", "vllm", "openenv", "gradio")
 
 
 def core_modules() -> list[str]:
-    """Every module of deltasync but its vLLM integration (imported by vLLM's workers only)."""
+    """Every module of deltasync but its integrations (deltasync.vllm, deltasync.trl: they import those)."""
     names = []
     for path in sorted(LIBRARY.rglob("*.py")):
-        parts = ("deltasync", *path.relative_to(LIBRARY).with_suffix("").parts)
-        if parts[1:2] != ("vllm",):
+        parts = path.relative_to(LIBRARY.parent).with_suffix("").parts
+        if parts[1:2] not in (("vllm",), ("trl",)):
             names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
     return names
 

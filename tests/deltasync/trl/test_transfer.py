@@ -8,7 +8,7 @@ from deltasync import telemetry
 from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
 from deltasync.sync.publisher import PublisherConfig
 from deltasync.sync.subscriber import Subscriber
-from trainer.transfer import BucketWeightTransfer
+from deltasync.trl.transfer import BucketWeightTransfer
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -1,0 +1,24 @@
+"""Garbage collection of a sync root: step files the head no longer names, and crashed writers' leftovers."""
+
+from __future__ import annotations
+
+from deltasync.storage import Storage
+from deltasync.sync.protocol import read_head, step_of
+
+LEFTOVER_GRACE_S = 15 * 60.0  # a temporary file untouched this long belongs to a writer that crashed
+
+
+def collect_garbage(storage: Storage, grace_s: float = LEFTOVER_GRACE_S) -> list[str]:
+    """Delete the step files (deltas/, anchors/) of steps up to the head that it does not name, and what
+    crashed writers left untouched for `grace_s` (temporary files, empty anchor folders); returns them.
+    Call it as the root's writer (WriterClaim); the head is read again right before deleting, and only files
+    named exactly as a publisher names them are touched."""
+    head = read_head(storage)
+    candidates = [
+        path
+        for path in storage.list("deltas") + storage.list("anchors")
+        if (step := step_of(path)) is not None and step <= head.step and path not in head.files()
+    ]
+    garbage = [path for path in candidates if path not in read_head(storage).files()]
+    storage.delete(garbage)
+    return garbage + storage.delete_leftovers(grace_s)

@@ -1,0 +1,1 @@
+"""TRL integration: the bucket weight transfer for `AsyncGRPOTrainer(weight_transfer=...)`."""

@@ -1,0 +1,101 @@
+"""Helpers the tests share: small models, simulated optimizer steps, bitwise comparisons, waiting."""
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from deltasync.codec.bf16 import bits
+from deltasync.sync.publisher import Publisher, PublisherConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Big enough that a chain of 20 deltas weighs less than an anchor (else the publisher anchors earlier).
+SHAPES = {
+    "model.embed_tokens.weight": (256, 64),
+    "model.layers.0.mlp.up_proj.weight": (192, 64),
+    "lm.bias": (7,),
+}
+
+
+def make_params(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: 0.05 * torch.randn(s, generator=g) for n, s in SHAPES.items()}
+
+
+def train_step(params: dict[str, torch.Tensor], step: int, density: float = 0.01) -> None:
+    """Moves about `density` of the elements by more than a bf16 rounding step, like an optimizer step."""
+    g = torch.Generator().manual_seed(1000 + step)
+    for t in params.values():
+        mask = torch.rand(t.shape, generator=g) < density
+        t += mask * t.abs().clamp_min(1e-3) * 0.05 * torch.randn(t.shape, generator=g).sign()
+
+
+def bf16(params):
+    return {n: t.to(torch.bfloat16) for n, t in params.items()}
+
+
+def bitwise_equal(a, b) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a
+    )
+
+
+def run_steps(root, steps: int, config: PublisherConfig | None = None, flush: bool = True):
+    """Publishes `steps` states (each flushed, so none is coalesced); returns the bf16 state of every step."""
+    params, states = make_params(), []
+    with Publisher(root, model="tiny", config=config) as publisher:
+        for step in range(steps):
+            if step:
+                train_step(params, step)
+            publisher.publish(params, step=step, info={"reward_mean": step / 10})
+            states.append(bf16(params))
+            if flush:
+                publisher.flush()
+    return states
+
+
+def bf16_from_bits(b: np.ndarray, shape) -> torch.Tensor:
+    return torch.from_numpy(b.astype(np.int16)).view(torch.bfloat16).view(shape)
+
+
+def random_state(rng: np.random.Generator, shapes: dict) -> dict:
+    """Realistic weights: N(0, 0.02) plus a sprinkle of every kind of special bit pattern."""
+    state = {}
+    for name, shape in shapes.items():
+        t = torch.from_numpy(rng.normal(0, 0.02, size=shape).astype(np.float32)).bfloat16()
+        b = bits(t).numpy().copy()
+        special = rng.random(b.size) < 0.01
+        b[special] = rng.integers(-(1 << 15), 1 << 15, size=int(special.sum()))
+        state[name] = bf16_from_bits(b, shape)
+    return state
+
+
+def step_state(rng: np.random.Generator, old: dict, density: float) -> dict:
+    """Move a `density` share of elements: mostly +-1 ulp, some bigger jumps, some arbitrary patterns."""
+    new = {}
+    for name, t in old.items():
+        b = bits(t).numpy().astype(np.int32)
+        mask = rng.random(b.size) < density
+        moves = rng.choice([-1, 1, -2, 2, 7, -300], size=b.size, p=[0.45, 0.45, 0.04, 0.04, 0.01, 0.01])
+        arbitrary = rng.random(b.size) < 0.01
+        b = np.where(mask, b + moves, b)
+        b = np.where(mask & arbitrary, rng.integers(-(1 << 15), 1 << 15, size=b.size), b)
+        b = ((b + (1 << 15)) % (1 << 16)) - (1 << 15)
+        new[name] = bf16_from_bits(b, t.shape)
+    return new
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(bits(a[name]), bits(b[name])), name
+
+
+def wait_for(condition, what: str, timeout_s: float = 120.0) -> None:
+    """Wait for `condition()`; the deadline only turns a hang into a failure (no timing is asserted)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
