@@ -1,6 +1,7 @@
 """The library as a user installs it: `import deltasync` from anywhere, nothing heavy behind it."""
 
 import ast
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -56,3 +57,22 @@ def test_no_code_edits_the_import_path():
             if isinstance(node, ast.Constant) and node.value == "PYTHONPATH":
                 edits.append(f"{path.relative_to(REPO)}:{node.lineno} PYTHONPATH")
     assert edits == []
+
+
+def test_the_public_api_imports_from_outside_the_checkout_and_loads_its_modules_on_use(tmp_path):
+    script = (
+        "import json, sys\n"
+        "import deltasync\n"
+        "light = sorted(m for m in ('torch', 'numba') if m in sys.modules)\n"
+        "from deltasync import Publisher, Subscriber, open_storage\n"
+        "names = {n: type(getattr(deltasync, n)).__name__ for n in deltasync.__all__}\n"
+        "print(json.dumps([light, deltasync.__version__, Publisher.__module__, names]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    light, version, module, names = json.loads(out.stdout.splitlines()[-1])
+    assert light == []  # the dashboard's Space has no torch: `import deltasync` must not need it
+    assert version == importlib.metadata.version("deltasync")
+    assert module == "deltasync.sync.publisher"
+    assert {"Publisher", "PublisherConfig", "TensorsApplier", "diff", "PatchError"} <= set(names)
+    assert names["__version__"] == "str" and names["Publisher"] == "type" and names["diff"] == "function"
