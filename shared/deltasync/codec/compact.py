@@ -1,8 +1,8 @@
 """The compact encoding: lossless sparse bf16 changes near their entropy, given the receiver's old weights.
 
-A tensor is coded in chunks of `chunk` elements (the patch's metadata says how many; format version 2), each
-on its own, so encoder and decoder work on all cores and the bytes never depend on the thread count. Per
-chunk, every element falls in one of K <= 4 classes by the exponent of its OLD value, which both sides hold.
+A tensor is coded in chunks of `chunk` elements (the patch's metadata says how many), each on its own, so
+encoder and decoder work on all cores and the bytes never depend on the thread count. Per chunk, every
+element falls in one of K <= 4 classes by the exponent of its OLD value, which both sides hold.
 Small weights change far more often than large ones, so positions are coded per class:
 
 - positions: per class, the gaps between the ranks (among that class's elements) of the changed elements,
@@ -12,10 +12,9 @@ Small weights change far more often than large ones, so positions are coded per 
 
 The categorical tables are pooled per class index over the whole patch (they are alike across tensors), so
 a chunk only carries a few varints: its class bounds, changed count and Rice parameter per class.
-Entropy stage: a static rANS coder compiled with numba (deltasync.codec.kernels), which releases the GIL;
-format version 1 (one chunk per tensor, `constriction`'s ANS coder) is still read.
+Entropy stage: a static rANS coder compiled with numba (deltasync.codec.kernels), which releases the GIL.
 
-Streams. A tensor (v2): varint chunk count n, the byte lengths of chunks 1..n-1, the chunks. A chunk: varints
+Streams. A tensor: varint chunk count n, the byte lengths of chunks 1..n-1, the chunks. A chunk: varints
 K, K-1 class bounds, K counts, K Rice parameters, the number of ANS words; the ANS words (u16 LE); the raw
 bits (LSB first).
 """
@@ -24,17 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import constriction
 import numpy as np
-import torch
 
 from deltasync.codec.symbols import ANS_SCALE, MAX_CLASSES, MAX_RICE, Q_SYMBOLS, V_SYMBOLS
 
 CHUNK = 1 << 22  # elements per chunk: ~40k changes at 1%, headers of a few bytes
 MAX_CHUNK = 1 << 31  # raw escapes hold 32-bit quotients
-
-_model = constriction.stream.model
-_uniform16 = _model.Uniform(1 << 16)
 
 
 class CompactDecodeError(ValueError):
@@ -95,14 +89,6 @@ class Models:
         for m in rows:
             slots[m] = np.repeat(np.arange(Q_SYMBOLS, dtype=np.uint8), freq[m])
         return Tables(freq, cum, slots, present)
-
-    def categorical(self) -> tuple[list, list]:
-        """Format version 1's ANS models (constriction), for reading old patches."""
-        return [_categorical(c) for c in self.q], [_categorical(c) for c in self.v]
-
-
-def _categorical(counts: np.ndarray):
-    return _model.Categorical(counts.astype(np.float64), perfect=False) if counts.sum() else None
 
 
 def _limits(bounds: list[int]) -> np.ndarray:
@@ -208,10 +194,9 @@ def split_chunks(data: bytes) -> list[bytes]:
     return chunks
 
 
-def stream_changed(data: bytes, version: str) -> int:
+def stream_changed(data: bytes) -> int:
     """Changed elements in a tensor stream, from its headers alone."""
-    chunks = split_chunks(data) if version != "1" else [data]
-    return sum(sum(_class_header(chunk)[2]) for chunk in chunks)
+    return sum(sum(_class_header(chunk)[2]) for chunk in split_chunks(data))
 
 
 def encode_chunk(s: Symbols, tables: Tables) -> bytes:
@@ -258,46 +243,3 @@ def decode_chunk(data: bytes, old_bits: np.ndarray, tables: Tables) -> tuple[np.
     if status:
         raise CompactDecodeError(kernels.DECODE_ERRORS[status])
     return idx, new
-
-
-def decode_stream_v1(
-    data: bytes, old_bits: torch.Tensor, q_models: list, v_models: list
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions (sorted int64) and new bit patterns (int16) of one tensor's changes, format version 1."""
-    k, bounds, counts, rice, _, pos = _class_header(data)
-    if (len(data) - pos) % 4:
-        raise CompactDecodeError("ANS payload is not a whole number of 32-bit words")
-    device, old_bits = old_bits.device, old_bits.cpu()
-    present = [q_models[c] is not None and v_models[c] is not None for c in range(k)]
-    starts = _starts(counts, old_bits.numel(), present)
-    coder = constriction.stream.stack.AnsCoder(np.frombuffer(data, "<u4", offset=pos).astype(np.uint32))
-    q, r = np.empty(starts[-1], np.int64), np.zeros(starts[-1], np.int64)
-    steps, raws = np.empty(starts[-1], np.int64), np.zeros(starts[-1], np.int64)
-    classes = [slice(starts[c], starts[c + 1]) for c in range(k)]
-    for c, sel in enumerate(classes):
-        if not counts[c]:
-            continue
-        q[sel] = coder.decode(q_models[c], counts[c])
-        big = np.nonzero(q[sel] == Q_SYMBOLS - 1)[0] + starts[c]
-        if big.size:
-            halves = coder.decode(_uniform16, 2 * big.size).astype(np.int64).reshape(-1, 2)
-            q[big] += (halves[:, 0] << 16) | halves[:, 1]
-        if rice[c]:
-            r[sel] = coder.decode(_model.Uniform(1 << rice[c]), counts[c])
-    for c, sel in enumerate(classes):
-        if not counts[c]:
-            continue
-        steps[sel] = coder.decode(v_models[c], counts[c])
-        steps[sel] += 1
-        escaped = np.nonzero(steps[sel] == V_SYMBOLS)[0] + starts[c]
-        if escaped.size:
-            raws[escaped] = coder.decode(_uniform16, escaped.size)
-    from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
-
-    rice = np.array(rice + [0] * (MAX_CLASSES - k), np.int64)
-    idx, new, status = kernels.decode_symbols(
-        old_bits.numpy(), _limits(bounds), starts, rice, q, r, steps, raws
-    )
-    if status:
-        raise CompactDecodeError(kernels.DECODE_ERRORS[status])
-    return torch.from_numpy(idx).to(device), torch.from_numpy(new.view(np.int16)).to(device)

@@ -2,7 +2,7 @@
 
 Layout (every patch is a valid safetensors file; the header's `__metadata__` holds strings only):
 
-    format            "deltasync.patch"            version   "2" (readers also take "1")
+    format            "deltasync.patch"            version   "2"
     encoding          "compact" | "raw"
     step, base_step   the state this patch produces, and the one it applies to
     numel, changed    elements in the whole model, elements this patch changes
@@ -11,12 +11,12 @@ Layout (every patch is a valid safetensors file; the header's `__metadata__` hol
     base_fingerprint  the same for the state it applies to (a patch never applies anywhere else)
     models            (compact only) JSON of the pooled categorical tables, see deltasync.codec.compact
     dense             (compact only) JSON {name: changed} for the tensors stored dense
-    chunk             (compact, version 2) elements per independently coded chunk of a tensor
+    chunk             (compact only) elements per independently coded chunk of a tensor
 
 Entries, per changed tensor `name` (HF checkpoint names), by mode:
     raw      `name/indices` I32 flat positions (strictly increasing) and `name/values` BF16 new values:
              what vLLM's CheckpointWeightPatch takes
-    compact  `name` U8: the tensor's compact stream (needs the old weights to decode; version 1: one chunk)
+    compact  `name` U8: the tensor's compact stream (needs the old weights to decode)
     dense    `name` BF16 with the tensor's shape: all its new values (chosen when changes are dense)
 The entries say which tensors changed and how; nothing else repeats their names.
 """
@@ -42,7 +42,6 @@ from deltasync.codec.parallel import parallel_map, spans
 
 FORMAT = "deltasync.patch"
 VERSION = "2"
-READABLE_VERSIONS = ("1", "2")  # 1: compact tensors in one chunk, coded by constriction
 FINGERPRINT_SPAN = 1 << 20  # changed elements per unit of fingerprint work
 ENCODINGS = ("compact", "raw")
 MAX_HEADER_BYTES = 64 << 20
@@ -285,10 +284,8 @@ def read_info(data: bytes) -> PatchInfo:
         raise PatchError(
             f"not a deltasync patch (format {meta.get('format') if isinstance(meta, dict) else None!r})"
         )
-    if meta.get("version") not in READABLE_VERSIONS:
-        raise PatchError(
-            f"patch format version {meta.get('version')!r}, this reader understands {READABLE_VERSIONS}"
-        )
+    if meta.get("version") != VERSION:
+        raise PatchError(f"patch format version {meta.get('version')!r}, this reader understands {VERSION!r}")
     if meta.get("encoding") not in ENCODINGS:
         raise PatchError(f"unknown encoding {meta.get('encoding')!r}")
     try:
@@ -336,7 +333,7 @@ def _tensor_list(meta: dict, header: dict, body: bytes) -> dict[str, dict]:
             tensors[name]["changed"] = entry["shape"][0]
         elif entry["dtype"] == "U8":
             start, end = entry["data_offsets"]
-            changed = compact.stream_changed(body[start:end], meta["version"])
+            changed = compact.stream_changed(body[start:end])
             tensors[name] = {"mode": "compact", "changed": changed}
         elif entry["dtype"] == "BF16" and name in dense:
             tensors[name] = {"mode": "dense", "changed": int(dense[name]), "shape": entry["shape"]}
@@ -387,29 +384,26 @@ def decode(
         entries = load_safetensors(data)
     except Exception as e:  # safetensors raises its own error types for every kind of corruption
         raise PatchError(f"corrupt patch payload: {e}") from None
-    models = None
+    chunks: list[tuple] = []
+    decoded: list[tuple] = []
     if info.encoding == "compact":
         try:
             models = compact.Models.from_json(json.loads(info.metadata.get("models", "null")) or {})
         except (json.JSONDecodeError, compact.CompactDecodeError) as e:
             raise PatchError(f"bad compact models: {e}") from None
-    chunked = info.encoding == "compact" and info.metadata["version"] != "1"
-    if chunked:
         chunks = _compact_chunks(info, entries, base)
         tables = models.tables()
         decoded = parallel_map(lambda work: _decode_chunk(*work, tables), chunks, threads)
-    else:
-        models = models and models.categorical()
     changes = {}
     for name, t in info.tensors.items():
         try:
-            if chunked and t["mode"] == "compact":
+            if t["mode"] == "compact":
                 parts = [d for (n, *_), d in zip(chunks, decoded, strict=True) if n == name]
                 idx = torch.from_numpy(np.concatenate([p[0] for p in parts]))
                 new_bits = torch.from_numpy(np.concatenate([p[1] for p in parts]).view(np.int16))
                 changes[name] = _checked(name, t, base[name], idx, new_bits.view(torch.bfloat16))
             else:
-                changes[name] = _decode_tensor(name, t, entries, base[name], models)
+                changes[name] = _decode_tensor(name, t, entries, base[name])
         except PatchError:
             raise
         except (compact.CompactDecodeError, ValueError, RuntimeError, OverflowError) as e:
@@ -424,7 +418,7 @@ def decode(
 
 
 def _compact_chunks(info: PatchInfo, entries: dict, base: Mapping[str, torch.Tensor]) -> list[tuple]:
-    """(name, chunk stream, old bits, offset) of every chunk of the compact tensors of a version 2 patch."""
+    """(name, chunk stream, old bits, offset) of every chunk of the compact tensors of a patch."""
     try:
         chunk = int(info.metadata["chunk"])
     except (KeyError, ValueError):
@@ -466,23 +460,18 @@ def _checked(name: str, t: dict, old: torch.Tensor, idx: torch.Tensor, values: t
     return TensorChanges(idx.to(old.device), values.to(old.device))
 
 
-def _decode_tensor(name, t, entries, old, v1_models) -> TensorChanges:
+def _decode_tensor(name: str, t: dict, entries: dict, old: torch.Tensor) -> TensorChanges:
+    """The changes of a raw or dense entry."""
     old_bits = bits(old)
     if t["mode"] == "raw":
         raw = {f"{name}/{part}": entries[f"{name}/{part}"] for part in ("indices", "values")}
         ch = raw_changes(raw, {name: old.shape})[name]
         idx, values = ch.indices.to(old.device), ch.values.to(old.device)
-    elif t["mode"] == "dense":
+    else:
         dense = entries[name]
         if dense.dtype != torch.bfloat16 or list(dense.shape) != list(old.shape):
             raise ValueError(f"dense entry must be bf16 {list(old.shape)}")
         dense = bits(dense.to(old.device))
         idx = torch.nonzero(dense != old_bits).squeeze(1)
         values = dense[idx].view(torch.bfloat16)
-    else:
-        stream = entries[name]
-        if stream.dtype != torch.uint8 or stream.dim() != 1:
-            raise ValueError("compact entry must be 1-D uint8")
-        idx, new_bits = compact.decode_stream_v1(stream.numpy().tobytes(), old_bits, *v1_models)
-        values = new_bits.view(torch.bfloat16)
     return _checked(name, t, old, idx, values)

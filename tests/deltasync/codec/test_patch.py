@@ -200,9 +200,17 @@ def test_not_a_patch_is_rejected():
     assert_rejected(b"\xff" * 64, base, match="truncated or corrupt")
 
 
+@pytest.mark.parametrize("version", [b"1", b"3"])
+def test_another_format_version_is_refused(case, version):
+    old, _, data = case
+    other = data["compact"].replace(b'"version":"2"', b'"version":"' + version + b'"')
+    assert other != data["compact"]
+    assert_rejected(other, old, match=f"patch format version '{version.decode()}'")
+
+
 def test_class_counts_claiming_more_changes_than_elements_are_refused_before_decoding():
-    """Issue 16 point 9: each class may claim up to every element; together they must not claim more (a
-    982-byte patch once made decoding allocate ~50 B per claimed change of four whole tensors)."""
+    """Each class may claim up to every element; together they must not claim more (else a patch of a few
+    hundred bytes makes decoding allocate ~50 B per claimed change of several whole tensors)."""
     from deltasync.codec import compact
 
     models = compact.Models()

@@ -1,5 +1,4 @@
-"""The codec on several threads and in chunks: same bytes whatever the thread count, exact round trips, and
-patches of format version 1 still read."""
+"""The codec on several threads and in chunks: same bytes whatever the thread count, exact round trips."""
 
 import json
 import struct
@@ -7,14 +6,12 @@ import struct
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from deltasync.codec import patch as patches
 from deltasync.codec.bf16 import bits
 from deltasync.codec.changes import apply_changes, diff
-from tests.helpers import REPO, assert_bitwise_equal, random_state, step_state
+from tests.helpers import assert_bitwise_equal, random_state, step_state
 
-DATA = REPO / "tests" / "deltasync" / "data"
 SHAPES = {"embed": (300, 64), "w": (64, 48), "norm": (64,)}
 
 
@@ -72,13 +69,3 @@ def test_a_chunk_count_that_does_not_fit_the_tensor_is_refused():
     assert bad != data
     with pytest.raises(patches.PatchError, match="chunks"):
         patches.decode(bad, old)
-
-
-def test_version_1_patches_still_decode():
-    """A compact patch written by format version 1 (one constriction-coded stream per tensor)."""
-    old, new = load_file(DATA / "v1-base.safetensors"), load_file(DATA / "v1-new.safetensors")
-    data = (DATA / "v1-compact.patch.safetensors").read_bytes()
-    assert patches.read_info(data).metadata["version"] == "1"
-    result = {n: t.clone() for n, t in old.items()}
-    apply_changes(result, patches.decode(data, old).changes)
-    assert_bitwise_equal(result, new)
