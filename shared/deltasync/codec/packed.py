@@ -50,9 +50,14 @@ def pack(t: torch.Tensor, threads: int | None = None, chunk: int = CHUNK) -> byt
 def unpack(
     data: bytes | memoryview, shape: list[int], threads: int | None = None, chunk: int = CHUNK
 ) -> torch.Tensor:
-    """The bf16 tensor of `shape` that `data` packs. Raises PackedError when it cannot be."""
+    """The bf16 tensor of `shape` that `data` packs. Raises PackedError when it cannot be, before allocating
+    more than the tensor and `data` need (each frame must declare the exact size of its chunk)."""
     from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
 
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise PackedError(f"shape {shape!r:.80} is not a list of non-negative integers")
+    if not isinstance(chunk, int) or chunk < 1:
+        raise PackedError(f"chunk {chunk!r:.80} is not a positive integer")
     numel = math.prod(shape)
     table = 8 * max(1, -(-numel // chunk))  # a u64 frame length per chunk (an empty tensor has one)
     if len(data) < table + numel:  # (before listing the chunks: `chunk` comes from the file)
@@ -70,8 +75,14 @@ def unpack(
 
     def fill(i: int) -> None:
         lo, hi = pieces[i]
+        frame = view[starts[i] : starts[i + 1]]
         try:
-            exponents = zstandard.ZstdDecompressor().decompress(view[starts[i] : starts[i + 1]])
+            # zstd allocates what the frame header declares (up to 2**64 bytes): check it first
+            declared = zstandard.frame_content_size(frame)
+            if declared != hi - lo:
+                size = "no size" if declared < 0 else f"{declared} bytes"
+                raise PackedError(f"elements {lo}..{hi}: the zstd frame declares {size}, not {hi - lo}")
+            exponents = zstandard.ZstdDecompressor().decompress(frame, max_output_size=hi - lo)
         except zstandard.ZstdError as e:
             raise PackedError(f"elements {lo}..{hi}: corrupt zstd frame: {e}") from None
         if len(exponents) != hi - lo:

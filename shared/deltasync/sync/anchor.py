@@ -105,7 +105,7 @@ def read_anchor(
                 meta = f.metadata() or {}
                 if (meta.get("format"), meta.get("step")) != (ANCHOR_FORMAT, str(step)):
                     raise AnchorError(f"{path.name}: not an anchor of step {step} (metadata {meta!r:.200})")
-                unpack = _unpacker(path, meta, threads)
+                unpack = _unpacker(path, meta, run.schema, threads)
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     if name not in run.schema:
                         raise AnchorError(f"{path.name}: unknown tensor {name!r}")
@@ -118,8 +118,12 @@ def read_anchor(
                             f"expected bf16 {run.schema[name]}"
                         )
                     state[name] = t
+        except AnchorError:
+            raise
         except SafetensorError as e:
             raise AnchorError(f"{path.name}: corrupt safetensors file: {e}") from None
+        except Exception as e:  # the file is untrusted: whatever decoding it raises refuses the file
+            raise AnchorError(f"{path.name}: unreadable: {type(e).__name__}: {e}") from None
     missing = [n for n in run.schema if n not in state]
     if missing:
         raise AnchorError(f"anchor of step {step} lacks {len(missing)} tensors, e.g. {missing[0]!r}")
@@ -131,8 +135,11 @@ def read_anchor(
     return state
 
 
-def _unpacker(path: Path, meta: dict, threads: int | None) -> Callable[[str, torch.Tensor], torch.Tensor]:
-    """name, stored entry -> the bf16 tensor, for the shard's encoding."""
+def _unpacker(
+    path: Path, meta: dict, schema: Mapping[str, list[int]], threads: int | None
+) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """name, stored entry -> the bf16 tensor, for the shard's encoding; a packed entry must list the shape
+    `schema` gives its name (checked before unpacking allocates for it)."""
     encoding = meta.get("encoding", "plain")
     if encoding == "plain":
         return lambda name, t: t
@@ -149,6 +156,8 @@ def _unpacker(path: Path, meta: dict, threads: int | None) -> Callable[[str, tor
         shape = shapes.get(name)
         if t.dtype != torch.uint8 or t.dim() != 1 or not isinstance(shape, list):
             raise AnchorError(f"{path.name}: {name} is not a packed tensor with a listed shape")
+        if shape != schema[name]:
+            raise AnchorError(f"{path.name}: {name} lists shape {shape!r:.80}, expected {schema[name]}")
         try:
             return packed.unpack(t.numpy(), shape, threads, chunk)
         except (packed.PackedError, ValueError, TypeError) as e:

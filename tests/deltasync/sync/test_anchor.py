@@ -1,21 +1,25 @@
 """Packed anchors: lossless, verified like plain ones, chosen per sync root; plain anchors still read."""
 
+import json
+import math
 import subprocess
 import sys
+import tracemalloc
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from deltasync.codec import packed
 from deltasync.codec.bf16 import bits
 from deltasync.codec.fingerprint import state_fingerprint
 from deltasync.storage import LocalStorage
 from deltasync.sync.anchor import AnchorError, anchor_encoding, read_anchor, write_anchor
-from deltasync.sync.protocol import RunInfo
+from deltasync.sync.protocol import RunInfo, read_head, read_run
 from deltasync.sync.publisher import PublisherConfig
-from deltasync.sync.subscriber import Subscriber
+from deltasync.sync.subscriber import Subscriber, SyncError
 from tests.helpers import bitwise_equal, run_steps
 
 ALL_PATTERNS = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
@@ -129,3 +133,98 @@ def test_a_local_root_keeps_plain_anchors_that_any_reader_opens(tmp_path):
     with safe_open(anchor, "pt") as f:
         assert "encoding" not in f.metadata()
     assert bitwise_equal(load_file(anchor), states[0])
+
+
+def rle_frame(size: int, declared: int | None) -> bytes:
+    """A zstd frame of RLE blocks (4 bytes per 128 KiB of zeros) that decodes to `size` bytes, with content
+    size `declared` in its header (None: none declared)."""
+    blocks = []
+    for lo in range(0, size, 128 << 10):
+        n = min(128 << 10, size - lo)
+        last = int(lo + n == size)
+        blocks.append((last | 1 << 1 | n << 3).to_bytes(3, "little") + b"\0")  # 1 << 1: an RLE block
+    magic = (0xFD2FB528).to_bytes(4, "little")
+    if declared is None:  # no content size, not single-segment: a window descriptor (2**27) follows
+        return magic + bytes([0, (27 - 10) << 3]) + b"".join(blocks)
+    return magic + bytes([0b11100000]) + declared.to_bytes(8, "little") + b"".join(blocks)
+
+
+def packed_with_frame(frame: bytes, numel: int) -> bytes:
+    """A packed tensor of `numel` elements (one chunk) whose exponents are `frame`."""
+    return len(frame).to_bytes(8, "little") + frame + bytes(numel)
+
+
+def test_a_frame_that_expands_far_past_its_chunk_is_refused_before_allocating():
+    data = packed_with_frame(rle_frame(256 << 20, 256 << 20), 1000)  # 8 KiB that decode to 256 MiB
+    assert len(data) < 10_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(packed.PackedError, match="elements 0..1000"):
+            packed.unpack(data, [1000])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+@pytest.mark.parametrize(
+    "declared", [1 << 40, (1 << 64) - 3, None, 999], ids=["1 TiB", "2**64", "none", "less"]
+)
+def test_a_frame_declaring_another_size_than_its_chunk_is_refused(declared):
+    with pytest.raises(packed.PackedError, match="declares"):
+        packed.unpack(packed_with_frame(rle_frame(1000, declared), 1000), [1000])
+
+
+@pytest.mark.parametrize("shape", [[0, -1], [-1, -1], [2, "2"], [True], "4", [1 << 70]])
+def test_shapes_that_are_no_tensor_shape_are_refused(shape):
+    with pytest.raises(packed.PackedError):
+        packed.unpack(packed.pack(torch.zeros(0, dtype=torch.bfloat16)), shape)
+
+
+def hostile_anchor(file: Path, name: str, entry: bytes, shape: list) -> None:
+    """Rewrite the packed anchor shard `file` with `entry` and its listed `shape` for tensor `name`, padded to
+    the shard's size (the head lists it), so that only decoding can tell."""
+    size = file.stat().st_size
+    with safe_open(file, "pt") as f:
+        meta, tensors = f.metadata(), {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
+    meta["shapes"] = json.dumps({**json.loads(meta["shapes"]), name: shape})
+    tensors[name] = torch.frombuffer(bytearray(entry), dtype=torch.uint8)
+    save_file(tensors, file, metadata=meta)
+    data = file.read_bytes()
+    header = int.from_bytes(data[:8], "little")
+    pad = size - len(data)
+    assert pad >= 0
+    file.write_bytes(
+        (header + pad).to_bytes(8, "little") + data[8 : 8 + header] + b" " * pad + data[8 + header :]
+    )
+
+
+HOSTILE = {
+    "frame declaring 1 TiB": lambda numel: (packed_with_frame(rle_frame(1 << 20, 1 << 40), numel), None),
+    "frame expanding past its chunk": lambda numel: (
+        packed_with_frame(rle_frame(64 << 20, 64 << 20), numel),
+        None,
+    ),
+    "shape [0, -1]": lambda numel: (packed.pack(torch.zeros(0, dtype=torch.bfloat16)), [0, -1]),
+    "not zstd": lambda numel: (packed_with_frame(b"\x28\xb5\x2f\xfd" + b"\xff" * 64, numel), None),
+}
+
+
+@pytest.mark.parametrize("hostile", HOSTILE)
+def test_a_hostile_packed_anchor_is_refused_for_good_and_the_replica_goes_around_it(tmp_path, hostile):
+    root = tmp_path / "root"
+    states = run_steps(root, 4, PublisherConfig(anchor_every=2, anchor_encoding="packed"))
+    storage = LocalStorage(root)
+    head = read_head(storage)
+    newest = head.anchors[-1]
+    assert [a.step for a in head.anchors] == [0, 2]
+    name, shape = next(iter(read_run(storage).schema.items()))
+    entry, listed = HOSTILE[hostile](math.prod(shape))
+    hostile_anchor(root / newest.files[0], name, entry, listed or shape)
+    sub = Subscriber(storage)
+    with pytest.raises(SyncError, match=f"refused anchor of step 2: .*{name}"):
+        sub.sync()  # the cheapest path starts at the hostile anchor
+    assert sub.step is None
+    sub.sync()  # refused for good: anchor 0 and the deltas after it
+    assert sub.step == 3
+    assert bitwise_equal(sub.state, states[3])
