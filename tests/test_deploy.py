@@ -3,6 +3,9 @@ huggingface_hub client against the fake Hub (tests/fakehub.py). The live Hub is 
 
 import io
 import json
+import re
+import shutil
+import subprocess
 import zipfile
 from pathlib import Path
 
@@ -22,14 +25,54 @@ def tree(folder: Path) -> dict[str, bytes]:
     }
 
 
-def without_caches(files: dict[str, bytes]) -> dict[str, bytes]:
-    return {p: d for p, d in files.items() if "__pycache__" not in p and not p.endswith(".pyc")}
+def tracked(folder: Path) -> dict[str, bytes]:
+    """Relative path -> bytes of every file git tracks under `folder`: all a bundle may take from it."""
+    git = ["git", "-C", str(REPO), "ls-files", "-z", "--", str(folder.relative_to(REPO))]
+    names = subprocess.run(git, capture_output=True, check=True, text=True).stdout.split("\0")
+    paths = [REPO / name for name in names if name and (REPO / name).is_file()]
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in paths}
+
+
+# Build leftovers, and a file git does not track: none may reach a bundle.
+LEFTOVERS = (
+    "zz-leftover.egg-info/PKG-INFO",
+    ".venv/pyvenv.cfg",
+    "__pycache__/app.cpython-311.pyc",
+    "wordle_env/zz_leftover.pyc",
+    "zz-untracked-notes.txt",
+)
+LEFTOVER = re.compile(r"(^|/)(\.venv|__pycache__|[^/]*\.egg-info)(/|$)|\.pyc$|zz-untracked")
+
+
+@pytest.fixture
+def env_leftovers():
+    """LEFTOVERS written into spaces/env for the test, and removed after (files already there are kept)."""
+    made: list[Path] = []  # the outermost path created for each leftover
+    try:
+        for name in LEFTOVERS:
+            path = REPO / "spaces" / "env" / name
+            if path.exists():
+                continue
+            top = path
+            while not top.parent.exists():
+                top = top.parent
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("left by a local build")
+            made.append(top)
+        yield
+    finally:
+        for top in reversed(made):
+            if top.is_dir():
+                shutil.rmtree(top)
+            else:
+                top.unlink(missing_ok=True)
 
 
 def check_bundle(app: str, files: dict[str, bytes]) -> None:
-    """The app's folder, plus the library wheel (exactly the package's modules) where the app uses it."""
+    """The files git tracks in the app's folder, plus the library wheel (exactly the package's tracked
+    modules) where the app uses it."""
     wheels = {p: files.pop(p) for p in list(files) if p.startswith("wheels/")}
-    assert files == without_caches(tree(REPO / "spaces" / app)), app
+    assert files == tracked(REPO / "spaces" / app), app
     if app not in deploy.USES_LIBRARY:
         assert wheels == {}, app
         return
@@ -39,10 +82,10 @@ def check_bundle(app: str, files: dict[str, bytes]) -> None:
         modules = {
             n.removeprefix("deltasync/"): z.read(n) for n in z.namelist() if n.startswith("deltasync/")
         }
-    assert modules == without_caches(tree(REPO / "shared" / "deltasync")), app
+    assert modules == tracked(REPO / "shared" / "deltasync"), app
 
 
-def test_dry_run_writes_self_contained_bundles(tmp_path, capsys, monkeypatch):
+def test_dry_run_writes_self_contained_bundles(tmp_path, capsys, monkeypatch, env_leftovers):
     monkeypatch.delenv("API_TOKEN", raising=False)
     out = tmp_path / "bundles"
     (out / "env").mkdir(parents=True)
@@ -50,7 +93,9 @@ def test_dry_run_writes_self_contained_bundles(tmp_path, capsys, monkeypatch):
     deploy.main(["--namespace", "alice", "--dry-run", str(out)])
     printed = capsys.readouterr().out
     for app in deploy.APPS:
-        check_bundle(app, tree(out / app))
+        files = tree(out / app)
+        assert not [p for p in files if LEFTOVER.search(p)], app
+        check_bundle(app, files)
         assert deploy.front_matter(out / app / "README.md")["sdk"] == "docker"
     plan = json.loads((out / "plan.json").read_text())
     command = (
@@ -119,3 +164,18 @@ def test_deploy_without_a_token(monkeypatch):
     monkeypatch.setattr(deploy, "get_token", lambda: None)  # neither HF_TOKEN nor a login cache
     with pytest.raises(SystemExit, match="No Hugging Face token"):
         deploy.main(["--namespace", "alice"])
+
+
+def test_bundle_outside_a_checkout_leaves_build_leftovers_out(tmp_path, monkeypatch):
+    """An unpacked source archive (no git): the ignore rule keeps the leftovers out instead."""
+    source = tmp_path / "unpacked" / "spaces" / "env"
+    local_builds = shutil.ignore_patterns("*.egg-info", "__pycache__")  # this checkout's own
+    shutil.copytree(REPO / "spaces" / "env", source, ignore=local_builds)
+    for name in LEFTOVERS:
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        (source / name).write_text("left by a local build")
+    monkeypatch.setattr(deploy, "REPO", tmp_path / "unpacked")
+    deploy.copy_sources(source, tmp_path / "bundle")
+    files = tree(tmp_path / "bundle")
+    assert [p for p in files if LEFTOVER.search(p)] == ["zz-untracked-notes.txt"]
+    assert set(files) - {"zz-untracked-notes.txt"} == set(tracked(REPO / "spaces" / "env"))

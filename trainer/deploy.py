@@ -39,8 +39,10 @@ APPS = ("inference", "env", "dashboard")
 USES_LIBRARY = {"inference", "dashboard"}  # the env Space is the wordle_env package alone
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 DEFAULT_HARDWARE = "l4x1"  # vLLM's bf16 needs compute capability >= 8.0: not T4
-# Never part of a bundle: caches, and anything a local run left beside the apps.
-BUNDLE_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".DS_Store")
+# Outside a git checkout, what never goes into a bundle: caches and what builds and local runs leave behind.
+BUNDLE_IGNORE = shutil.ignore_patterns(
+    "__pycache__", "*.pyc", "*.egg-info", ".venv", "build", "dist", ".pytest_cache", ".DS_Store"
+)
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,7 @@ def build_bundle(app: str, dest: Path) -> Path:
     front_matter(source / "README.md")
     if dest.exists():
         shutil.rmtree(dest)
-    shutil.copytree(source, dest, ignore=BUNDLE_IGNORE)
+    copy_sources(source, dest)
     if app in USES_LIBRARY:
         build_library_wheel(dest / "wheels")
     return dest
@@ -155,12 +157,29 @@ def build_library_wheel(out: Path) -> Path:
     """The deltasync wheel, built from a clean copy of its sources (a reused build/ keeps stale files)."""
     with tempfile.TemporaryDirectory(prefix="deltasync-wheel-") as tmp:
         src = Path(tmp) / "src"
-        shutil.copytree(REPO / "shared", src / "shared", ignore=BUNDLE_IGNORE)
+        copy_sources(REPO / "shared" / "deltasync", src / "shared" / "deltasync")
         for name in ("pyproject.toml", "README.md"):
             shutil.copy(REPO / name, src / name)
         pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
         subprocess.run([*pip, "-w", str(out), str(src)], check=True, stdout=subprocess.DEVNULL)
     return next(out.glob("deltasync-*.whl"))
+
+
+def copy_sources(source: Path, dest: Path) -> None:
+    """Copy the sources under `source` to `dest`: in a git checkout the files git tracks there (never build
+    leftovers or stray local files), else every file but BUNDLE_IGNORE's."""
+    git = ["git", "-C", str(REPO), "ls-files", "-z", "--", str(source.relative_to(REPO))]
+    try:
+        listed = subprocess.run(git, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):  # no git, or not a checkout: an unpacked source archive
+        shutil.copytree(source, dest, ignore=BUNDLE_IGNORE)
+        return
+    for name in listed.decode().split("\0"):
+        path = REPO / name
+        if name and path.is_file():  # a tracked file deleted in the work tree is gone from the bundle too
+            target = dest / path.relative_to(source)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)
 
 
 def build_bundles(plan: Plan, out: Path) -> dict[str, Path]:
