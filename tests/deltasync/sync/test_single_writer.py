@@ -1,4 +1,4 @@
-"""One writer per sync root (issue 16, points 1 and 3): a second publisher is refused naming the holder, a
+"""One writer per sync root: a second publisher is refused naming the holder, a
 stale one is fenced and never acknowledges, and no acknowledged step is ever lost."""
 
 import json
@@ -153,7 +153,7 @@ class Stalling(LocalStorage):
 
 
 def test_publisher_starting_during_a_publish_deletes_nothing(tmp_path):
-    """Issue 16 point 3: a starting publisher's GC deleted the delta the next head named (bricked root)."""
+    """A publisher starting during another's publish is refused, and deletes nothing the head will name."""
     params = make_params()
     storage = Stalling(tmp_path, step=3)
     with Publisher(storage, model="tiny") as publisher:
@@ -175,7 +175,7 @@ def test_publisher_starting_during_a_publish_deletes_nothing(tmp_path):
 
 
 def test_replica_trusts_fingerprints_not_step_numbers(tmp_path):
-    """Issue 16 point 2: a replica holding another writer's step N reloads the head's step N."""
+    """A replica holding another writer's step N reloads the head's step N."""
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     run_steps(ours, 3)
     params = make_params(7)  # another run with the same schema and step numbers

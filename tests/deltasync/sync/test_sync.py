@@ -1,4 +1,4 @@
-"""The sync protocol end to end: Publisher -> storage -> Subscriber, with faults (issue 3's contract)."""
+"""The sync protocol end to end: Publisher -> storage -> Subscriber, with faults."""
 
 import json
 import os
