@@ -121,6 +121,21 @@ def test_commands_name_what_exists(doc: Path):
     assert not wrong, f"{doc.relative_to(REPO)}: {wrong}"
 
 
+TOP_FOLDERS = "shared|trainer|spaces|tests|bench|docs|examples"
+REPO_PATH = re.compile(rf"(?<![\w/.-])(?:\.\./)*((?:{TOP_FOLDERS})/[\w./-]*)")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=ids(DOCS))
+def test_repository_paths_exist(doc: Path):
+    """Paths into the repository named in code (`shared/deltasync/storage.py`, `tests/spaces/...`)."""
+    missing = []
+    for _, code in code_snippets(doc.read_text()):
+        for path in REPO_PATH.findall(code):
+            if not (REPO / path.rstrip(".")).exists():
+                missing.append(path)
+    assert not missing, f"{doc.relative_to(REPO)} names paths that do not exist: {missing}"
+
+
 def top_level_names(module: str) -> set[str] | None:
     """Names a module defines or imports at its top level, read from its source; None if it resolves names
     lazily (a module-level __getattr__)."""
