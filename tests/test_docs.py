@@ -136,17 +136,24 @@ def test_repository_paths_exist(doc: Path):
     assert not missing, f"{doc.relative_to(REPO)} names paths that do not exist: {missing}"
 
 
-def top_level_names(module: str) -> set[str] | None:
-    """Names a module defines or imports at its top level, read from its source; None if it resolves names
-    lazily (a module-level __getattr__)."""
-    spec = importlib.util.find_spec(module)
-    assert spec is not None and spec.origin, f"no module {module}"
-    tree = ast.parse(Path(spec.origin).read_text())
+def module_file(module: str) -> Path | None:
+    """The source of a library module, found without importing anything."""
+    base = REPO / "shared" / Path(*module.split("."))
+    for path in (base / "__init__.py", base.with_suffix(".py")):
+        if path.is_file():
+            return path
+    return None
+
+
+def top_level_names(module: str) -> set[str]:
+    """Names a library module defines or imports at its top level, read from its source (for a module that
+    resolves names lazily, with a module-level __getattr__: imported, its attributes)."""
+    tree = ast.parse(module_file(module).read_text())
     names: set[str] = set()
     for node in tree.body:
         if isinstance(node, ast.FunctionDef | ast.ClassDef):
             if node.name == "__getattr__":
-                return None
+                return set(dir(importlib.import_module(module)))
             names.add(node.name)
         elif isinstance(node, ast.Import | ast.ImportFrom):
             names |= {(a.asname or a.name).split(".")[0] for a in node.names}
@@ -164,12 +171,30 @@ def test_python_examples_import_what_the_library_has(doc: Path):
             continue
         for node in ast.walk(ast.parse(code)):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "deltasync":
+                if module_file(node.module) is None:
+                    missing.append(node.module)
+                    continue
                 names = top_level_names(node.module)
-                if names is None:
-                    module = importlib.import_module(node.module)
-                    names = {a.name for a in node.names if hasattr(module, a.name)}
                 missing += [f"{node.module}.{a.name}" for a in node.names if a.name not in names]
     assert not missing, f"{doc.relative_to(REPO)} imports what does not exist: {missing}"
+
+
+DOTTED = re.compile(r"\bdeltasync(?:\.[A-Za-z_]\w*)+")
+
+
+def resolves(dotted: str) -> bool:
+    """`deltasync.sub.module[.name]`: the longest module prefix exists and defines the next name, if any."""
+    parts = dotted.split(".")
+    i = max(n for n in range(1, len(parts) + 1) if module_file(".".join(parts[:n])))
+    return i == len(parts) or parts[i] in top_level_names(".".join(parts[:i]))
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=ids(DOCS))
+def test_library_names_resolve(doc: Path):
+    """Modules and names of the library named in code (`deltasync.sync.publisher`, `deltasync.trl.X`)."""
+    unknown = [name for _, code in code_snippets(doc.read_text()) for name in DOTTED.findall(code)]
+    unknown = [name for name in unknown if not resolves(name)]
+    assert not unknown, f"{doc.relative_to(REPO)} names what the library does not have: {unknown}"
 
 
 def settings_fields(app: str) -> set[str]:
