@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from deltasync.codec import patch as patches
 from deltasync.codec.bf16 import as_bf16
 from deltasync.codec.changes import apply_changes
-from deltasync.storage import open_storage, redact
+from deltasync.storage import open_regular, open_storage, redact
 from deltasync.sync import protocol
 from deltasync.sync.claim import WriterClaim
 from deltasync.sync.gc import collect_garbage
@@ -50,6 +50,12 @@ def load_bf16(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def read_patch(path: Path) -> bytes:
+    """A patch file's bytes; a FIFO or a device is refused rather than waited on or read without end."""
+    with open_regular(path) as f:
+        return f.read()
+
+
 def cmd_diff(args: argparse.Namespace) -> dict:
     old, new = load_bf16(args.old), load_bf16(args.new)
     patch = patches.make_patch(old, new, step=args.step, base_step=args.base_step)
@@ -60,14 +66,14 @@ def cmd_diff(args: argparse.Namespace) -> dict:
 
 def cmd_apply(args: argparse.Namespace) -> dict:
     base = load_bf16(args.base)
-    patch = patches.decode(args.patch.read_bytes(), base)
+    patch = patches.decode(read_patch(args.patch), base)
     apply_changes(base, patch.changes)
     save_file(base, args.output, metadata={"format": "pt"})
     return {"step": patch.step, "changed": patch.changed}
 
 
 def cmd_inspect(args: argparse.Namespace) -> dict:
-    info = patches.read_info(args.patch.read_bytes())
+    info = patches.read_info(read_patch(args.patch))
     return {
         "step": info.step,
         "base_step": info.base_step,

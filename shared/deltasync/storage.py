@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import BinaryIO
 
 import fsspec
 from huggingface_hub import HfApi, get_session
@@ -123,6 +124,16 @@ def _through_symlink(root: Path, path: str) -> bool:
         if here.is_symlink():
             return True
     return False
+
+
+def open_regular(file: str | os.PathLike) -> BinaryIO:
+    """`file` opened for reading; TooLargeError if it is not a regular file: reading a FIFO would wait for a
+    writer, reading /dev/zero (or a symlink to it) would never end. Opening a FIFO does not wait."""
+    f = open(os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb")  # noqa: SIM115 (returned)
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        f.close()
+        raise TooLargeError(f"{file} is not a regular file")
+    return f
 
 
 def _file_size(path: Path) -> int | None:
@@ -291,8 +302,8 @@ class LocalStorage(Storage):
         return data
 
     def _download_file(self, path: str, local: Path) -> None:
-        with _atomic_file(local) as tmp:
-            shutil.copyfile(self.root / path, tmp)
+        with open_regular(self.root / path) as src, _atomic_file(local) as tmp, open(tmp, "wb") as dest:
+            shutil.copyfileobj(src, dest, 1 << 20)  # from the checked descriptor: it cannot be swapped
 
     def _sizes(self, paths: list[str]) -> dict[str, int | None]:
         return {p: _file_size(self.root / p) for p in paths}
@@ -415,6 +426,9 @@ class FsspecStorage(Storage):
             raise
 
     def _download_file(self, path: str, local: Path) -> None:
+        # A filesystem (not an object store) may hold a FIFO or a device under the name: never copied.
+        if not self.atomic_puts and self.fs.info(self._key(path))["type"] != "file":
+            raise TooLargeError(f"{self.url}: {path} is not a regular file")
         with _atomic_file(local) as tmp:
             self.fs.get_file(self._key(path), str(tmp))
 
