@@ -81,7 +81,11 @@ class TensorsApplier(Applier):
     def patch(self, changes: Mapping[str, TensorChanges], step: int) -> None:
         for name, ch in changes.items():
             t = self.tensors[name]
-            t.view(-1)[ch.indices.to(t.device)] = ch.values.to(t.device, t.dtype)
+            indices, values = ch.indices.to(t.device), ch.values.to(t.device, t.dtype)
+            if t.is_contiguous():
+                t.view(-1)[indices] = values
+            else:  # e.g. a transposed parameter: flat indices count in the HF shape's row-major order
+                t[torch.unravel_index(indices, t.shape)] = values
 
     def fingerprint(self) -> int:
         return fingerprint.state_fingerprint((n, self.tensors[n].to(torch.bfloat16)) for n in self.names)
@@ -161,14 +165,19 @@ class Subscriber:
         interval: float = 1.0,
         on_applied: Callable[[Applied], None] | None = None,
     ) -> None:
-        """Poll every `interval` seconds until `stop` is set; errors are logged and kept in `last_error`."""
+        """Poll every `interval` seconds until `stop` is set; errors are logged and kept in `last_error`.
+        `on_applied` is called for each step applied; its errors are logged and skip nothing else."""
         while not stop.is_set():
             try:
-                for a in self.sync():
-                    if on_applied:
-                        on_applied(a)
-            except Exception as e:  # SyncError, or the callback's: the next poll tries again
+                applied = self.sync()
+            except SyncError as e:  # the next poll tries again
                 log.warning("sync: %s", _bounded(str(e)))
+                applied = []
+            for a in applied if on_applied else []:
+                try:
+                    on_applied(a)
+                except Exception:
+                    log.exception("on_applied for step %d failed", a.step)
             stop.wait(interval)
 
     # ------------------------------------------------------------------------------------------ planning
