@@ -1,36 +1,37 @@
-"""`deltasync`: bf16 weight patches and sync roots from the command line.
+"""deltasync: exact bf16 weight patches and sync roots from the command line.
 
-    deltasync diff OLD NEW -o PATCH [--encoding compact|raw] [--step N] [--base-step M]
-    deltasync apply BASE PATCH -o OUT
-    deltasync inspect PATCH
-    deltasync push ROOT CHECKPOINT [--step N] [--anchor-every K]
-    deltasync pull ROOT -o OUTDIR [--step N]
-    deltasync ls ROOT
-    deltasync gc ROOT
+Patches: `diff` writes the changes from one checkpoint to the next, `apply` replays them (verified bit for
+bit), `inspect` describes a patch. Sync roots: `push` publishes a checkpoint as the next step, `pull` writes
+a retained step to a folder, `ls` lists the steps, `gc` deletes what the head no longer needs, `follow`
+keeps a running vLLM server on the newest step.
 
-OLD, NEW, BASE and CHECKPOINT are safetensors files (CHECKPOINT may be an HF model folder) with HF checkpoint
-names, any float dtype, compared as bf16 (integer tensors are refused: bf16 would round them). ROOT is a
-sync root: a folder, hf://buckets/<ns>/<name>[/prefix], or an fsspec URL. push and gc write to ROOT as its
-only writer (refused while a publisher holds it). Results are JSON on stdout; errors are one line on stderr
-(credentials in URLs redacted) and exit status 1. The CLI fails fast: no retries of unreachable storage.
+Checkpoints are safetensors files or HF model folders (every *.safetensors shard), any float dtype, compared
+as bf16 (integer tensors are refused: bf16 would round them). push and gc write to ROOT as its only writer
+(refused while a publisher holds it). Results are JSON on stdout; errors are one line on stderr (credentials
+in URLs redacted) and exit status 1. Unreachable storage fails at once, without retries.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 from huggingface_hub.utils import logging as hf_logging
 from safetensors.torch import load_file, save_file
 
+from deltasync import __version__
 from deltasync.codec import patch as patches
 from deltasync.codec.bf16 import as_bf16
-from deltasync.codec.changes import apply_changes
+from deltasync.codec.changes import SchemaError, apply_changes
 from deltasync.storage import open_regular, open_storage, redact
 from deltasync.sync import protocol
+from deltasync.sync.anchor import ANCHOR_ENCODINGS
 from deltasync.sync.claim import WriterClaim
 from deltasync.sync.gc import collect_garbage
 from deltasync.sync.publisher import Publisher, PublisherConfig, require_floats
@@ -44,7 +45,14 @@ def load_bf16(path: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
     state = {}
     for f in files:
-        tensors = load_file(f)
+        if not f.is_file():  # absent, or a FIFO or device that load_file would wait on or read without end
+            if f.exists():
+                raise ValueError(f"{f} is not a regular file")
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(f))
+        try:
+            tensors = load_file(f)
+        except Exception as e:  # safetensors' own error types name neither the file nor what it expected
+            raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
         require_floats(tensors, str(f))
         state |= {name: as_bf16(t).view(t.shape) for name, t in tensors.items()}
     return state
@@ -56,9 +64,44 @@ def read_patch(path: Path) -> bytes:
         return f.read()
 
 
+@contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """A patch refused inside this block is refused naming its file."""
+    try:
+        yield
+    except patches.PatchError as e:
+        raise patches.PatchError(f"{path}: {e}") from None
+
+
+@contextmanager
+def compile_notice() -> Iterator[None]:
+    """Inside this block, say so on stderr when numba starts compiling: its cache lacks the codec's kernels
+    (the first run after an install), and the command would otherwise sit silent for seconds."""
+    from numba.core import event  # numba only for the commands that run the codec
+
+    class Notice(event.Listener):
+        said = False
+
+        def on_start(self, ev: event.Event) -> None:
+            if not self.said:  # one line, however many kernels follow
+                self.said = True
+                print(
+                    "deltasync: compiling the codec's kernels (once per install, ~10 s)...", file=sys.stderr
+                )
+
+        def on_end(self, ev: event.Event) -> None:
+            pass
+
+    with event.install_listener("numba:compile", Notice()):
+        yield
+
+
 def cmd_diff(args: argparse.Namespace) -> dict:
     old, new = load_bf16(args.old), load_bf16(args.new)
-    patch = patches.make_patch(old, new, step=args.step, base_step=args.base_step)
+    try:
+        patch = patches.make_patch(old, new, step=args.step, base_step=args.base_step)
+    except SchemaError as e:
+        raise SchemaError(f"{args.new} against {args.old}: {e}") from None
     data = patches.encode(patch, old, args.encoding)
     args.output.write_bytes(data)
     return {"changed": patch.changed, "numel": patch.numel, "payload_bytes": len(data)}
@@ -66,14 +109,18 @@ def cmd_diff(args: argparse.Namespace) -> dict:
 
 def cmd_apply(args: argparse.Namespace) -> dict:
     base = load_bf16(args.base)
-    patch = patches.decode(read_patch(args.patch), base)
+    data = read_patch(args.patch)
+    with naming(args.patch):
+        patch = patches.decode(data, base)
     apply_changes(base, patch.changes)
     save_file(base, args.output, metadata={"format": "pt"})
     return {"step": patch.step, "changed": patch.changed}
 
 
 def cmd_inspect(args: argparse.Namespace) -> dict:
-    info = patches.read_info(read_patch(args.patch))
+    data = read_patch(args.patch)
+    with naming(args.patch):
+        info = patches.read_info(data)
     return {
         "step": info.step,
         "base_step": info.base_step,
@@ -92,7 +139,9 @@ def cmd_inspect(args: argparse.Namespace) -> dict:
 
 
 def cmd_push(args: argparse.Namespace) -> dict:
-    config = PublisherConfig(anchor_every=args.anchor_every, encoding=args.encoding)
+    config = PublisherConfig(
+        anchor_every=args.anchor_every, encoding=args.encoding, anchor_encoding=args.anchor_encoding
+    )
     state = load_bf16(args.checkpoint)  # a bad checkpoint is refused before the root is touched
     with Publisher(args.root, model=str(args.checkpoint), config=config) as publisher:
         step = publisher.publish(state, step=args.step)
@@ -126,50 +175,145 @@ def cmd_gc(args: argparse.Namespace) -> dict:
         claim.release()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deltasync", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+ROOT_HELP = "the sync root: a folder, hf://buckets/NS/NAME[/prefix] (a Hub bucket) or an fsspec URL"
+ROOTS = """ROOT, the sync root, is one of:
+  a folder                         ./sync-root
+  a Hugging Face Hub bucket        hf://buckets/NS/NAME[/prefix]   (HF_TOKEN or `hf auth login` for access)
+  any other fsspec URL             s3://bucket/run-1 (with the filesystem's package installed)"""
+EXAMPLES = {
+    "diff": "deltasync diff step-0/model.safetensors step-1/model.safetensors -o step-1.patch",
+    "apply": "deltasync apply step-0/model.safetensors step-1.patch -o step-1.safetensors",
+    "inspect": "deltasync inspect step-1.patch",
+    "push": "deltasync push hf://buckets/alice/run-1 ./checkpoint-100 --step 100",
+    "pull": "deltasync pull hf://buckets/alice/run-1 -o ./latest",
+    "ls": "deltasync ls ./sync-root",
+    "gc": "deltasync gc hf://buckets/alice/run-1",
+    "follow": "deltasync follow hf://buckets/alice/run-1 --vllm-url http://127.0.0.1:8000",
+}
+COMPILES = ("diff", "apply", "push", "pull", "follow")  # the commands that run the codec's kernels
 
-    p = sub.add_parser("diff", help="write the patch that turns OLD into NEW")
-    p.add_argument("old", type=Path)
-    p.add_argument("new", type=Path)
-    p.add_argument("-o", "--output", type=Path, required=True)
-    p.add_argument("--encoding", choices=patches.ENCODINGS, default="compact")
+
+def cmd_follow(args: argparse.Namespace) -> None:
+    """Follow ROOT into the vLLM server at --vllm-url until SIGINT or SIGTERM (deltasync.vllm.follower)."""
+    import logging
+    import os
+    import signal
+    import threading
+
+    from deltasync.vllm.follower import HttpEngine, follow
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    engine = HttpEngine(args.vllm_url, os.environ.get("VLLM_API_KEY"))
+    follow(args.root, engine, stop, replica=args.replica, poll_s=args.poll_s, verify_every=args.verify_every)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="deltasync",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=ROOTS + "\n\nexamples:\n" + "\n".join(f"  {e}" for e in EXAMPLES.values()),
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(
+        name: str, help: str, run: Callable[[argparse.Namespace], dict | None]
+    ) -> argparse.ArgumentParser:
+        takes_root = name in ("push", "pull", "ls", "gc", "follow")
+        epilog = (ROOTS + "\n\n" if takes_root else "") + f"example:\n  {EXAMPLES[name]}"
+        p = sub.add_parser(
+            name,
+            help=help,
+            description=help[0].upper() + help[1:] + ".",
+            epilog=epilog,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        if takes_root:
+            p.add_argument("root", metavar="ROOT", help=ROOT_HELP)
+        p.set_defaults(run=run)
+        return p
+
+    encoding_help = (
+        "compact (smallest; decoding needs the old weights) or raw (int32 positions + bf16 values)"
+    )
+
+    p = command("diff", "write the patch that turns OLD into NEW", cmd_diff)
+    p.add_argument(
+        "old", metavar="OLD", type=Path, help="safetensors file or HF model folder: the base state"
+    )
+    p.add_argument(
+        "new", metavar="NEW", type=Path, help="safetensors file or HF model folder: the next state"
+    )
+    p.add_argument("-o", "--output", metavar="PATCH", type=Path, required=True, help="patch file to write")
+    p.add_argument(
+        "--encoding", choices=patches.ENCODINGS, default="compact", help=f"{encoding_help} (default compact)"
+    )
     p.add_argument("--step", type=int, default=1, help="step number NEW gets (default 1)")
     p.add_argument("--base-step", type=int, default=0, help="step number of OLD (default 0)")
-    p.set_defaults(run=cmd_diff)
 
-    p = sub.add_parser("apply", help="apply PATCH to BASE, verified, and write the result as bf16")
-    p.add_argument("base", type=Path)
-    p.add_argument("patch", type=Path)
-    p.add_argument("-o", "--output", type=Path, required=True)
-    p.set_defaults(run=cmd_apply)
+    p = command("apply", "apply PATCH to BASE, verified, and write the result as bf16", cmd_apply)
+    p.add_argument(
+        "base", metavar="BASE", type=Path, help="safetensors file or HF model folder the patch was made from"
+    )
+    p.add_argument("patch", metavar="PATCH", type=Path, help="patch file (from `deltasync diff`)")
+    p.add_argument(
+        "-o", "--output", metavar="OUT", type=Path, required=True, help="safetensors file to write"
+    )
 
-    p = sub.add_parser("inspect", help="describe PATCH as JSON")
-    p.add_argument("patch", type=Path)
-    p.set_defaults(run=cmd_inspect)
+    p = command("inspect", "describe PATCH as JSON (no base needed)", cmd_inspect)
+    p.add_argument("patch", metavar="PATCH", type=Path, help="patch file (from `deltasync diff`)")
 
-    p = sub.add_parser("push", help="publish CHECKPOINT as the next step of ROOT (anchor or delta)")
-    p.add_argument("root")
-    p.add_argument("checkpoint", type=Path)
+    p = command("push", "publish CHECKPOINT as the next step of ROOT (an anchor, a delta or both)", cmd_push)
+    p.add_argument("checkpoint", metavar="CHECKPOINT", type=Path, help="safetensors file or HF model folder")
     p.add_argument("--step", type=int, help="step number (default: the head step + 1)")
-    p.add_argument("--anchor-every", type=int, default=PublisherConfig.anchor_every)
-    p.add_argument("--encoding", choices=patches.ENCODINGS, default="compact")
-    p.set_defaults(run=cmd_push)
+    p.add_argument(
+        "--anchor-every",
+        type=int,
+        default=PublisherConfig.anchor_every,
+        help=f"steps between complete anchors (default {PublisherConfig.anchor_every})",
+    )
+    p.add_argument(
+        "--encoding",
+        choices=patches.ENCODINGS,
+        default=PublisherConfig.encoding,
+        help=f"delta encoding: {encoding_help} (default {PublisherConfig.encoding})",
+    )
+    p.add_argument(
+        "--anchor-encoding",
+        choices=("auto", *ANCHOR_ENCODINGS),
+        default=PublisherConfig.anchor_encoding,
+        help="anchor encoding: plain (bf16 safetensors any reader opens), packed (lossless, ~2/3 of the "
+        f"bytes) or auto (packed unless ROOT is a folder; default {PublisherConfig.anchor_encoding})",
+    )
 
-    p = sub.add_parser("pull", help="write the verified state of a step to OUTDIR/model.safetensors")
-    p.add_argument("root")
-    p.add_argument("-o", "--output", type=Path, required=True)
+    p = command("pull", "write the verified state of a step to OUTDIR/model.safetensors", cmd_pull)
+    p.add_argument("-o", "--output", metavar="OUTDIR", type=Path, required=True, help="folder to write into")
     p.add_argument("--step", type=int, help="a retained step (default: the newest)")
-    p.set_defaults(run=cmd_pull)
 
-    p = sub.add_parser("ls", help="one JSON line per retained step")
-    p.add_argument("root")
-    p.set_defaults(run=cmd_ls)
+    command("ls", "list the retained steps of ROOT, one JSON line each", cmd_ls)
+    command("gc", "delete the files of ROOT its head no longer needs (as its only writer)", cmd_gc)
 
-    p = sub.add_parser("gc", help="delete files the head no longer needs")
-    p.add_argument("root")
-    p.set_defaults(run=cmd_gc)
+    p = command(
+        "follow", "keep a running vLLM server on the newest step of ROOT, until interrupted", cmd_follow
+    )
+    p.add_argument(
+        "--vllm-url",
+        required=True,
+        help="the server (started with VLLM_SERVER_DEV_MODE=1, on a private address; "
+        "VLLM_API_KEY is sent if set)",
+    )
+    p.add_argument("--replica", help="replica id for the telemetry it writes to ROOT (default: none written)")
+    p.add_argument("--poll-s", type=float, default=1.0, help="seconds between polls of the head (default 1)")
+    p.add_argument(
+        "--verify-every",
+        type=int,
+        default=10,
+        help="read the weights back from the server at anchors and every N deltas (default 10)",
+    )
     return parser
 
 
@@ -179,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "root", None) is not None:
             open_storage(args.root).probe()  # unreachable: one line now, not after minutes of retries
-        result = args.run(args)
+        with compile_notice() if args.command in COMPILES else nullcontext():
+            result = args.run(args)
     except Exception as e:  # every failure, bad input or unreachable storage, is one line: no traceback
         message = " ".join(str(e).split()) or type(e).__name__
         if isinstance(e, FileNotFoundError) and e.filename:

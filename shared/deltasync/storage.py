@@ -570,4 +570,8 @@ def open_storage(url: str | Path, token: str | None = None) -> Storage:
         if not namespace or not name:
             raise ValueError(f"expected hf://buckets/<namespace>/<name>[/prefix], got {url!r}")
         return HubBucketStorage(f"{namespace}/{name}", prefix, token)
+    if url.startswith("hf://") and not url.startswith(("hf://buckets", "hf://datasets/", "hf://spaces/")):
+        # fsspec would read it as a model repository: as a sync root, a bucket URL missing its `buckets/`
+        hint = f"hf://buckets/{url.removeprefix('hf://')}"
+        raise ValueError(f"{redact(url)} is not a Hub bucket URL; did you mean {redact(hint)}?")
     return FsspecStorage(url)

@@ -1,16 +1,25 @@
-"""`deltasync diff / apply / inspect` through the installed console script."""
+"""The `deltasync` command line, run as a user runs it (a process per command)."""
 
+import argparse
+import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from deltasync import cli
 
-def run(*args):
+
+def run(*args, env: dict | None = None):
     return subprocess.run(
-        [sys.executable, "-m", "deltasync.cli", *map(str, args)], capture_output=True, text=True
+        [sys.executable, "-m", "deltasync.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -50,10 +59,12 @@ def test_errors_are_one_line_and_nonzero(tmp_path):
     save_file({"w": torch.zeros(4)}, tmp_path / "a.safetensors")
     save_file({"v": torch.zeros(4)}, tmp_path / "b.safetensors")
     r = run("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "-o", tmp_path / "p")
-    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "tensor sets differ" in r.stderr
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert "tensor sets differ: missing 1 (w), unexpected 1 (v)" in r.stderr
     (tmp_path / "junk").write_bytes(b"\x00" * 3)
     r = run("inspect", tmp_path / "junk")
-    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "not a safetensors file" in r.stderr
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert f"{tmp_path / 'junk'}: not a safetensors file" in r.stderr
     r = run("apply", tmp_path / "a.safetensors", tmp_path / "missing", "-o", tmp_path / "o")
     assert r.returncode == 1 and "No such file" in r.stderr
 
@@ -102,3 +113,83 @@ def test_push_ls_pull_gc(tmp_path):
     assert (root / "deltas" / "notes.txt").exists()
     r = run("pull", root, "-o", tmp_path / "o", "--step", "9")
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "step 9 is not retained" in r.stderr
+
+
+def test_version():
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"deltasync {importlib.metadata.version('deltasync')}"
+
+
+def test_every_command_and_argument_explains_itself():
+    parser = cli.build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(commands.choices) == set(cli.EXAMPLES)
+    for name, sub in commands.choices.items():
+        for action in sub._actions:
+            assert action.help, f"deltasync {name} {action.dest}: no help"
+        text = sub.format_help()
+        assert f"example:\n  deltasync {name} " in text  # the epilog keeps its lines
+        if "ROOT" in sub.format_usage():
+            assert "hf://buckets/NS/NAME[/prefix]" in text and "fsspec URL" in text and "a folder" in text
+    top = run("--help").stdout
+    assert "hf://buckets/NS/NAME[/prefix]" in top and all(example in top for example in cli.EXAMPLES.values())
+
+
+def test_errors_name_the_file_and_the_tensors(tmp_path):
+    save_file({"w": torch.zeros(4), "u": torch.zeros(2)}, tmp_path / "a.safetensors")
+    save_file({"v": torch.zeros(4), "u": torch.zeros(2)}, tmp_path / "b.safetensors")
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10" + b"\x00" * 7 + b"{not a header}..")
+    for args in (
+        ["diff", bad, tmp_path / "a.safetensors", "-o", tmp_path / "p"],
+        ["push", tmp_path / "r", bad],
+    ):
+        r = run(*args)
+        assert r.returncode == 1 and r.stderr.count("\n") == 1
+        assert f"{bad}: not a readable safetensors file (Error while deserializing header" in r.stderr
+    assert run("push", tmp_path / "root", tmp_path / "a.safetensors").returncode == 0
+    r = run("push", tmp_path / "root", tmp_path / "b.safetensors")  # another model than the run's
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert "tensor sets differ from the first published state: missing 1 (w), unexpected 1 (v)" in r.stderr
+
+
+def test_a_hub_url_without_buckets_gets_a_hint():
+    r = run("ls", "hf://alice/run-1/prefix")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert "did you mean hf://buckets/alice/run-1/prefix?" in r.stderr
+
+
+def test_push_anchor_encoding(tmp_path):
+    save_file({"w": torch.randn(64, 64)}, tmp_path / "model.safetensors")
+    for setting, written in (
+        ("auto", None),
+        ("packed", "packed"),
+        ("plain", None),
+    ):  # auto: plain in a folder
+        root = tmp_path / setting
+        r = run("push", root, tmp_path / "model.safetensors", "--anchor-encoding", setting)
+        assert r.returncode == 0, r.stderr
+        (anchor,) = (root / "anchors").glob("*/model.safetensors")
+        with safe_open(anchor, "pt") as f:
+            assert f.metadata().get("encoding") == written, setting
+
+
+def test_the_first_run_says_it_compiles_the_kernels(tmp_path):
+    torch.manual_seed(0)
+    old = {"w": torch.randn(32, 32)}
+    save_file(old, tmp_path / "old.safetensors")
+    save_file({"w": old["w"] + 1}, tmp_path / "new.safetensors")
+    cache = {"NUMBA_CACHE_DIR": str(tmp_path / "numba")}  # an empty cache: as after an install
+    args = [
+        "diff",
+        tmp_path / "old.safetensors",
+        tmp_path / "new.safetensors",
+        "-o",
+        tmp_path / "p",
+        "--encoding",
+        "raw",
+    ]
+    first, second = run(*args, env=cache), run(*args, env=cache)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert first.stderr == "deltasync: compiling the codec's kernels (once per install, ~10 s)...\n"
+    assert second.stderr == ""

@@ -27,10 +27,27 @@ class SchemaError(ValueError):
     """Two states do not hold the same tensors with the same shapes."""
 
 
+def name_difference(expected: Iterable[str], got: Iterable[str], shown: int = 5) -> str | None:
+    """The tensor names `got` lacks and has beyond `expected`, the first `shown` of each; None if none.
+
+    >>> name_difference(["a", "b"], ["b", "c"])
+    'missing 1 (a), unexpected 1 (c)'
+    """
+    want, have = set(expected), set(got)
+
+    def few(names: set[str]) -> str:
+        listed = ", ".join(sorted(names)[:shown]) + (", ..." if len(names) > shown else "")
+        return f"{len(names)} ({listed})" if names else "none"
+
+    if want == have:
+        return None
+    return f"missing {few(want - have)}, unexpected {few(have - want)}"
+
+
 def check_schema(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> None:
-    missing, extra = sorted(set(old) - set(new)), sorted(set(new) - set(old))
-    if missing or extra:
-        raise SchemaError(f"tensor sets differ: missing {missing[:5]}, unexpected {extra[:5]}")
+    difference = name_difference(old, new)
+    if difference:
+        raise SchemaError(f"tensor sets differ: {difference}")
     for name, t in old.items():
         if tuple(t.shape) != tuple(new[name].shape):
             raise SchemaError(f"{name}: shape {tuple(new[name].shape)} != {tuple(t.shape)}")

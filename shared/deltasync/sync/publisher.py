@@ -23,7 +23,7 @@ import torch
 
 from deltasync import telemetry
 from deltasync.codec import fingerprint
-from deltasync.codec.changes import SchemaError
+from deltasync.codec.changes import SchemaError, name_difference
 from deltasync.codec.patch import encode, make_patch
 from deltasync.storage import (
     LocalStorage,
@@ -400,8 +400,9 @@ def _writer_of(head: bytes | None) -> str:
 
 
 def _copy_into(buffer: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> None:
-    if list(buffer) != list(params):
-        raise SchemaError("parameter names differ from the first published state")
+    difference = name_difference(buffer, params)  # (the buffer keeps the run's order whatever the params')
+    if difference:
+        raise SchemaError(f"tensor sets differ from the first published state: {difference}")
     for name, t in params.items():
         if buffer[name].shape != t.shape:
             raise SchemaError(f"{name}: shape {tuple(t.shape)} != {tuple(buffer[name].shape)}")
