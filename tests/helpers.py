@@ -1,12 +1,17 @@
 """Helpers the tests share: small models, simulated optimizer steps, bitwise comparisons, waiting."""
 
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
+from deltasync import telemetry
 from deltasync.codec.bf16 import bits
+from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
+from deltasync.sync.protocol import HEAD_PATH, RUN_PATH, Head, step_of
 from deltasync.sync.publisher import Publisher, PublisherConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,3 +104,64 @@ def wait_for(condition, what: str, timeout_s: float = 120.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
+
+
+class ServedRun:
+    """A stand-in training run for servers that follow a root: publishes successive states of a model folder's
+    weights to a staging root with the project's Publisher and mirrors each step into the root the servers
+    follow (data first, head last), optionally corrupting a delta on the way, as a broken upload would."""
+
+    def __init__(self, tmp: Path, model_dir: Path, anchor_every: int, big_step: int | None = None):
+        self.model_dir, self.staging, self.served = model_dir, tmp / "staging", tmp / "served"
+        self.big_step = big_step
+        self.state = load_file(model_dir / "model.safetensors")
+        config = PublisherConfig(anchor_every=anchor_every)
+        self.publisher = Publisher(str(self.staging), model=str(model_dir), config=config)
+        self.fingerprints: dict[int, str] = {}
+        self.states: dict[int, dict[str, torch.Tensor]] = {}
+
+    def step(self, corrupt: bool = False) -> int:
+        step = self.publisher.last_step + 1
+        if step:
+            self.state = perturb(self.state, step, big=step == self.big_step)
+        self.publisher.publish(self.state, step)
+        self.publisher.flush()
+        self.fingerprints[step] = format_fingerprint(state_fingerprint(self.state))
+        self.states[step] = self.state
+        self.mirror(corrupt_step=step if corrupt else None)
+        return step
+
+    def head(self) -> Head:
+        return Head.from_json((self.served / HEAD_PATH).read_bytes())
+
+    def mirror(self, corrupt_step: int | None) -> None:
+        head = Head.from_json((self.staging / HEAD_PATH).read_bytes())
+        for path in [RUN_PATH, *sorted(head.files())]:
+            if not (self.served / path).exists():
+                data = (self.staging / path).read_bytes()
+                if path.startswith("deltas/") and step_of(path) == corrupt_step:
+                    data = data[:-64] + bytes(b ^ 0x5A for b in data[-64:])
+                write_atomic(self.served / path, data)
+        write_atomic(self.served / HEAD_PATH, (self.staging / HEAD_PATH).read_bytes())
+
+    def replica_record(self, replica: str, step: int) -> telemetry.ReplicaRecord:
+        path = self.served / f"{telemetry.REPLICAS_DIR}/{replica}/step-{step:08d}.json"
+        return telemetry.from_json(telemetry.ReplicaRecord, path.read_bytes(), str(path))
+
+
+def perturb(state: dict[str, torch.Tensor], seed: int, big: bool) -> dict[str, torch.Tensor]:
+    """Like an optimizer step: ~3% of the bf16 weights move by about one ulp (`big`: all move by ~50%)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in state.items():
+        moved = torch.rand(t.shape, generator=g) < (1.0 if big else 0.03)
+        scale = 1 + (0.5 if big else 0.012) * torch.randn(t.shape, generator=g)
+        out[name] = torch.where(moved, (t.float() * scale).to(torch.bfloat16), t)
+    return out
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

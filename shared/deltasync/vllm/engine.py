@@ -1,0 +1,204 @@
+"""The `deltasync` weight-transfer engine: vLLM's own weight-update routes apply verified deltasync steps in
+place.
+
+    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \
+        --weight-transfer-config '{"backend":"deltasync"}'
+
+(registered by the `vllm.general_plugins` entry point, `deltasync.vllm.plugin`). Each worker holds one
+engine. `init_info` names the sync root; `update_info` names a step and the local file with its verified
+weights (written by `deltasync follow` or the inference Space):
+
+- `kind="delta"`: a raw patch (`name/indices` I32 flat HF positions, `name/values` BF16 new values). `base`
+  is the fingerprint it applies to, `fingerprint` the one it leads to. Before writing anything, every worker
+  reads the old values at its changed elements; the ranks' shares of how the fingerprint moves must sum to
+  `fingerprint - base`, else the update is refused.
+- `kind="anchor"`: whole bf16 tensors (one file of several); with `fingerprint`, the whole state is read back
+  after the write and must match.
+- `kind="verify"`: writes nothing; the weights read back must have `fingerprint`.
+- `kind="readback"`: writes nothing; each rank saves the HF tensors it holds whole to
+  `path/rank-<r>.safetensors`.
+
+A refused update raises before any write (a ValueError naming the cause); vLLM's route reports it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.logger import init_logger
+
+from deltasync.codec.fingerprint import format_fingerprint
+from deltasync.codec.patch import PatchError, raw_changes
+from deltasync.vllm import compat
+from deltasync.vllm.layout import Layout, sum_across
+
+log = init_logger(__name__)  # vLLM's logger: configured in its worker processes
+KINDS = ("delta", "anchor", "verify", "readback")
+
+
+@dataclass
+class DeltasyncInitInfo(WeightTransferInitInfo):
+    """`root`: the sync root this server follows (reported, never read by the workers)."""
+
+    root: str
+
+
+@dataclass
+class DeltasyncUpdateInfo(WeightTransferUpdateInfo):
+    """One step to write (see the module docstring for `kind`)."""
+
+    step: int
+    kind: str = "delta"
+    path: str | None = None
+    base: str | None = None
+    fingerprint: str | None = None
+
+
+class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInfo]):
+    """Writes verified deltasync steps in place; start/finish are no-ops (nothing to stage or reload)."""
+
+    init_info_cls = DeltasyncInitInfo
+    update_info_cls = DeltasyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.root: str | None = None
+        self.layout: Layout | None = None
+        self.fingerprint: int | None = None  # of the whole state, as last verified or moved by a delta
+        self.step: int | None = None
+
+    def init_transfer_engine(self, init_info: DeltasyncInitInfo) -> None:
+        if self.layout is None:
+            start = time.perf_counter()
+            self.group = compat.model_group()
+            self.layout = Layout.learn(self.model, self.model_config.hf_config, self.group)
+            self.fingerprint = self._read_fingerprint()
+            log.info(
+                "deltasync: %d tensors (%d through vLLM's loader), weights %s, learned in %.1f s",
+                len(self.layout.shapes),
+                len(self.layout.loader),
+                format_fingerprint(self.fingerprint),
+                time.perf_counter() - start,
+            )
+        self.root = init_info.root
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> DeltasyncUpdateInfo:
+        info = super().parse_update_info(update_dict)
+        if info.kind not in KINDS:
+            raise ValueError(f"update_info kind {info.kind!r} is not one of {', '.join(KINDS)}")
+        if info.kind != "verify" and not info.path:
+            raise ValueError(f"update_info of kind {info.kind!r} needs a path")
+        return info
+
+    def receive_weights(self, update_info: DeltasyncUpdateInfo) -> None:
+        if self.layout is None:
+            raise ValueError("deltasync engine not initialized: POST /init_weight_transfer_engine first")
+        info = update_info
+        if info.kind == "verify":
+            return self._verify(self._read_fingerprint(), info)
+        if info.kind == "readback":
+            return self._readback(Path(info.path))
+        try:
+            entries = load_file(info.path, device="cpu")
+        except (OSError, SafetensorError) as e:
+            raise ValueError(f"step {info.step}: cannot read {info.path}: {type(e).__name__}: {e}") from None
+        if info.kind == "anchor":
+            return self._write_anchor(entries, info)
+        self._write_delta(entries, info)
+
+    # ---------------------------------------------------------------------------------------------------
+
+    def _write_delta(self, entries: dict[str, torch.Tensor], info: DeltasyncUpdateInfo) -> None:
+        layout = self.layout
+        if info.base is None or info.fingerprint is None:
+            raise ValueError(f"step {info.step}: a delta needs its base and fingerprint")
+        here = None if self.fingerprint is None else format_fingerprint(self.fingerprint)
+        if info.base != here:
+            raise ValueError(f"step {info.step} applies to weights {info.base}, this server holds {here}")
+        try:
+            changes = raw_changes(entries, layout.shapes)
+        except PatchError as e:
+            raise ValueError(f"step {info.step}: {e}") from None
+        through_loader = sorted(set(changes) & set(layout.loader))
+        if through_loader:  # its old values are not readable here, so the promise cannot be checked
+            raise ValueError(f"step {info.step}: {through_loader[0]!r} cannot be patched in place")
+        writes, moved = layout.plan_patch(changes)
+        new = (self.fingerprint + sum_across(moved, self.group)) & ((1 << 64) - 1)
+        if format_fingerprint(new) != info.fingerprint:
+            raise ValueError(
+                f"step {info.step} would lead to weights {format_fingerprint(new)}, it promises "
+                f"{info.fingerprint}: refused, nothing written"
+            )
+        with torch.no_grad():
+            for dst, index, values in writes:
+                dst.index_put_(index, values)
+        self.fingerprint, self.step = new, info.step
+
+    def _write_anchor(self, entries: dict[str, torch.Tensor], info: DeltasyncUpdateInfo) -> None:
+        layout = self.layout
+        for name, values in entries.items():
+            shape = layout.shapes.get(name)
+            if shape is None:
+                raise ValueError(f"step {info.step}: unknown tensor {name!r}")
+            if values.dtype != torch.bfloat16 or tuple(values.shape) != shape:
+                got = f"{values.dtype} {list(values.shape)}"
+                raise ValueError(f"step {info.step}: {name} is {got}, expected bf16 {list(shape)}")
+        self.fingerprint = None  # from the first write until the read-back below, the state is mixed
+        with torch.no_grad():
+            loader = []
+            for name, values in entries.items():
+                if name in layout.loader:
+                    loader.append((name, values.to(self.device)))
+                for b in layout.blocks.get(name, []):
+                    b.dst.copy_(values.as_strided(b.size, b.stride, b.offset))
+            if loader:
+                self.model.load_weights(loader)
+        if info.fingerprint is not None:
+            self.fingerprint = self._read_fingerprint()
+            self._verify(self.fingerprint, info)
+            self.step = info.step
+
+    def _verify(self, actual: int, info: DeltasyncUpdateInfo) -> None:
+        if info.fingerprint is None:
+            raise ValueError("update_info of kind 'verify' needs a fingerprint")
+        if format_fingerprint(actual) != info.fingerprint:
+            held = format_fingerprint(actual)
+            raise ValueError(f"the weights read back hold {held}, step {info.step} is {info.fingerprint}")
+
+    def _read_fingerprint(self) -> int:
+        return sum_across(self.layout.partial_fingerprint(), self.group)
+
+    def _readback(self, folder: Path) -> None:
+        tensors = {}
+        for name, blocks in self.layout.blocks.items():
+            shape = self.layout.shapes[name]
+            full = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+            covered = 0
+            for b in blocks:
+                full.as_strided(b.size, b.stride, b.offset).copy_(b.dst.cpu())
+                covered += b.dst.numel()
+            if covered == full.numel():
+                tensors[name] = full
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, folder / f"rank-{compat.rank(self.group)}.safetensors")

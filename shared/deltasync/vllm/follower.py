@@ -1,0 +1,272 @@
+"""Follow a sync root into a vLLM server whose weight-transfer backend is deltasync (`deltasync.vllm.engine`).
+
+The subscriber polls the root, downloads, decodes and verifies each step once; `EngineApplier` writes the
+verified weights to a local file and has the server's workers write them in place through vLLM's
+weight-update protocol, with generation paused (`keep`: running requests freeze where they are) only around
+the write:
+
+    pause(keep) -> start_weight_update -> update_weights(file) -> finish_weight_update(step) -> resume
+
+The protocol is reached either over vLLM's RL routes (`HttpEngine`: `deltasync follow ROOT --vllm-url URL`,
+beside any server started with VLLM_SERVER_DEV_MODE=1 on a private address) or in-process through the engine
+client's public methods (`AsyncEngine`: the inference Space). One engine, one write path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import shutil
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors.torch import save_file
+
+from deltasync.codec.changes import TensorChanges
+from deltasync.codec.fingerprint import format_fingerprint
+from deltasync.codec.patch import raw_entries
+from deltasync.sync.anchor import shard
+from deltasync.sync.subscriber import Applied, Applier, Subscriber
+
+log = logging.getLogger(__name__)
+SHARD_BYTES = 1 << 30  # an anchor reaches the workers in files of about this size, one update each
+HOLDS = re.compile(r"weights read back hold ([0-9a-f]{16})")
+
+
+class WriteRefused(RuntimeError):
+    """The server refused an update (its reason is the message). Unless `EngineApplier.stuck`, it wrote
+    nothing."""
+
+
+class Engine(Protocol):
+    """vLLM's weight-update protocol, called from the subscriber's thread; failures raise WriteRefused."""
+
+    def init(self, init_info: dict[str, Any]) -> None: ...
+    def pause(self) -> None: ...
+    def start(self) -> None: ...
+    def update(self, update_info: dict[str, Any]) -> None: ...
+    def finish(self, version: str) -> None: ...
+    def resume(self) -> None: ...
+
+
+class HttpEngine:
+    """vLLM's RL routes on `url` (VLLM_SERVER_DEV_MODE=1); `api_key`: the server's --api-key, if any."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0):
+        self.url, self.api_key, self.timeout_s = url.rstrip("/"), api_key, timeout_s
+
+    def _post(self, route: str, body: dict[str, Any] | None = None) -> dict:
+        headers = {"content-type": "application/json"}
+        if self.api_key:
+            headers["authorization"] = f"Bearer {self.api_key}"
+        data = json.dumps(body or {}).encode()
+        request = urllib.request.Request(self.url + route, data=data, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                return json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            raise WriteRefused(f"{route.split('?')[0]}: {_reason(e.read())}") from None
+
+    def init(self, init_info: dict[str, Any]) -> None:
+        self._post("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def pause(self) -> None:
+        self._post("/pause?mode=keep&clear_cache=false")
+
+    def start(self) -> None:
+        self._post("/start_weight_update")
+
+    def update(self, update_info: dict[str, Any]) -> None:
+        self._post("/update_weights", {"update_info": update_info})
+
+    def finish(self, version: str) -> None:
+        self._post("/finish_weight_update", {"weight_version": version})
+
+    def resume(self) -> None:
+        self._post("/resume")
+
+
+def _reason(body: bytes) -> str:
+    """The worker's own message out of vLLM's error JSON."""
+    try:
+        error = json.loads(body)
+        message = error.get("error", error)
+        message = message.get("message", message) if isinstance(message, dict) else message
+    except (ValueError, AttributeError):
+        message = body.decode(errors="replace")
+    text = str(message)
+    inner = re.search(r"Worker failed with error '(.*)', please check", text, re.S)
+    return inner.group(1) if inner else text
+
+
+class AsyncEngine:
+    """The engine client's public methods (`AsyncLLM` in this process), driven from another thread while
+    `loop` runs the engine."""
+
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop):
+        self.engine, self.loop = engine, loop
+
+    def _run(self, coroutine):
+        try:
+            return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+        except Exception as e:  # noqa: BLE001 (the worker's error, through vLLM's RPC)
+            raise WriteRefused(_reason(str(e).encode())) from None
+
+    def init(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self._run(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))
+
+    def pause(self) -> None:
+        self._run(self.engine.pause_generation(mode="keep", clear_cache=False))
+
+    def start(self) -> None:
+        self._run(self.engine.start_weight_update())
+
+    def update(self, update_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        self._run(self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info)))
+
+    def finish(self, version: str) -> None:
+        self._run(self.engine.finish_weight_update(version))
+
+    def resume(self) -> None:
+        self._run(self.engine.resume_generation())
+
+
+class EngineApplier(Applier):
+    """Writes the subscriber's verified steps through `engine`. Call `attach(subscriber)` before syncing:
+    each update carries the fingerprints the subscriber verified, which the workers check again."""
+
+    def __init__(self, engine: Engine, root: str):
+        self.engine, self.root = engine, root
+        self.subscriber: Subscriber | None = None
+        self.step: int | None = None  # the step last written
+        self.version = "model"  # the weight version label generation runs under
+        self.last_write: dict | None = None
+        # An anchor failed after part of it was written: generation stays paused until an anchor loads.
+        self.stuck = False
+        self.tmp = Path(tempfile.mkdtemp(prefix="deltasync-follow-"))
+        self.engine.init({"root": root})
+
+    def attach(self, subscriber: Subscriber) -> None:
+        self.subscriber = subscriber
+
+    def close(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def load(self, state: Mapping[str, torch.Tensor], step: int) -> float:
+        shards = shard(state, SHARD_BYTES)
+        files = [self.tmp / f"anchor-{step}-{i}.safetensors" for i in range(len(shards))]
+        for tensors, path in zip(shards, files, strict=True):
+            save_file(tensors, path)
+        target = self._target(step)
+        last = len(files) - 1  # the whole state is read back and checked after the last shard
+        infos = [
+            {"step": step, "kind": "anchor", "path": str(f), "fingerprint": target if i == last else None}
+            for i, f in enumerate(files)
+        ]
+        return self._write(infos, step, "anchor", sum(f.stat().st_size for f in files))
+
+    def patch(self, changes: Mapping[str, TensorChanges], step: int) -> float:
+        path = self.tmp / f"delta-{step}.safetensors"
+        save_file(raw_entries(changes), path)  # the raw encoding's entries, without the patch's metadata
+        base = format_fingerprint(self.subscriber.fingerprint)
+        target = self._target(step)
+        info = {"step": step, "kind": "delta", "path": str(path), "base": base, "fingerprint": target}
+        return self._write([info], step, "delta", path.stat().st_size)
+
+    def fingerprint(self) -> int:
+        """What the workers read back: the expected fingerprint when they confirm it, else theirs."""
+        expected = format_fingerprint(self.subscriber.fingerprint)
+        try:
+            info = {"step": self.subscriber.step, "kind": "verify", "fingerprint": expected}
+            self._paused([info], pause=False)  # a read: generation goes on
+        except WriteRefused as e:
+            held = HOLDS.search(str(e))
+            if held is None:
+                raise
+            return int(held.group(1), 16)
+        return int(expected, 16)
+
+    def _target(self, step: int) -> str:
+        return next(e.fingerprint for e in self.subscriber.head.entries if e.step == step)
+
+    def _paused(self, infos: list[dict], version: str | None = None, pause: bool = True) -> float:
+        """Pause, run the updates, finish (setting `version`) and resume; the seconds generation was paused.
+        A refused update resumes generation on the unchanged weights, unless an anchor was half written."""
+        if pause:
+            self.engine.pause()
+        start = time.perf_counter()
+        written = 0
+        try:
+            self.engine.start()
+            for info in infos:
+                self.engine.update(info)
+                written += 1
+            self.engine.finish(version or self.version)
+        except WriteRefused:
+            self.stuck |= written > 0  # an anchor's later shard refused: the earlier ones are written
+            if pause and not self.stuck:
+                self.engine.resume()
+            raise
+        except BaseException:
+            self.stuck = True  # the call itself failed: the workers may hold part of the write
+            raise
+        if pause:
+            self.engine.resume()
+        return time.perf_counter() - start
+
+    def _write(self, infos: list[dict], step: int, kind: str, nbytes: int) -> float:
+        try:
+            pause_s = self._paused(infos, str(step))
+        finally:
+            for info in infos:
+                Path(info["path"]).unlink(missing_ok=True)
+        self.version, self.step, self.stuck = str(step), step, False
+        self.last_write = {"step": step, "kind": kind, "bytes": nbytes, "pause_s": pause_s}
+        return pause_s
+
+
+def log_applied(a: Applied) -> None:
+    """The replica's one line per applied step."""
+    pause_ms = "-" if a.pause_s is None else f"{1e3 * a.pause_s:.1f}"
+    log.info(
+        "step %d applied (%s): %d bytes, %d changed, paused %s ms, lag %.2f s",
+        a.step,
+        a.kind,
+        a.payload_bytes,
+        a.changed,
+        pause_ms,
+        a.lag_s,
+    )
+
+
+def follow(
+    root: str,
+    engine: Engine,
+    stop: threading.Event,
+    *,
+    replica: str | None = None,
+    poll_s: float = 1.0,
+    verify_every: int = 10,
+) -> Subscriber:
+    """Follow `root` into `engine` until `stop` is set (blocks)."""
+    applier = EngineApplier(engine, root)
+    subscriber = Subscriber(root, applier, replica=replica, verify_every=verify_every)
+    applier.attach(subscriber)
+    try:
+        subscriber.follow(stop, poll_s, on_applied=log_applied)
+    finally:
+        applier.close()
+    return subscriber

@@ -1,0 +1,212 @@
+"""Where each HF checkpoint tensor lives in a vLLM worker's model, learned from vLLM's own loader.
+
+vLLM fuses (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`, experts into `w13`/`w2`) and shards (tensor
+parallel) what the checkpoint holds as separate tensors. Rather than mirror those rules, `Layout.learn` runs
+the model's `load_weights` once per HF name on a probe tensor inside a `TorchFunctionMode` (scoped to that
+call and thread) that records each `copy_` the loader would make instead of making it. A recorded copy whose
+source is a view of the probe is a `Block`: a strided box of the HF tensor and the parameter view it lands in.
+Writes then go straight to those views: O(changed elements), and every worker writes only its own part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.overrides import TorchFunctionMode
+from transformers import AutoModelForCausalLM
+
+from deltasync.codec import fingerprint
+from deltasync.codec.bf16 import bits
+from deltasync.codec.changes import TensorChanges
+
+LIMB_BITS = 16  # fingerprints are summed across ranks in 16-bit limbs: an int64 all-reduce never overflows
+
+
+@dataclass
+class Block:
+    """The HF elements `hf_view(size, stride, offset)` of one tensor, stored in the parameter view `dst`
+    (same shape). `owned`: which of them this rank counts in the fingerprint (None: all)."""
+
+    dst: torch.Tensor
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    owned: torch.Tensor | None = None
+
+    def positions(self) -> torch.Tensor:
+        """HF flat positions of the block's elements, in `dst`'s element order."""
+        numel = self.offset + 1 + sum((n - 1) * s for n, s in zip(self.size, self.stride, strict=True))
+        return torch.arange(numel).as_strided(self.size, self.stride, self.offset).reshape(-1)
+
+    def locate(self, flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, tuple]:
+        """Which of the HF flat positions `flat` fall in this block (a mask), and their indices into `dst`."""
+        hf_strides = torch.ones(len(shape), dtype=torch.int64)
+        for h in range(len(shape) - 2, -1, -1):
+            hf_strides[h] = hf_strides[h + 1] * shape[h + 1]
+        coords = [(flat // int(hf_strides[h])) % shape[h] for h in range(len(shape))]
+        origin = [(self.offset // int(hf_strides[h])) % shape[h] for h in range(len(shape))]
+        mask = torch.ones_like(flat, dtype=torch.bool)
+        mapped: dict[int, int] = {}
+        for d, (n, s) in enumerate(zip(self.size, self.stride, strict=True)):
+            if n > 1:
+                mapped[d] = next(h for h in range(len(shape)) if int(hf_strides[h]) == s)
+        for h in range(len(shape)):
+            dims = [d for d, hh in mapped.items() if hh == h]
+            local = coords[h] - origin[h]
+            mask &= (local >= 0) & (local < (self.size[dims[0]] if dims else 1))
+        index = tuple(
+            (coords[mapped[d]] - origin[mapped[d]])[mask] if d in mapped else torch.zeros_like(flat[mask])
+            for d in range(len(self.size))
+        )
+        return mask, index
+
+
+def _is_box(size: tuple[int, ...], stride: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """A view whose dims of size > 1 each step along a distinct dim of the contiguous HF tensor."""
+    hf_strides = [int(np.prod(shape[h + 1 :])) for h in range(len(shape))]
+    used = [s for n, s in zip(size, stride, strict=True) if n > 1]
+    return len(set(used)) == len(used) and all(s in hf_strides for s in used)
+
+
+class _RecordCopies(TorchFunctionMode):
+    """Records `dst.copy_(src)` calls instead of making them (only inside its `with`, only this thread)."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            self.copies.append((args[0], args[1]))
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+class Layout:
+    """HF name -> the blocks of it this rank holds; `loader`: names vLLM's loader takes but not as views of
+    the input (written through the loader, never read back)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], blocks: dict[str, list[Block]], loader: list[str]):
+        self.shapes, self.blocks, self.loader = shapes, blocks, loader
+
+    @classmethod
+    @torch.no_grad()
+    def learn(cls, model: torch.nn.Module, hf_config, group=None) -> Layout:
+        """Run the loader once per HF name of `hf_config`'s architecture; `group`: the process group of the
+        ranks that together hold the model (None: this rank holds all of it)."""
+        device = next(model.parameters()).device
+        shapes, blocks, loader = {}, {}, []
+        for name, shape in checkpoint_shapes(hf_config).items():
+            probe = torch.empty(shape, dtype=torch.bfloat16, device=device)
+            recorder = _RecordCopies()
+            try:
+                with recorder:
+                    model.load_weights([(name, probe)])
+            except Exception:  # noqa: BLE001 (vLLM's loader does not take this name: not servable, not ours)
+                continue
+            shapes[name] = tuple(shape)
+            found, ptr = [], probe.untyped_storage().data_ptr()
+            for dst, src in recorder.copies:
+                if (
+                    src.untyped_storage().data_ptr() != ptr
+                    or src.shape != dst.shape
+                    or dst.dtype != torch.bfloat16
+                    or not _is_box(tuple(src.shape), src.stride(), tuple(shape))
+                ):
+                    found = None
+                    break
+                offset = src.storage_offset() - probe.storage_offset()
+                found.append(Block(dst, tuple(src.shape), src.stride(), offset))
+            if found is None:
+                loader.append(name)
+            else:
+                blocks[name] = found
+        layout = cls(shapes, blocks, loader)
+        layout._own(group)
+        return layout
+
+    def _own(self, group) -> None:
+        """Decide which rank counts each element in fingerprints: the lowest rank holding it."""
+        if group is None or torch.distributed.get_world_size(group) == 1:
+            return
+        rank, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+        for name, shape in self.shapes.items():
+            numel = int(np.prod(shape))
+            held = sum(int(np.prod(b.size)) for b in self.blocks.get(name, []))
+            counts = torch.tensor([held, int(held == numel)], dtype=torch.int64)
+            torch.distributed.all_reduce(counts, group=group)
+            if int(counts[0]) == numel:  # disjoint shards: every rank counts its own
+                continue
+            if int(counts[1]) == world:  # whole on every rank: rank 0 counts it
+                for b in self.blocks.get(name, []):
+                    b.owned = torch.zeros(int(np.prod(b.size)), dtype=torch.bool) if rank else None
+                continue
+            owner = torch.full((numel,), world, dtype=torch.int32)
+            for b in self.blocks.get(name, []):
+                owner[b.positions()] = rank
+            torch.distributed.all_reduce(owner, op=torch.distributed.ReduceOp.MIN, group=group)
+            for b in self.blocks.get(name, []):
+                b.owned = owner[b.positions()] == rank
+
+    def partial_fingerprint(self, names: list[str] | None = None) -> int:
+        """This rank's share of the state fingerprint (`names`, default all held): the shares of all ranks
+        sum to the fingerprint of the whole state."""
+        total = 0
+        for name in names if names is not None else self.blocks:
+            for b in self.blocks.get(name, []):
+                positions, values = b.positions(), bits(b.dst.cpu())
+                if b.owned is not None:
+                    positions, values = positions[b.owned], values[b.owned]
+                zeros = np.zeros(values.numel(), np.int16)
+                total += fingerprint.delta(name, positions.numpy(), zeros, values.numpy())
+        return total & fingerprint.MASK64
+
+    def plan_patch(self, changes: dict[str, TensorChanges]) -> tuple[list, int]:
+        """The writes a patch makes on this rank (dst, index, values) and this rank's share of how it moves
+        the fingerprint. Reads only; writes nothing."""
+        writes, moved = [], 0
+        for name, ch in changes.items():
+            flat = ch.indices.to(torch.int64).cpu()
+            for b in self.blocks.get(name, []):
+                mask, index = b.locate(flat, self.shapes[name])
+                if not bool(mask.any()):
+                    continue
+                device_index = tuple(i.to(b.dst.device) for i in index)
+                new = ch.values[mask.to(ch.values.device)].to(b.dst.device)
+                writes.append((b.dst, device_index, new))
+                old = b.dst[device_index]
+                counted = mask if b.owned is None else mask & _scatter_owned(b, flat, mask, index)
+                keep = counted[mask]
+                moved += fingerprint.delta(
+                    name,
+                    flat[mask][keep].numpy(),
+                    bits(old.cpu())[keep].numpy(),
+                    bits(new.cpu())[keep].numpy(),
+                )
+        return writes, moved & fingerprint.MASK64
+
+
+def _scatter_owned(b: Block, flat: torch.Tensor, mask: torch.Tensor, index: tuple[torch.Tensor, ...]):
+    """`mask` narrowed to the elements this rank owns in the fingerprint."""
+    owned = b.owned.view(b.size)[index] if index else b.owned
+    out = torch.zeros_like(mask)
+    out[mask] = owned
+    return out
+
+
+def checkpoint_shapes(hf_config) -> dict[str, tuple[int, ...]]:
+    """The HF parameter names and shapes of this architecture (tied weights once), from a meta model."""
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(hf_config)
+    return {name: tuple(p.shape) for name, p in hf_model.named_parameters()}
+
+
+def sum_across(value: int, group) -> int:
+    """Sum of `value` (mod 2^64) over the ranks of `group` (None: this rank alone)."""
+    if group is None or torch.distributed.get_world_size(group) == 1:
+        return value & fingerprint.MASK64
+    limbs = torch.tensor([(value >> s) & 0xFFFF for s in range(0, 64, LIMB_BITS)], dtype=torch.int64)
+    torch.distributed.all_reduce(limbs, group=group)
+    return sum(int(x) << s for x, s in zip(limbs, range(0, 64, LIMB_BITS), strict=True)) & fingerprint.MASK64

@@ -1,0 +1,154 @@
+"""Stock vLLM (CPU) with the deltasync weight-transfer backend, followed by `deltasync follow`.
+
+The server command holds no code of ours (`python -m vllm.entrypoints.openai.api_server
+--weight-transfer-config '{"backend":"deltasync"}'`): the backend comes from the installed
+`vllm.general_plugins` entry point, and the follower drives vLLM's own RL routes. Weights are read back
+through the engine (`kind="readback"`: each rank saves the HF tensors it holds) and compared bit for bit
+with the trainer's states.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from safetensors.torch import load_file, save_file
+
+from deltasync import telemetry
+from tests.helpers import ServedRun, assert_bitwise_equal, wait_for
+from trainer.processes import free_port, placement, start_process, stop_process, wait_healthy
+from trainer.tiny_model import build_tiny_model
+
+pytestmark = pytest.mark.slow  # starts vLLM
+
+ANCHOR_EVERY = 4
+REPLICA = "follower-a"
+CPUS = placement()
+
+
+class Server:
+    def __init__(self, url: str, log: Path, tmp: Path):
+        self.url, self.log, self.tmp, self.reads = url, log, tmp, 0
+
+    def post(self, route: str, body: dict | None = None) -> requests.Response:
+        return requests.post(self.url + route, json=body or {}, timeout=120)
+
+    def version(self) -> str:
+        return requests.get(f"{self.url}/weight_info", timeout=10).json()["weight_version"]
+
+    def update(self, **update_info) -> requests.Response:
+        """One update through vLLM's routes (start, update, finish): the response of /update_weights."""
+        assert self.post("/start_weight_update").status_code == 200
+        response = self.post("/update_weights", {"update_info": update_info})
+        if response.status_code == 200:
+            assert self.post("/finish_weight_update").status_code == 200
+        return response
+
+    def readback(self) -> dict:
+        """The weights the worker holds, in HF names and shapes."""
+        self.reads += 1
+        folder = self.tmp / f"readback-{self.reads}"
+        response = self.update(step=-1, kind="readback", path=str(folder))
+        assert response.status_code == 200, response.text
+        return load_file(folder / "rank-0.safetensors")
+
+    def wait_version(self, version: str) -> None:
+        wait_for(lambda: self.version() == version, f"weight version {version}; log {self.log}", 180)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("follow")
+    run = ServedRun(tmp, build_tiny_model(tmp / "tiny-qwen3"), anchor_every=ANCHOR_EVERY)
+    run.step()  # the first anchor: the model folder's own weights
+    yield run
+    run.publisher.close()
+
+
+@pytest.fixture(scope="module")
+def server(run, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("server")
+    port = free_port()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(run.model_dir)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "512"]
+    argv += ["--enforce-eager", "--weight-transfer-config", json.dumps({"backend": "deltasync"})]
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **CPUS.server_env()}
+    proc = start_process(argv, tmp / "server.log", {**env}, cpus=CPUS.server)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, f"{url}/health", tmp / "server.log", 600)
+        yield Server(url, tmp / "server.log", tmp)
+    finally:
+        stop_process(proc, grace_s=30)
+
+
+@pytest.fixture(scope="module")
+def follower(run, server, tmp_path_factory):
+    log = tmp_path_factory.mktemp("follower") / "follower.log"
+    argv = [sys.executable, "-m", "deltasync.cli", "follow", str(run.served), "--vllm-url", server.url]
+    argv += ["--replica", REPLICA, "--poll-s", "0.2", "--verify-every", "1"]
+    proc = start_process(argv, log, {}, cpus=CPUS.others)
+    yield log
+    stop_process(proc, grace_s=30)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+
+
+def test_follows_three_steps_bitwise(run, server, follower):
+    server.wait_version("0")
+    for _ in range(3):
+        step = run.step()
+    server.wait_version(str(step))
+    assert_bitwise_equal(server.readback(), run.states[step])
+    for s in range(step + 1):
+        record = run.replica_record(REPLICA, s)
+        assert record.verified and record.pause_s is not None and record.error is None
+    lines = [line for line in follower.read_text().splitlines() if " applied (" in line]
+    assert [line.split("step ")[1].split()[0] for line in lines] == [str(s) for s in range(step + 1)]
+    assert all("bytes" in line and "paused" in line for line in lines)
+
+
+def test_refused_update_writes_nothing_and_tells_why(run, server, follower, tmp_path):
+    step = run.publisher.last_step
+    server.wait_version(str(step))
+    before = server.readback()
+    fingerprint = run.fingerprints[step]
+    patch = tmp_path / "patch.safetensors"
+    name = "model.layers.0.mlp.up_proj.weight"
+    values = before[name].view(-1)[:3] + 1
+    indices = torch.tensor([0, 1, 2], dtype=torch.int32)
+    save_file({f"{name}/indices": indices, f"{name}/values": values}, patch)
+    unknown = tmp_path / "unknown.safetensors"
+    save_file({"no.such.weight/indices": indices, "no.such.weight/values": values}, unknown)
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    cases = [
+        ({"path": str(patch), "base": "0" * 16, "fingerprint": fingerprint}, "this server holds"),
+        ({"path": str(patch), "base": fingerprint, "fingerprint": "0" * 16}, "refused, nothing written"),
+        ({"path": str(unknown), "base": fingerprint, "fingerprint": fingerprint}, "no.such.weight"),
+        ({"path": str(garbage), "base": fingerprint, "fingerprint": fingerprint}, "cannot read"),
+    ]
+    for info, reason in cases:
+        response = server.update(step=step + 100, kind="delta", **info)
+        assert response.status_code == 500 and reason in response.text, response.text
+    assert server.version() == str(step)
+    assert_bitwise_equal(server.readback(), before)
+
+
+def test_corrupt_delta_refused_then_recovered_from_next_anchor(run, server, follower):
+    good = run.publisher.last_step
+    server.wait_version(str(good))
+    bad = run.step(corrupt=True)
+    refusal = run.served / f"{telemetry.REPLICAS_DIR}/{REPLICA}/step-{bad:08d}.json"
+    wait_for(lambda: refusal.exists(), "the refusal")
+    record = run.replica_record(REPLICA, bad)
+    assert not record.verified and record.error
+    assert server.version() == str(good)
+    assert_bitwise_equal(server.readback(), run.states[good])
+    step = run.step()
+    while not run.head().entry(step, "anchor"):  # deltas based on the refused one cannot apply
+        step = run.step()
+    server.wait_version(str(step))
+    assert_bitwise_equal(server.readback(), run.states[step])
+    assert run.replica_record(REPLICA, step).verified
