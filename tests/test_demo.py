@@ -41,7 +41,7 @@ def test_summary_from_telemetry(tmp_path):
     assert (s["final_reward"], s["final_reward_step"]) == (0.5, 3)
     text = format_summary(s)
     assert "3 (1 anchors; 1 more folded into later ones)" in text
-    assert "30 B = 1.50% of the full bf16 model (2.0 KB)" in text
+    assert "30 B = 1.50% of the full bf16 model (2.0 kB)" in text
     assert "3/3 steps (r)" in text and "1/3 steps (late); not verified: [1, 3]" in text
     assert "0.500 (reward_mean at step 3)" in text
 

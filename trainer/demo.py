@@ -42,6 +42,7 @@ from deltasync.settings import from_env
 from deltasync.storage import open_storage
 from deltasync.telemetry import ReplicaRecord, TrainerRecord
 from deltasync.telemetry.reader import TelemetryReader
+from deltasync.units import format_bytes
 from trainer.processes import free_port, log_tail, placement, start_process, stop_process, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,14 +139,6 @@ def _mean_gap(times: Sequence[float]) -> float | None:
     return (max(times) - min(times)) / (len(times) - 1) if len(times) > 1 else None
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
-
-
 def format_summary(s: dict[str, Any]) -> str:
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{100 * x:.2f}%"
@@ -158,8 +151,8 @@ def format_summary(s: dict[str, Any]) -> str:
     ]
     if s["mean_payload_bytes"] is not None:
         lines.append(
-            f"  mean delta payload    {_bytes(s['mean_payload_bytes'])} = {pct(s['payload_share'])} "
-            f"of the full bf16 model ({_bytes(s['full_bytes'])})"
+            f"  mean delta payload    {format_bytes(s['mean_payload_bytes'])} = {pct(s['payload_share'])} "
+            f"of the full bf16 model ({format_bytes(s['full_bytes'])})"
         )
     latency = s["median_sync_latency_s"]
     lines.append(
@@ -205,7 +198,7 @@ def progress_line(record: TrainerRecord | ReplicaRecord, total_steps: int) -> st
         reward = record.info.get(REWARD_KEY)
         return (
             f"step {record.step}/{total_steps}  {record.kind:<6} {100 * record.sparsity:6.2f}% changed  "
-            f"{_bytes(record.payload_bytes):>9} published"
+            f"{format_bytes(record.payload_bytes):>9} published"
             + ("" if reward is None else f"  reward {reward:.3f}")
         )
     if record.verified:

@@ -57,6 +57,7 @@ from trl.experimental.async_grpo import AsyncGRPOConfig  # noqa: E402
 from deltasync.codec.fingerprint import format_fingerprint  # noqa: E402
 from deltasync.sync.publisher import PublisherConfig  # noqa: E402
 from deltasync.trl.transfer import BucketWeightTransfer  # noqa: E402
+from deltasync.units import format_bytes  # noqa: E402
 from trainer import cpu_shims  # noqa: E402
 from trainer.rollout import REWARD_SQ, VERSION_KNOWN, RolloutCounters, use_versioned_loop  # noqa: E402
 from trainer.task import CHAT_TEMPLATE_KWARGS  # noqa: E402
@@ -307,7 +308,7 @@ class Progress(TrainerCallback):
             numel = sum(math.prod(s) for s in self.transfer.shapes.values())
             if newest.kind == "delta" and numel:
                 fields["changed"] = f"{newest.changed / numel:.2%}"  # of the bf16 elements
-            fields["payload"] = _fmt_bytes(newest.bytes)
+            fields["payload"] = format_bytes(newest.bytes)
             fields["lag"] = publisher.last_step - head.step  # handed over, not uploaded yet
         if logs.get("sample/staleness_mean") is not None:
             fields["stale"] = f"{logs['sample/staleness_mean']:.1f}"
@@ -320,16 +321,6 @@ class Progress(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.bar is not None:
             self.bar.close()
-
-
-def _fmt_bytes(n: float) -> str:
-    if n < 1000:
-        return f"{n:.0f} B"
-    for unit in ("kB", "MB", "GB"):
-        n /= 1000
-        if n < 1000 or unit == "GB":
-            break
-    return f"{n:.1f} {unit}"
 
 
 def resolve_model(name: str) -> str:

@@ -30,6 +30,7 @@ from pydantic_settings import BaseSettings
 from deltasync.settings import from_env
 from deltasync.storage import open_storage, redact
 from deltasync.telemetry.reader import TelemetryReader
+from deltasync.units import format_bytes
 
 PLOTS = [
     "sparsity",
@@ -309,16 +310,6 @@ def _trainer_time(trainer: dict[str, np.ndarray], published: np.ndarray) -> go.F
 # ------------------------------------------------------------------------------------------- text views
 
 
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "–"
-    units = ["B", "kB", "MB", "GB", "TB"]
-    while abs(n) >= 1000 and len(units) > 1:
-        n /= 1000
-        units.pop(0)
-    return f"{n:.3g} {units[0]}"
-
-
 def fmt_seconds(s: float | None) -> str:
     if s is None:
         return "–"
@@ -351,14 +342,14 @@ def headline_html(summary: dict[str, Any]) -> str:
             "mean-payload",
             "Mean delta payload",
             mean,
-            fmt_bytes(mean),
-            f"{ratio * 100:.3f}% of the {fmt_bytes(full)} bf16 model" if ratio is not None else "",
+            format_bytes(mean),
+            f"{ratio * 100:.3f}% of the {format_bytes(full)} bf16 model" if ratio is not None else "",
         ),
         (
             "bytes-saved",
             "Bytes saved",
             summary["bytes_saved"],
-            fmt_bytes(summary["bytes_saved"]),
+            format_bytes(summary["bytes_saved"]),
             f"{saved * 100:.2f}% less than full uploads" if saved is not None else "",
         ),
         (
