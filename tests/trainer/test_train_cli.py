@@ -8,8 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainer.rollout import REWARD_SQ, VERSION_KNOWN, RolloutCounters
-from trainer.train import GracefulStop, main, parse_args, rollouts_ahead, step_info
+from deltasync.trl import RolloutCounters, rollouts_ahead, step_info
+from deltasync.trl.rollout import REWARD_SQ, VERSION_KNOWN
+from trainer.train import GracefulStop, failure_line, main, parse_args
 
 REQUIRED = ["--sync_root", "root", "--inference_url", "http://infer", "--env_url", "http://env"]
 
@@ -51,11 +52,32 @@ def test_project_defaults_on_cpu_unless_set():
 def test_back_pressure_bounds_trls_queue_and_inflight_tasks():
     # 16 rollouts per step, groups of 8: half a step ahead is one group
     ours, args = parse_args([*REQUIRED, "--per_device_train_batch_size", "16", "--num_generations", "8"])
-    assert rollouts_ahead(ours, args) == 8 and (args.max_inflight_tasks, args.queue_maxsize) == (8, 8)
+    assert rollouts_ahead(args, ours.rollouts_ahead) == 8
+    assert (args.max_inflight_tasks, args.queue_maxsize) == (8, 8)
     ours, args = parse_args([*REQUIRED, "--rollouts_ahead", "1.2", "--queue_maxsize", "100"])
-    assert rollouts_ahead(ours, args) == 12 and (args.max_inflight_tasks, args.queue_maxsize) == (12, 100)
+    assert rollouts_ahead(args, ours.rollouts_ahead) == 12
+    assert (args.max_inflight_tasks, args.queue_maxsize) == (12, 100)
     ours, args = parse_args([*REQUIRED, "--rollouts_ahead", "0"])  # TRL's own bounds
-    assert rollouts_ahead(ours, args) == 0 and (args.max_inflight_tasks, args.queue_maxsize) == (-1, 1024)
+    assert rollouts_ahead(args, ours.rollouts_ahead) == 0
+    assert (args.max_inflight_tasks, args.queue_maxsize) == (-1, 1024)
+
+
+def test_several_inference_urls():
+    argv = ["--sync_root", "root", "--env_url", "http://env", "--inference_url", "http://a/", "http://b"]
+    assert parse_args(argv)[0].inference_url == ["http://a", "http://b"]
+    argv = ["--sync_root", "root", "--env_url", "http://env", "--inference_url", "http://a,http://b"]
+    assert parse_args(argv)[0].inference_url == ["http://a", "http://b"]
+    assert parse_args(REQUIRED)[0].inference_url == ["http://infer"]
+
+
+def test_a_failure_is_named_by_its_root_cause():
+    try:
+        try:
+            raise RuntimeError("ClientConnectorError: Cannot connect to host 127.0.0.1:9\nTraceback ...")
+        except RuntimeError as cause:
+            raise RuntimeError("Rollout worker child has failed; see chained exception.") from cause
+    except RuntimeError as e:
+        assert failure_line(e) == "ClientConnectorError: Cannot connect to host 127.0.0.1:9"
 
 
 def test_required_flags(capsys):

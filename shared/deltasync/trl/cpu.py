@@ -1,21 +1,17 @@
-"""Shims that let TRL 1.16's AsyncGRPOTrainer run where it expects CUDA, FA3 and a local vLLM.
+"""Shims that let TRL's AsyncGRPOTrainer run where it expects CUDA, FA3 and a local vLLM (through
+deltasync.trl.compat, which holds the private names they replace):
 
-They replace private names of `trl.experimental.async_grpo`, which is why pyproject pins trl==1.16.0 and
-tests/trainer/test_cpu_shims.py fails loudly if the names move:
-
-- `packing._flash_attn`: tree attention calls `_flash_attn().flash_attn_varlen_func`, the FA3 kernel fetched
-  from the Hub by `kernels`. Replaced by `varlen_sdpa`, in torch (on CPU, or on CUDA without `kernels`).
-- `async_grpo_trainer.get_peak_flops_per_device`: asks `torch.cuda` for the device name. On CPU it returns
-  None: MFU metrics are skipped, as the trainer does for unknown devices.
-- `async_rollout_worker.is_vllm_available`: the rollout worker refuses to start without vLLM installed,
-  although it only speaks HTTP to a remote server. Claimed available when vLLM is absent.
+- tree attention calls FA3's `flash_attn_varlen_func`, fetched from the Hub by `kernels`: replaced by
+  `varlen_sdpa`, in torch (on CPU, or on CUDA without `kernels`);
+- the MFU metric asks `torch.cuda` for the device name: skipped on CPU, as TRL does for unknown devices;
+- the rollout worker refuses to start without vLLM installed, although it only speaks HTTP to a remote
+  server: claimed available when vLLM is absent.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-import types
 
 import torch
 import torch.nn.functional as F
@@ -74,21 +70,21 @@ def varlen_sdpa(
     return torch.cat(outputs)
 
 
-def apply(device: torch.device | str) -> list[str]:
-    """Install the shims this machine needs before building AsyncGRPOTrainer; returns what was replaced."""
-    from trl.experimental.async_grpo import async_grpo_trainer, async_rollout_worker, packing
+def apply_cpu_shims(device: torch.device | str) -> list[str]:
+    """Install the shims `device` needs; call before building AsyncGRPOTrainer. Returns what was replaced."""
+    from deltasync.trl import compat
 
     device = torch.device(device)
     applied = []
     if device.type != "cuda" or importlib.util.find_spec("kernels") is None:
-        packing._flash_attn = lambda: types.SimpleNamespace(flash_attn_varlen_func=varlen_sdpa)
-        applied.append("packing._flash_attn")
+        compat.replace_flash_attn(varlen_sdpa)
+        applied.append("attention")
     if device.type != "cuda":
-        async_grpo_trainer.get_peak_flops_per_device = lambda *args, **kwargs: None
-        applied.append("async_grpo_trainer.get_peak_flops_per_device")
+        compat.skip_peak_flops()
+        applied.append("peak_flops")
     if importlib.util.find_spec("vllm") is None:
-        async_rollout_worker.is_vllm_available = lambda *args, **kwargs: True
-        applied.append("async_rollout_worker.is_vllm_available")
+        compat.claim_vllm_available()
+        applied.append("vllm_available")
     if applied:
         log.info("TRL shims for %s: %s", device, ", ".join(applied))
     return applied

@@ -1,6 +1,7 @@
-"""VersionedRolloutLoop: TRL's rollout loop, stamping samples with the weight version the server reported.
+"""VersionedRolloutLoop: TRL's rollout loop, stamping samples with the weight version the server reported,
+routing rollouts over replicas and holding generation back.
 
-The server here is a few lines of HTTP that answer TRL's exact /v1/completions request the way the inference
+The servers here are a few lines of HTTP that answer TRL's exact /v1/completions request the way the inference
 Space labels it (x-weight-version, x-weight-version-end); the real Space is exercised in test_train_e2e.py.
 """
 
@@ -17,16 +18,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from transformers import AutoTokenizer
 
-from trainer.processes import serving_in_thread
-from trainer.rollout import (
+from deltasync.trl import compat
+from deltasync.trl.rollout import (
     REWARD_SQ,
     VERSION_KNOWN,
     WEIGHT_VERSION,
+    ReplicaRouter,
     RolloutCounters,
     VersionedRolloutLoop,
     mask_last_turn,
     parse_version,
 )
+from tests.helpers import wait_for
+from trainer.processes import serving_in_thread
 from trainer.tiny_model import build_tokenizer
 
 TOKEN = "sekret"
@@ -40,8 +44,8 @@ def tokenizer(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serving(token_ids: list[int]) -> Iterator[tuple[str, dict]]:
-    """Answers each completion with `token_ids`, labelled as produced while step 5 became step 6."""
+def serving(token_ids: list[int], version: int = 5) -> Iterator[tuple[str, dict]]:
+    """Answers each completion with `token_ids`, labelled as produced while `version` became the next step."""
     app = FastAPI()
     seen = {"auth": [], "calls": 0}
 
@@ -51,7 +55,7 @@ def serving(token_ids: list[int]) -> Iterator[tuple[str, dict]]:
         seen["calls"] += 1
         logprobs = {"token_logprobs": [-0.5] * len(token_ids)}
         choice = {"token_ids": token_ids, "logprobs": logprobs, "text": ""}
-        headers = {"x-weight-version": "5", "x-weight-version-end": "6"}
+        headers = {"x-weight-version": str(version), "x-weight-version-end": str(version + 1)}
         return JSONResponse({"choices": [choice]}, headers=headers)
 
     with serving_in_thread(app) as url:
@@ -127,7 +131,7 @@ def running(loop: VersionedRolloutLoop) -> Iterator[None]:
     try:
         yield
     finally:
-        loop._loop.call_soon_threadsafe(loop._stop_event.set)
+        loop.stop_soon()
         thread.join(30)
 
 
@@ -159,7 +163,9 @@ def test_generation_stays_at_most_max_ahead_rollouts_ahead_of_training(server, t
         while seen["calls"] < 6:  # ... which makes room for exactly one more
             assert time.monotonic() < deadline, seen
             time.sleep(0.05)
-        time.sleep(1.0)  # time enough for a 7th request, which must not come
+        wait_for(lambda: buffer.qsize() == 4, "the new group queued")
+        held = loop.held_back  # from here nothing changes until the trainer takes more: a 7th must not start
+        wait_for(lambda: loop.held_back > held, "the next group held back")
         assert seen["calls"] == 6 and buffer.qsize() == 4 and len(first) == 2
         assert counters.take() == (6.0, 6.0)  # six one-token rollouts
         assert counters.take() == (0.0, 0.0)
@@ -176,7 +182,8 @@ def test_back_pressure_admits_whole_groups(server, tokenizer):
         while buffer.qsize() < 4:  # both groups complete and queued, with nothing taken
             assert time.monotonic() < deadline, (seen, buffer.qsize())
             time.sleep(0.05)
-        time.sleep(1.0)  # time enough for a 5th request, which must not come before the trainer takes some
+        held = loop.held_back  # nothing changes until the trainer takes some: a 5th request must not start
+        wait_for(lambda: loop.held_back > held, "the next group held back")
         assert seen["calls"] == 4 and buffer.qsize() == 4
 
 
@@ -187,7 +194,6 @@ def test_stop_returns_when_the_worker_process_died(server, tokenizer):
 
     from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
 
-    from trainer.rollout import use_versioned_loop
     from wordle_env.client import WordleEnv
 
     url, _ = server
@@ -204,14 +210,42 @@ def test_stop_returns_when_the_worker_process_died(server, tokenizer):
         vllm_server_url=url,
         max_tokens=1,
     )
-    use_versioned_loop(worker, 0)
+    compat.use_loop(worker, VersionedRolloutLoop)
     worker.start()
-    deadline = time.monotonic() + 120
-    while worker._process.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    with pytest.raises(RuntimeError, match="child has failed"):
-        worker.check_health(300)
+
+    def failed() -> bool:
+        try:
+            worker.check_health(300)
+        except RuntimeError as e:
+            assert "child has failed" in str(e)
+            return True
+        return False
+
+    wait_for(failed, "the worker process to fail")
     stopper = threading.Thread(target=worker.stop, daemon=True)
     stopper.start()
     stopper.join(30)
     assert not stopper.is_alive(), "stop() hung on a dead worker"
+
+
+def test_router_sends_each_rollout_to_the_replica_with_fewest_in_flight():
+    router = ReplicaRouter(["http://a/", "http://b"])
+    assert [router.pick() for _ in range(3)] == ["http://a", "http://b", "http://a"]
+    router.release("http://a")
+    router.release("http://a")
+    assert [router.pick() for _ in range(3)] == ["http://a", "http://a", "http://b"]  # a tie: the first
+    assert router.in_flight == {"http://a": 2, "http://b": 2}
+
+
+def test_rollouts_spread_over_replicas_each_stamped_with_its_own_version(tokenizer):
+    # Two replicas at different weight versions: each sample carries the version of the one that served it.
+    buffer = multiprocessing.get_context("spawn").Queue()
+    eos = [tokenizer.eos_token_id]
+    with serving(eos, 5) as (a, seen_a), serving(eos, 9) as (b, seen_b):
+        loop = rollout_loop(a, tokenizer, buffer, replica_urls=[a, b], max_inflight_tasks=4, version_base=5)
+        with running(loop):
+            samples = [buffer.get(timeout=60) for _ in range(8)]
+    assert seen_a["calls"] >= 2 and seen_b["calls"] >= 2
+    versions = {sample.metrics[WEIGHT_VERSION] for sample in samples}
+    assert versions == {5.0, 9.0}
+    assert all(s.model_version == s.metrics[WEIGHT_VERSION] - 5 + 1 for s in samples)

@@ -1,18 +1,10 @@
-"""The TRL 1.16 shims: the private names they replace still exist, and the attention stand-in is exact."""
+"""The CPU shims for TRL's async trainer: installed through compat, and the attention stand-in is exact."""
 
 import torch
 import torch.nn.functional as F
 from trl.experimental.async_grpo import async_grpo_trainer, async_rollout_worker, packing
 
-from trainer import cpu_shims
-
-
-def test_the_replaced_names_exist():
-    # If TRL moves these, the shims would silently do nothing: fail here instead.
-    assert callable(packing._flash_attn) and callable(packing.tree_attention)
-    assert callable(async_grpo_trainer.get_peak_flops_per_device)
-    assert callable(async_rollout_worker.is_vllm_available)
-    assert hasattr(async_rollout_worker.AsyncRolloutWorker, "_loop_cls")
+from deltasync.trl.cpu import apply_cpu_shims, varlen_sdpa
 
 
 def test_cpu_gets_the_attention_and_mfu_shims(monkeypatch):
@@ -22,9 +14,9 @@ def test_cpu_gets_the_attention_and_mfu_shims(monkeypatch):
         (async_rollout_worker, "is_vllm_available"),
     ]:
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
-    applied = cpu_shims.apply("cpu")
-    assert {"packing._flash_attn", "async_grpo_trainer.get_peak_flops_per_device"} <= set(applied)
-    assert packing._flash_attn().flash_attn_varlen_func is cpu_shims.varlen_sdpa
+    applied = apply_cpu_shims("cpu")
+    assert {"attention", "peak_flops"} <= set(applied)
+    assert packing._flash_attn().flash_attn_varlen_func is varlen_sdpa
     assert async_grpo_trainer.get_peak_flops_per_device(None, "float32") is None
 
 
@@ -38,7 +30,7 @@ def test_varlen_sdpa_matches_per_segment_attention():
     v = torch.randn(sum(lengths_k), kv_heads, dim, generator=g)
     cu_q = torch.tensor([0, 5, 8, 10], dtype=torch.int32)
     cu_k = torch.tensor([0, 5, 13, 20], dtype=torch.int32)
-    out = cpu_shims.varlen_sdpa(q, k, v, cu_q, cu_k, 5, 8, softmax_scale=0.3)
+    out = varlen_sdpa(q, k, v, cu_q, cu_k, 5, 8, softmax_scale=0.3)
     for s in range(3):
         qs, ks, vs = q[cu_q[s] : cu_q[s + 1]], k[cu_k[s] : cu_k[s + 1]], v[cu_k[s] : cu_k[s + 1]]
         lq, lk = len(qs), len(ks)
@@ -66,7 +58,7 @@ def test_packed_tree_forward_matches_per_sample_forward(tmp_path, monkeypatch):
     from trainer.tiny_model import build_tiny_model
 
     monkeypatch.setattr(packing, "_flash_attn", packing._flash_attn)  # restored after the test
-    cpu_shims.apply("cpu")
+    apply_cpu_shims("cpu")
     packing.register_tree_attention()
     path = build_tiny_model(tmp_path / "tiny")
     # float64, so that summation orders cannot matter (here the tree and the chains agree bit for bit)

@@ -1,0 +1,156 @@
+"""Every private name of TRL (pinned: trl==1.16.0) that deltasync.trl uses, and nothing else.
+
+TRL's public surface covers the weight transfer (`AsyncGRPOTrainer(weight_transfer=...)`) and whole rollout
+workers (`rollout_worker=`), but stamping rollouts with the weight version that served them, routing them over
+several replicas and holding generation back needs its rollout loop's request and scoring steps, and a step's
+numbers for the sync root's telemetry come from the trainer's metric sink. Each name below has a canary in
+tests/deltasync/trl/test_compat.py, so a TRL upgrade that moves one fails there, not silently here.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from trl.experimental.async_grpo import async_grpo_trainer, async_rollout_worker, packing
+from trl.experimental.async_grpo.async_rollout_worker import (
+    AsyncRolloutWorker,
+    RolloutGroup,
+    RolloutSample,
+    TrainingSequence,
+    _AsyncRolloutLoop,
+)
+
+# The replica base URL serving the rollout running in the current asyncio task (each rollout is its own task).
+_rollout_server: contextvars.ContextVar[str | None] = contextvars.ContextVar("rollout_server", default=None)
+
+
+class HookedRolloutLoop(_AsyncRolloutLoop):
+    """TRL's rollout loop (`_AsyncRolloutLoop`), unchanged but for public hooks around its private steps:
+
+    - `await before_rollout(group_id)` before a rollout's first request, then `server_for_rollout()` picks the
+      base URL all its requests go to (TRL's own `vllm_server_url` by default);
+    - `request_headers()` adds headers to every request; `on_response(headers)` sees each answer's headers (in
+      the rollout's task);
+    - `after_rollout(completion_ids, sequences)` gets a finished rollout's tokens and training rows, and
+      `rollout_finished(server)` is told when a rollout ends, finished or failed;
+    - `after_scoring(group, samples)` gets a scored group's samples before TRL queues them.
+    """
+
+    async def before_rollout(self, group_id: int) -> None:
+        """Called in the rollout's own task before its first request."""
+
+    def server_for_rollout(self) -> str:
+        return self.vllm_server_url
+
+    def request_headers(self) -> Mapping[str, str]:
+        return {}
+
+    def on_response(self, headers: Mapping[str, str]) -> None:
+        """Called in the rollout's task with each answered request's response headers."""
+
+    def after_rollout(self, completion_ids: list[int], sequences: list[TrainingSequence]) -> None:
+        """Called in the rollout's task once it is complete."""
+
+    def rollout_finished(self, server: str) -> None:
+        """Called when a rollout served by `server` ends, complete or failed."""
+
+    def after_scoring(self, group: RolloutGroup, samples: list[RolloutSample]) -> None:
+        """Called with a scored group before TRL queues its samples (no await in between)."""
+
+    def stop_soon(self) -> None:
+        """Ask `run()`, in whichever thread it runs, to return (TRL's worker process does this on stop)."""
+        self._loop.call_soon_threadsafe(self._stop_event.set)
+
+    def release_queues_at_exit(self) -> None:
+        """Let the process exit with samples and metrics still buffered for a trainer that stopped reading
+        (else it waits out TRL's 15 s join on stop, then gets killed)."""
+        self.rollout_buffer.cancel_join_thread()
+        self._metrics_queue.cancel_join_thread()
+
+    async def _post(self, path: str, payload: dict, timeout: float, max_retries: int = 3) -> dict:
+        import aiohttp
+
+        client_timeout = aiohttp.ClientTimeout(total=timeout)
+        server = _rollout_server.get() or self.vllm_server_url
+
+        async def post() -> dict:
+            async with self.session.post(
+                f"{server}{path}", json=payload, timeout=client_timeout, headers=dict(self.request_headers())
+            ) as r:
+                r.raise_for_status()
+                content = await r.json()
+                self.on_response(r.headers)
+                return content or {}
+
+        return await self._retry(post, label=f"POST {server}{path}", max_attempts=max_retries)
+
+    async def _generate_one(self, prompt, tool_dict, tools, group_id: int = 0):
+        await self.before_rollout(group_id)
+        server = self.server_for_rollout()
+        _rollout_server.set(server)  # this task's own context: concurrent rollouts do not mix
+        try:
+            result = await super()._generate_one(prompt, tool_dict, tools, group_id)
+        finally:
+            self.rollout_finished(server)
+        self.after_rollout(result[1], result[2])  # (messages, completion_ids, sequences, ...)
+        return result
+
+    async def _score_group(self, group: RolloutGroup) -> list[RolloutSample]:
+        samples = await super()._score_group(group)
+        self.after_scoring(group, samples)
+        return samples
+
+
+def use_loop(worker: AsyncRolloutWorker, loop_cls: type[HookedRolloutLoop], **loop_kwargs: Any) -> None:
+    """Make `worker` (not started yet) run `loop_cls` in its process, with `loop_kwargs` added to TRL's."""
+    worker._loop_cls = loop_cls
+    worker._loop_kwargs.update(loop_kwargs)
+    if not isinstance(worker.stop, functools.partial):
+        worker.stop = functools.partial(_stop, worker, worker.stop)
+
+
+def loop_kwargs(worker: AsyncRolloutWorker) -> dict[str, Any]:
+    """The keyword arguments TRL hands the worker's loop (model_name, vllm_server_url, ...), editable."""
+    return worker._loop_kwargs
+
+
+def _stop(worker: AsyncRolloutWorker, stop: Callable[[], None]) -> None:
+    """TRL's `stop()`, minus a hang: it sets a multiprocessing Event that a thread of the worker process waits
+    on, and when that process has died (an unreachable env or inference server fails it), `Event.set()`
+    blocks forever waiting for the dead waiter to wake. A dead worker needs no signal: reap it and go on."""
+    process = worker._process
+    if process is not None and worker._failed_event.is_set():
+        process.join(timeout=30)  # a failed worker is on its way out: signalling it while it dies would hang
+    if process is not None and not process.is_alive():
+        worker._process = None
+    stop()
+
+
+def metric_sink(trainer) -> dict[str, list]:
+    """The trainer's per-step metric lists (`_metrics["train"]`), which every `log()` empties."""
+    return trainer._metrics["train"]
+
+
+def trained_tokens(trainer) -> float:
+    """Tokens trained in the current step (TRL's own counter, read before its flush)."""
+    return float(getattr(trainer, "_step_trained_tokens", 0.0))
+
+
+def replace_flash_attn(varlen: Callable[..., torch.Tensor]) -> None:
+    """Tree attention calls `packing._flash_attn().flash_attn_varlen_func` (FA3, from the Hub): `varlen`."""
+    packing._flash_attn = lambda: types.SimpleNamespace(flash_attn_varlen_func=varlen)
+
+
+def skip_peak_flops() -> None:
+    """`get_peak_flops_per_device` asks torch.cuda for the device; None skips MFU, as for unknown devices."""
+    async_grpo_trainer.get_peak_flops_per_device = lambda *args, **kwargs: None
+
+
+def claim_vllm_available() -> None:
+    """The rollout worker refuses to start without vLLM installed, though it only speaks HTTP to a server."""
+    async_rollout_worker.is_vllm_available = lambda *args, **kwargs: True

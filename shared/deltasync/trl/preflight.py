@@ -1,0 +1,160 @@
+"""Checks before a trainer publishes anything: the sync root, the replicas and the environment answer, and
+they all hold the same model.
+
+    failure = preflight(root, schema_of(model), model_name, replica_urls, env_url)   # None when all is well
+
+Read-only checks come first; the root's write check (one probe object, deleted again) comes last, so a run
+that fails preflight leaves the root as it found it. `check_or_exit` prints the failure as one line and exits
+with status 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import requests
+import torch
+
+from deltasync.storage import Storage, open_storage, redact
+from deltasync.sync.protocol import HEAD_PATH, RUN_PATH, read_head, read_run
+
+log = logging.getLogger(__name__)
+TOKEN_ENV = "INFERENCE_API_TOKEN"
+TIMEOUT_S = 15.0
+PROBE_PREFIX = "preflight-"
+
+
+def schema_of(model: torch.nn.Module) -> dict[str, list[int]]:
+    """The parameters TRL's AsyncGRPOTrainer sends to a weight transfer (trainable ones, under their HF names;
+    tied weights once) and their shapes: what the sync root's run.json records."""
+    return {
+        name.removeprefix("module.").replace("_checkpoint_wrapped_module.", ""): list(p.shape)
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def schema_hash(schema: Mapping[str, Sequence[int]]) -> str:
+    """A short digest of parameter names and shapes, for replicas to report and trainers to compare."""
+    text = json.dumps(sorted((name, list(shape)) for name, shape in schema.items()))
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def preflight(
+    root: str | Path | Storage,
+    schema: Mapping[str, Sequence[int]],
+    model_name: str,
+    replica_urls: Iterable[str] = (),
+    env_url: str | None = None,
+) -> str | None:
+    """None if training may start, else one line naming what failed and where."""
+    storage = root if isinstance(root, Storage) else open_storage(root)
+    where = redact(storage.url)
+    try:
+        storage.probe()
+        stored = storage.sizes([RUN_PATH, HEAD_PATH])
+    except Exception as e:
+        return f"sync root {where} cannot be read: {_reason(e)}"
+    if stored[RUN_PATH] is not None:
+        try:
+            run = read_run(storage)
+        except Exception as e:
+            return f"sync root {where}: {RUN_PATH} cannot be read: {_reason(e)}"
+        mismatch = _schema_mismatch(run.schema, schema)
+        if mismatch:
+            return f"sync root {where} holds a run of another model ({run.model}): {mismatch}"
+        if stored[HEAD_PATH] is not None:
+            try:
+                log.info("sync root %s: continuing its run at step %d", where, read_head(storage).step)
+            except Exception as e:
+                return f"sync root {where}: {HEAD_PATH} cannot be read: {_reason(e)}"
+    for url in replica_urls:
+        problem = _check_replica(url.rstrip("/"), model_name, schema)
+        if problem:
+            return problem
+    if env_url:
+        problem = _get(f"{env_url.rstrip('/')}/health", "environment")[1]
+        if problem:
+            return problem
+    probe = f"{PROBE_PREFIX}{uuid.uuid4().hex}.json"
+    try:
+        storage.write_bytes(probe, b"{}")
+    except Exception as e:
+        return f"sync root {where} is not writable: {_reason(e)}"
+    try:
+        storage.delete([probe])
+    except Exception as e:
+        return f"sync root {where}: could not delete the write check {probe}: {_reason(e)}"
+    return None
+
+
+def check_or_exit(*args, **kwargs) -> None:
+    """`preflight(...)`; on a failure, print it as one line to stderr and exit with status 2."""
+    failure = preflight(*args, **kwargs)
+    if failure:
+        print(f"preflight failed: {failure}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+def _check_replica(url: str, model_name: str, schema: Mapping[str, Sequence[int]]) -> str | None:
+    """The replica answers, serves `model_name` and, if it reports its sync status (`/weights`, as the
+    project's inference Space does), the same parameters; logs its weight version."""
+    body, problem = _get(f"{url}/v1/models", "inference server")
+    if problem:
+        return problem
+    served = [m.get("id") for m in body.get("data", [])] if isinstance(body, dict) else []
+    if model_name not in served:
+        return f"inference server {redact(url)} serves {served}, not {model_name}"
+    status, problem = _get(f"{url}/weights", "inference server", optional=True)
+    if problem:
+        return problem
+    if isinstance(status, dict):
+        reported = status.get("schema_hash")
+        if reported is not None and reported != schema_hash(schema):
+            return (
+                f"inference server {redact(url)} holds other parameters than the trainer "
+                f"(schema {reported}, the trainer's {schema_hash(schema)})"
+            )
+        version = status.get("weight_version")
+        log.info("replica %s: model %s, weight version %s", redact(url), status.get("model"), version)
+    else:  # a stock vLLM server: its weights are whatever it loaded
+        log.info("replica %s: serves %s (no sync status)", redact(url), model_name)
+    return None
+
+
+def _get(url: str, what: str, optional: bool = False) -> tuple[object, str | None]:
+    token = os.environ.get(TOKEN_ENV) if what == "inference server" else None
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        r = requests.get(url, headers=headers, timeout=TIMEOUT_S)
+    except requests.RequestException as e:
+        return None, f"{what} {redact(url)} does not answer: {type(e).__name__}"
+    if optional and r.status_code == 404:
+        return None, None
+    if not r.ok:
+        return None, f"{what} {redact(url)} answers HTTP {r.status_code}"
+    try:
+        return r.json(), None
+    except ValueError:
+        return None, None if what == "environment" else f"{what} {redact(url)} answers no JSON"
+
+
+def _schema_mismatch(stored: Mapping[str, Sequence[int]], ours: Mapping[str, Sequence[int]]) -> str | None:
+    for name, shape in ours.items():
+        if name not in stored:
+            return f"it has no parameter {name}"
+        if list(stored[name]) != list(shape):
+            return f"{name} has shape {list(stored[name])} there, {list(shape)} here"
+    extra = next((name for name in stored if name not in ours), None)
+    return f"the model here has no parameter {extra}" if extra else None
+
+
+def _reason(e: BaseException) -> str:
+    return redact(str(e).splitlines()[0] if str(e) else type(e).__name__)
