@@ -1,7 +1,9 @@
 """Helpers the tests share: small models, simulated optimizer steps, bitwise comparisons, waiting."""
 
+import http.client
 import os
 import time
+import urllib.parse
 from pathlib import Path
 
 import numpy as np
@@ -165,3 +167,18 @@ def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".partial")
     tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def post_with_length(url: str, path: str, length: str, body: bytes = b"{}") -> int:
+    """The status of a POST to `url` + `path` that sends `body` under the Content-Length header `length`,
+    whatever text that is (HTTP clients compute the header themselves)."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        connection.putrequest("POST", path)
+        connection.putheader("Content-Type", "application/json")
+        connection.putheader("Content-Length", length)
+        connection.endheaders(body)
+        return connection.getresponse().status
+    finally:
+        connection.close()

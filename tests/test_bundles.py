@@ -47,7 +47,9 @@ def bundle_python(bundle: Path, venv: Path) -> Path:
     )
     # A path line only: the .pth files in that folder (the editable installs) are not processed.
     (site / "repo-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    packages = [str(w) for w in sorted((bundle / "wheels").glob("*.whl"))] or [str(bundle)]
+    packages = [str(w) for w in sorted((bundle / "wheels").glob("*.whl"))]
+    if (bundle / "pyproject.toml").exists():  # the env's wordle_env package
+        packages.append(str(bundle))
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target"]
     subprocess.run([*pip, str(site), *packages], check=True, stdout=subprocess.DEVNULL)
     return python

@@ -70,12 +70,9 @@ def env_leftovers():
 
 def check_bundle(app: str, files: dict[str, bytes]) -> None:
     """The files git tracks in the app's folder, plus the library wheel (exactly the package's tracked
-    modules) where the app uses it."""
+    modules)."""
     wheels = {p: files.pop(p) for p in list(files) if p.startswith("wheels/")}
     assert files == tracked(REPO / "spaces" / app), app
-    if app not in deploy.USES_LIBRARY:
-        assert wheels == {}, app
-        return
     ((name, wheel),) = wheels.items()
     assert name == "wheels/deltasync-0.1.0-py3-none-any.whl"
     with zipfile.ZipFile(io.BytesIO(wheel)) as z:

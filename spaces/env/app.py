@@ -4,23 +4,27 @@
 
 Serves the `wordle_env` package beside it (installed by `make setup` in the repo, by the Space's Dockerfile).
 
-Environment: PORT (default 7860), HOST (default 0.0.0.0), MAX_CONCURRENT_ENVS (WebSocket sessions, 512).
+Environment: PORT (default 7860), HOST (default 0.0.0.0), MAX_CONCURRENT_ENVS (WebSocket sessions, 512),
+SESSION_IDLE_S (a WebSocket that sends nothing for this long is closed and its session freed, 300).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import gradio as gr
-import uvicorn
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from openenv.core.env_server.http_server import create_app
 from openenv.core.env_server.mcp_types import JsonRpcErrorCode, JsonRpcResponse
 from openenv.core.env_server.types import WSErrorCode, WSErrorResponse
+from pydantic import Field
 from pydantic_settings import BaseSettings
 
+from deltasync.asgi import BodyLimit, serve
+from deltasync.settings import from_env
 from wordle_env.environment import WordleEnvironment
 from wordle_env.models import WordleAction, WordleObservation, WordleState
 from wordle_env.play_page import build_page
@@ -41,48 +45,46 @@ JSON_TYPES = {
 }
 
 
-class BodyLimit:
-    """Refuse oversized HTTP bodies (413) and bodies of undeclared length (411) before anything reads them."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            headers = dict(scope["headers"])
-            length = headers.get(b"content-length")
-            if length is not None and int(length) > MAX_MESSAGE_BYTES:
-                refusal = JSONResponse({"detail": f"Request body over {MAX_MESSAGE_BYTES} bytes"}, 413)
-                return await refusal(scope, receive, send)
-            if length is None and b"transfer-encoding" in headers:
-                return await JSONResponse({"detail": "Content-Length required"}, 411)(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
 class FrameGuard:
     """Answer, with an error reply on a session that stays open, the WebSocket frames that OpenEnv 0.10's
-    `/ws` and `/mcp` loops would end the session on: a binary frame, JSON Python cannot parse (an integer
-    over 4300 digits, nesting past the recursion limit), JSON that is not an object, nesting deeper than
-    MAX_MESSAGE_DEPTH. Other frames pass unchanged: OpenEnv answers the rest of malformed messages itself."""
+    `/ws` and `/mcp` loops would end the session on (or that would leave it unable to answer): a binary
+    frame, JSON Python cannot parse (an integer over 4300 digits, nesting past the recursion limit), JSON
+    that is not an object, nesting deeper than MAX_MESSAGE_DEPTH, a string no UTF-8 can encode (a lone
+    surrogate such as "\\ud800"). Other frames pass unchanged: OpenEnv answers the rest of malformed messages
+    itself. A socket that sends nothing for `idle_s` seconds is closed, so its session frees its slot (OpenEnv
+    would hold it until the client leaves)."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, idle_s: float):
+        self.app, self.idle_s = app, idle_s
 
     async def __call__(self, scope, receive, send):
         reply = ERROR_REPLIES.get(scope["path"]) if scope["type"] == "websocket" else None
         if reply is None:
             return await self.app(scope, receive, send)
+        closed = False
 
         async def checked_receive():
+            nonlocal closed
             while True:
-                event = await receive()
+                try:
+                    event = await asyncio.wait_for(receive(), self.idle_s)
+                except TimeoutError:
+                    closed = True
+                    await send(
+                        {"type": "websocket.close", "code": 1000, "reason": f"idle for {self.idle_s:g} s"}
+                    )
+                    return {"type": "websocket.disconnect", "code": 1000}
                 problem = _frame_problem(event) if event["type"] == "websocket.receive" else None
                 if problem is None:
                     return event
                 # OpenEnv's loops send only between receives: this reply cannot interleave with theirs.
                 await send({"type": "websocket.send", "text": reply(*problem)})
 
-        await self.app(scope, checked_receive, send)
+        async def guarded_send(message):
+            if not closed:  # after an idle close, OpenEnv's own close would be a second one
+                await send(message)
+
+        await self.app(scope, checked_receive, guarded_send)
 
 
 def _frame_problem(event: dict[str, Any]) -> tuple[bool, str] | None:
@@ -98,6 +100,10 @@ def _frame_problem(event: dict[str, Any]) -> tuple[bool, str] | None:
         return True, f"the message must be a JSON object, got {JSON_TYPES[type(message)]}"
     if _depth(message) > MAX_MESSAGE_DEPTH:
         return True, f"the message nests deeper than {MAX_MESSAGE_DEPTH} levels"
+    try:
+        json.dumps(message, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:  # from an escape such as \ud800: JSON allows it, no reply can carry it
+        return True, f"the message holds a lone surrogate ({e.object[e.start : e.end]!r}): not Unicode text"
     return None
 
 
@@ -131,9 +137,10 @@ class Settings(BaseSettings):
     host: str = "0.0.0.0"
     port: int = 7860
     max_concurrent_envs: int = 512  # WebSocket sessions
+    session_idle_s: float = Field(300.0, gt=0)  # a WebSocket silent this long is closed
 
 
-settings = Settings()
+settings = from_env(Settings)
 app = create_app(
     WordleEnvironment,
     WordleAction,
@@ -142,8 +149,8 @@ app = create_app(
     max_concurrent_envs=settings.max_concurrent_envs,
     state_cls=WordleState,
 )
-app.add_middleware(BodyLimit)
-app.add_middleware(FrameGuard)
+app.add_middleware(BodyLimit, max_bytes=MAX_MESSAGE_BYTES)
+app.add_middleware(FrameGuard, idle_s=settings.session_idle_s)
 
 
 @app.exception_handler(NoGameInProgress)
@@ -156,10 +163,12 @@ async def no_game_in_progress(request: Request, exc: NoGameInProgress) -> JSONRe
 app = gr.mount_gradio_app(app, build_page(), path="/")
 
 if __name__ == "__main__":
-    uvicorn.run(
+    serve(
         app,
-        host=settings.host,
-        port=settings.port,
+        "Wordle env",
+        settings.host,
+        settings.port,
         ws_max_size=MAX_MESSAGE_BYTES,
+        log_level="warning",  # no line per request: serve() has said where the app is
         timeout_graceful_shutdown=5,  # an open play page holds a Gradio heartbeat stream that never ends
     )

@@ -1,5 +1,6 @@
 """The Wordle Space end to end: `python spaces/env/app.py` on a loopback port, played with OpenEnv clients."""
 
+import contextlib
 import json
 import sys
 
@@ -11,7 +12,7 @@ from openenv.core.generic_client import GenericEnvClient
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from tests.helpers import REPO
+from tests.helpers import REPO, post_with_length
 from trainer.processes import serving
 from wordle_env.client import WordleEnvClient
 from wordle_env.models import WordleAction
@@ -203,6 +204,7 @@ HOSTILE_FRAMES = {
         "VALIDATION_ERROR",
     ),
     "binary": (b'{"type": "state"}', "INVALID_JSON"),
+    "lone-surrogate": (r'{"type": "step", "data": {"message": "[\ud800]"}}', "VALIDATION_ERROR"),
 }
 
 
@@ -255,6 +257,8 @@ def test_malformed_http_requests_get_4xx(url):
     assert post(f"{url}/reset", json={"seed": "é"}).status_code == 422
     assert post(f"{url}/step", json={"action": {"message": "x" * 100_000}}).status_code == 413
     assert post(f"{url}/step", data=iter([b'{"action": ', b"{}}"])).status_code == 411  # chunked: no length
+    for length, status in [("abc", 400), ("-1", 400), ("2, 2", 400), (str(10 << 20), 413)]:
+        assert post_with_length(url, "/step", length) == status, length
     refused = post(f"{url}/step", json={"action": {"message": "[crane]"}})
     assert refused.status_code == 409 and "WebSocket" in refused.json()["detail"]
     reset = post(f"{url}/reset", json={"seed": 1})
@@ -277,3 +281,20 @@ def test_the_play_page_is_the_front_page(url):
         client.close()
     assert message.endswith("Congratulations! You guessed the word correctly!") and typed == ""
     assert board.count('class="tile G"') == 5
+
+
+def test_idle_sockets_are_closed_and_their_sessions_freed(tmp_path):
+    log = tmp_path / "server.log"
+    env = {"MAX_CONCURRENT_ENVS": "2", "SESSION_IDLE_S": "1"}
+    with serving([sys.executable, str(APP)], log, env, timeout=60, grace_s=0) as base:
+        ws_url = base.replace("http", "ws") + "/ws"
+        with contextlib.ExitStack() as stack:
+            idle = [stack.enter_context(connect(ws_url)) for _ in range(2)]  # all the sessions there are
+            for ws in idle:
+                with pytest.raises(ConnectionClosed) as closed:
+                    ws.recv(timeout=30)
+                assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (1000, "idle for 1 s")
+        with connect(ws_url) as ws:  # the slots are free again
+            assert _reply(ws, {"type": "reset", "data": {"seed": 1}})["type"] == "observation"
+            assert _reply(ws, {"type": "step", "data": {"message": "[crane]"}})["type"] == "observation"
+        assert f"Wordle env listening on 127.0.0.1:{base.rsplit(':', 1)[1]}" in log.read_text()  # one line
