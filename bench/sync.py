@@ -60,8 +60,8 @@ class Link(Storage):
         time.sleep(self.latency / 2 + size / self.bandwidth)
         return result
 
-    def _read_bytes(self, path):
-        return self._request(0, lambda: self.inner._read_bytes(path))
+    def _read_bytes(self, path, limit):
+        return self._request(0, lambda: self.inner._read_bytes(path, limit))
 
     def _write_bytes(self, path, data):
         self._request(len(data), lambda: self.inner._write_bytes(path, data))

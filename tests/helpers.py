@@ -182,3 +182,9 @@ def post_with_length(url: str, path: str, length: str, body: bytes = b"{}") -> i
         return connection.getresponse().status
     finally:
         connection.close()
+
+
+def delta_file(root, step: int) -> Path:
+    """The delta of `step` in the folder `root`, whichever writer's tag its name carries (exactly one)."""
+    (path,) = Path(root).glob(f"deltas/step-{step:08d}*.safetensors")
+    return path

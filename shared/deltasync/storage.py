@@ -10,11 +10,14 @@ Every backend gives readers the old or the new object, never a partial one. Erro
 - TransientStorageError: anything else (network, timeout, server error, permissions): retry later.
 
 URLs may carry credentials (`http://user:password@host/...`): `url` and every error message are redacted.
+`retry` is the one backoff loop for transient errors.
 """
 
 from __future__ import annotations
 
 import fcntl
+import itertools
+import logging
 import os
 import re
 import shutil
@@ -26,11 +29,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 from huggingface_hub import HfApi, get_session
 from huggingface_hub.errors import BucketNotFoundError, EntryNotFoundError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TMP_MARK = (
     ".deltasync-tmp-"  # in the names of files being written; list() hides them, check_path refuses them
@@ -38,9 +45,10 @@ TMP_MARK = (
 # Object stores replace a whole object atomically on put, so writing there needs no temporary key.
 OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl", "oss", "hf"}
 _HUB_MISSING = (BucketNotFoundError, EntryNotFoundError)
-_ANCHOR_DIR = re.compile(r"step-\d{8}")
+_ANCHOR_DIR = re.compile(r"step-\d{8,}(-e\d+-[0-9a-f]{8})?")  # as deltasync.sync.protocol names them
 _CREDENTIALS = [
-    (re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s@]+@"), r"\1***@"),  # user:password@ in a URL
+    # user:password@ in a URL, whatever the password holds ("/", "@", ":"): up to the last "@" before a space
+    (re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)\S*@"), r"\1***@"),
     (re.compile(r"hf_[A-Za-z0-9]{8,}"), "hf_***"),  # a Hub token anywhere
 ]
 
@@ -63,6 +71,30 @@ def redact(text: str) -> str:
     for pattern, replacement in _CREDENTIALS:
         text = pattern.sub(replacement, text)
     return text
+
+
+def retry(
+    call: Callable[[], T],
+    waits: tuple[float, float],
+    attempts: int | None = None,
+    log_as: str | None = None,
+    sleep: Callable[[float], object] = time.sleep,
+) -> T:
+    """`call()`, called again after each TransientStorageError: first after `waits[0]` seconds, then twice as
+    long each time up to `waits[1]`; after `attempts` calls (None: never) the last error is raised. With
+    `log_as` each retry logs a warning; `sleep` waits (a caller may wake up early with other work)."""
+    wait = waits[0]
+    for attempt in itertools.count(1):
+        try:
+            return call()
+        except TransientStorageError as e:
+            if attempts is not None and attempt >= attempts:
+                raise
+            if log_as:
+                log.warning("%s failed, retrying in %.1f s: %s", log_as, wait, e)
+        sleep(wait)
+        wait = min(2 * wait, waits[1])
+    raise AssertionError("unreachable")
 
 
 def check_path(path: str) -> str:
@@ -150,16 +182,16 @@ class Storage(ABC):
     url: str
 
     def read_bytes(self, path: str, limit: int | None = None) -> bytes:
-        """The object's content; FileNotFoundError if absent, TooLargeError if over `limit` bytes (checked
-        before the content is read into memory)."""
+        """The object's content; FileNotFoundError if absent, TooLargeError if over `limit` bytes: at most
+        `limit` + 1 bytes are ever read, in one request where the backend can read a range (a poll)."""
         check_path(path)
-        if limit is None:
-            with self._failures("read", path, absent_is_final=True):
-                return self._read_bytes(path)
-        with tempfile.TemporaryDirectory(prefix="deltasync-") as tmp:
-            local = Path(tmp) / "object"
-            self.download_file(path, local, limit)
-            return local.read_bytes()
+        with self._failures("read", path, absent_is_final=True):
+            data = self._read_bytes(path, limit)
+        if limit is not None and len(data) > limit:
+            raise TooLargeError(
+                f"{self.url}: {path} has at least {len(data)} bytes, more than the {limit} expected"
+            )
+        return data
 
     def write_bytes(self, path: str, data: bytes) -> None:
         """Create or replace the object."""
@@ -249,7 +281,9 @@ class Storage(ABC):
             raise TransientStorageError(redact(f"{self.url}: {action} {target!r} failed: {e}")) from e
 
     @abstractmethod
-    def _read_bytes(self, path: str) -> bytes: ...
+    def _read_bytes(self, path: str, limit: int | None) -> bytes:
+        """The content; with a `limit`, at most its first `limit` + 1 bytes (TooLargeError if larger)."""
+
     @abstractmethod
     def _write_bytes(self, path: str, data: bytes) -> None: ...
     @abstractmethod
@@ -271,8 +305,17 @@ class LocalStorage(Storage):
         self.root = Path(root).expanduser().absolute()
         self.url = str(self.root)
 
-    def _read_bytes(self, path: str) -> bytes:
-        return (self.root / path).read_bytes()
+    def _read_bytes(self, path: str, limit: int | None) -> bytes:
+        if limit is None:
+            return (self.root / path).read_bytes()
+        # O_NONBLOCK: opening a FIFO planted at `path` must not wait for a writer; it is then refused.
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+        with open(os.open(self.root / path, flags), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise TooLargeError(f"{self.url}: {path} is not a regular file")
+            self._refuse_over(path, st.st_size, limit)
+            return f.read(limit + 1)  # bounded if it grew meanwhile
 
     def _write_bytes(self, path: str, data: bytes) -> None:
         with _atomic_file(self.root / path) as tmp:
@@ -281,25 +324,6 @@ class LocalStorage(Storage):
     def _upload_file(self, local: Path, path: str) -> None:
         with _atomic_file(self.root / path) as tmp:
             shutil.copyfile(local, tmp)
-
-    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
-        if limit is None:
-            return super().read_bytes(path)
-        check_path(path)
-        # O_NONBLOCK: opening a FIFO planted at `path` must not wait for a writer; it is then refused.
-        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
-        with (
-            self._failures("read", path, absent_is_final=True),
-            open(os.open(self.root / path, flags), "rb") as f,
-        ):
-            st = os.fstat(f.fileno())
-            regular, size = stat.S_ISREG(st.st_mode), st.st_size
-            data = f.read(limit + 1) if regular and size <= limit else b""  # bounded if it grew meanwhile
-        if not regular:
-            raise TooLargeError(f"{self.url}: {path} is not a regular file")
-        if size > limit or len(data) > limit:
-            raise TooLargeError(f"{self.url}: {path} has {max(size, len(data))} bytes, more than {limit}")
-        return data
 
     def _download_file(self, path: str, local: Path) -> None:
         with open_regular(self.root / path) as src, _atomic_file(local) as tmp, open(tmp, "wb") as dest:
@@ -389,22 +413,28 @@ class FsspecStorage(Storage):
     def _key(self, path: str) -> str:
         return f"{self.root}/{path}"
 
-    def _read_bytes(self, path: str) -> bytes:
-        return self.fs.cat_file(self._key(path))
+    def probe(self) -> None:
+        if self.atomic_puts or self.fs.protocol in ("memory", ("memory",)) or self._local:
+            return  # object stores' clients answer a missing root quickly; in-process roots are always there
+        try:  # a ranged read of the root: absent or a folder means the server answered
+            self.fs.cat_file(self.root, start=0, end=1)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError):
+            return
+        except Exception as e:
+            raise TransientStorageError(redact(f"{self.url} is unreachable: {e}")) from None
 
-    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
+    @property
+    def _local(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
+    def lock(self, name: str, holder: str) -> WriterLock | None:
+        """A local folder under another spelling: the same flock as its plain path (one folder, one lock)."""
+        return LocalStorage(self.root).lock(name, holder) if self._local else None
+
+    def _read_bytes(self, path: str, limit: int | None) -> bytes:
         if limit is None:
-            return super().read_bytes(path)
-        check_path(path)
-        with self._failures("read", path, absent_is_final=True):
-            size = self._size(path)
-            if size is None:
-                raise FileNotFoundError(path)
-            # at most limit + 1 bytes, straight into memory: no temporary file (the dashboard reads thousands)
-            data = self.fs.cat_file(self._key(path), start=0, end=limit + 1) if size <= limit else b""
-        if size > limit or len(data) > limit:
-            raise TooLargeError(f"{self.url}: {path} has {max(size, len(data))} bytes, more than {limit}")
-        return data
+            return self.fs.cat_file(self._key(path))
+        return self.fs.cat_file(self._key(path), start=0, end=limit + 1)  # one ranged request, no stat
 
     def _write_bytes(self, path: str, data: bytes) -> None:
         self._put(path, lambda key: self.fs.pipe_file(key, data))
@@ -416,6 +446,7 @@ class FsspecStorage(Storage):
         if self.atomic_puts:
             write(self._key(path))
             return
+        self.fs.makedirs(self._key(path).rsplit("/", 1)[0], exist_ok=True)  # folders exist before their files
         tmp = f"{self._key(path)}{TMP_MARK}{uuid.uuid4().hex}"
         try:
             write(tmp)
@@ -506,7 +537,12 @@ class HubBucketStorage(Storage):
             self.api.create_bucket(self.bucket_id, private=True, exist_ok=True)
             self._bucket_exists = True
 
-    def _read_bytes(self, path: str) -> bytes:
+    def _read_bytes(self, path: str, limit: int | None) -> bytes:
+        if limit is not None:  # the bucket API reads no ranges: a stat first, so nothing large is fetched
+            size = self._sizes([path])[path]
+            if size is None:
+                raise FileNotFoundError(path)
+            self._refuse_over(path, size, limit)
         with tempfile.TemporaryDirectory() as tmp:
             local = Path(tmp) / "object"
             self._download_file(path, local)
@@ -562,8 +598,9 @@ def open_storage(url: str | Path, token: str | None = None) -> Storage:
     or any other fsspec URL. `token` is for the Hub only (None: HF_TOKEN or the login cache)."""
     if isinstance(url, Path) or "://" not in url:
         return LocalStorage(url)
-    if url.startswith("file://"):
-        return LocalStorage(url.removeprefix("file://"))
+    for scheme in ("file://", "local://"):  # fsspec's names for a local folder: one folder, one lock
+        if url.startswith(scheme):
+            return LocalStorage(url.removeprefix(scheme))
     if url.startswith("hf://buckets/"):
         namespace, _, rest = url.removeprefix("hf://buckets/").strip("/").partition("/")
         name, _, prefix = rest.partition("/")

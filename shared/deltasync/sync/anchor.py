@@ -68,14 +68,15 @@ def write_anchor(
     shard_bytes: int = 2 << 30,
     encoding: str = "plain",
     threads: int | None = None,
+    tag: str = "",
 ) -> list[tuple[Path, str]]:
     """Save `state` (bf16) in shards of at most ~`shard_bytes` of bf16, plain or packed (on `threads`
-    threads); returns (local file, sync-root path) pairs."""
+    threads); returns (local file, sync-root path) pairs, the paths of the writer tagged `tag`."""
     if encoding not in ANCHOR_ENCODINGS:
         raise ValueError(f"unknown anchor encoding {encoding!r}; choose from {', '.join(ANCHOR_ENCODINGS)}")
     shards = shard(state, shard_bytes)
     out = []
-    for i, (tensors, path) in enumerate(zip(shards, anchor_paths(step, len(shards)), strict=True)):
+    for i, (tensors, path) in enumerate(zip(shards, anchor_paths(step, len(shards), tag), strict=True)):
         meta = {"format": ANCHOR_FORMAT, "version": str(FORMAT_VERSION), "step": str(step)}
         meta |= {"fingerprint": fingerprint.format_fingerprint(fp), "shard": f"{i + 1}/{len(shards)}"}
         entries = {n: t.contiguous() for n, t in tensors.items()}

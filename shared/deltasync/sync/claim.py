@@ -1,22 +1,34 @@
-"""The single-writer claim on a sync root.
+"""The single-writer claim on a sync root, and what it guarantees per backend.
 
-One writer per sync root, enforced in two layers:
-- a claim held for the publisher's life: on a local folder an flock on `writer.lock` (exclusive between
-  processes of this host, released by the kernel if the holder dies); on object stores and fsspec URLs, which
-  offer no conditional write through the APIs used here, a lease in `writer.lock` (holder, expiry; renewed
-  while the publisher lives) that a second publisher reads and respects, then reads back after taking it;
-- fencing: each claim takes an epoch larger than any before it and the publisher rewrites the head with it at
-  once; before writing a head the publisher re-reads the current one, and after writing reads it back: a head
-  with another writer's epoch, or not the bytes it wrote, stops it with WriterConflict, and the step is never
-  acknowledged.
-Guarantees: on a local folder a second writer is refused outright. On object stores a second writer is
-refused while the lease is live, and one that raced past it is fenced at its next head write; what remains is
-a window of one request between a writer's re-read and its write, in which two heads can cross (detected by
-the read-back, but one of them may already be acknowledged). Leases also assume clocks within `lease_s`.
+One writer per sync root, in three layers:
+- a claim held for the publisher's life: on a local folder (a path, `file://` or `local://`) an flock on
+  `writer.lock`, exclusive between processes of this host and released by the kernel if the holder dies; on
+  object stores and other fsspec URLs, which offer no conditional write through the APIs used here, a lease
+  in `writer.lock` (holder, epoch, expiry; renewed every quarter of `lease_s`) that a second publisher reads
+  and respects, then reads back after taking it;
+- fencing: each claim takes an epoch larger than any before it, rewrites the head with it at once, and names
+  its step files with its tag (`e<epoch>-<claim>`), so two writers never write the same data object;
+- acknowledgement: a publisher re-reads the head before writing it (it must be the head it wrote last), and
+  acknowledges a step only after reading the head back (its own bytes) and, with a lease, the lease (still its
+  own, same epoch, unexpired). It writes no head once its own clock says its lease may have lapsed.
+
+What each backend guarantees:
+- local folder: a second writer is refused outright; nothing below applies.
+- object stores and fsspec URLs: at most one writer acknowledges a step, and a fenced writer's step files are
+  garbage (GC removes them), never damage. What remains is the head itself, written without a condition: a
+  writer that stops for longer than its lease inside the head write (after its last check) can still replace
+  the current writer's head once, with a complete head of its own (the root stays readable and writable). It
+  then finds the lease gone and never acknowledges; the current writer puts its own head back (it has a
+  larger epoch) at its next head write, lease renewal or close. Readers in between may apply the fenced
+  writer's step; they reload from an anchor when the head moves on (they trust fingerprints, not step
+  numbers). Two claims racing within one request of each other can both read back their own lease; the
+  acknowledgement's lease check then lets at most one of them acknowledge. Leases assume clocks that agree
+  within a small fraction of `lease_s`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -70,14 +82,51 @@ class WriterClaim:
         ok = isinstance(lease, dict) and all(isinstance(lease.get(k), t) for k, t in kinds.items())
         return lease if ok and 0 <= lease["epoch"] < 1 << 62 and abs(lease["expires_at"]) < 1e12 else None
 
+    @property
+    def leased(self) -> bool:
+        """Whether this claim is a lease (the backend has no lock)."""
+        return self._lock is None
+
+    @property
+    def tag(self) -> str:
+        """What this claim's step files are named with: no other claim writes objects of the same name."""
+        return f"e{self.epoch}-{hashlib.blake2b(self.holder.encode(), digest_size=4).hexdigest()}"
+
+    def raise_epoch(self, at_least: int) -> None:
+        """Take epoch `at_least` if it is larger (past the head's), and put it in the lease."""
+        if at_least > self.epoch:
+            self.epoch = at_least
+            self.renew()
+
     def renew_due(self) -> bool:
         return self._lock is None and time.time() - self._renewed_at > self.lease_s / 4
 
+    def check_live(self) -> None:
+        """WriterConflict if this process's clock says the lease may have lapsed (so another writer may be
+        claiming the root now): checked right before writing a head, without a request."""
+        if self._lock is None and time.time() >= self._renewed_at + self.lease_s:
+            raise WriterConflict(
+                f"{self.storage.url}: this publisher's lease lapsed ({time.time() - self._renewed_at:.1f} s "
+                f"since it was renewed, lease {self.lease_s:g} s): another publisher may have the root"
+            )
+
+    def confirm(self) -> None:
+        """WriterConflict unless the lease is still this claim's, with its epoch, unexpired (a lock needs no
+        check): the last check before a step is acknowledged."""
+        if self._lock is None:
+            lease = self._lease()
+            mine = lease is not None and (lease["holder"], lease["epoch"]) == (self.holder, self.epoch)
+            if not mine or lease["expires_at"] <= time.time():
+                other = lease["holder"] if lease else "a writer that removed the lease"
+                raise WriterConflict(f"{self.storage.url}: another publisher ({other}) took over")
+
     def renew(self, taking: bool = False) -> None:
-        """Extend the lease (a lock needs nothing); WriterConflict if another writer took it over."""
+        """Extend the lease (a lock needs nothing); WriterConflict if another writer took it over, or if the
+        lease lapsed (another writer may be taking it now)."""
         if self._lock is not None:
             return
         if not taking:
+            self.check_live()
             self._check_lease("took over")
         now = time.time()
         lease = {"holder": self.holder, "epoch": self.epoch, "expires_at": now + self.lease_s}

@@ -9,16 +9,19 @@ LEFTOVER_GRACE_S = 15 * 60.0  # a temporary file untouched this long belongs to 
 
 
 def collect_garbage(storage: Storage, grace_s: float = LEFTOVER_GRACE_S) -> list[str]:
-    """Delete the step files (deltas/, anchors/) of steps up to the head that it does not name, and what
-    crashed writers left untouched for `grace_s` (temporary files, empty anchor folders); returns them.
-    Call it as the root's writer (WriterClaim); the head is read again right before deleting, and only files
-    named exactly as a publisher names them are touched."""
+    """Delete the step files (deltas/, anchors/) of steps up to the head that it does not name (whichever
+    writer's tag they carry: a fenced writer's files are garbage), and what crashed writers left untouched for
+    `grace_s` (temporary files, empty anchor folders); returns them. Call it as the root's writer
+    (WriterClaim); the head is read again right before deleting, and only files named exactly as a publisher
+    names them are touched."""
     head = read_head(storage)
+    named = head.files()
     candidates = [
         path
         for path in storage.list("deltas") + storage.list("anchors")
-        if (step := step_of(path)) is not None and step <= head.step and path not in head.files()
+        if (step := step_of(path)) is not None and step <= head.step and path not in named
     ]
-    garbage = [path for path in candidates if path not in read_head(storage).files()]
+    named = read_head(storage).files()
+    garbage = [path for path in candidates if path not in named]
     storage.delete(garbage)
     return garbage + storage.delete_leftovers(grace_s)

@@ -1,13 +1,16 @@
 """The sync root's layout and its two manifests.
 
-    run.json                                   the model: id and parameter schema (names, shapes; all bf16)
-    anchors/step-00000000/model*.safetensors   complete bf16 states (HF names; sharded above `shard_bytes`)
-    deltas/step-00000001.safetensors           patches (codec.patch) from the previous published step
-    heads/latest.json                          the newest step and every file a reader may use to reach it
-    telemetry/...                              deltasync.telemetry
-    writer.lock                                who publishes (deltasync.sync.publisher: lock or lease)
+    run.json                                          the model: id and parameter schema (names, shapes; bf16)
+    anchors/step-00000000-e1-1a2b3c4d/model*.safetensors  complete bf16 states (HF names; sharded)
+    deltas/step-00000001-e1-1a2b3c4d.safetensors      patches (codec.patch) from the previous published step
+    heads/latest.json                                 the newest step and every file a reader may use
+    telemetry/...                                     deltasync.telemetry
+    writer.lock                                       who publishes (deltasync.sync.claim: lock or lease)
 
-Writers upload data first and the head last; readers trust only what the head names. The head lists the
+Step files carry their writer's tag (`e<epoch>-<claim>`, see deltasync.sync.claim), so two writers never
+write the same object: a fenced writer leaves only garbage, never damage. Files without a tag (older
+publishers) are still read. Writers upload data first and the head last; readers trust only what the head
+names. The head lists the
 retained anchors and the unbroken chain of deltas from the oldest of them to the newest step, with sizes and
 fingerprints, so a reader plans its path without listing the bucket. Manifests are untrusted input on the
 reader side: `read_head` and `read_run` bound the size, `Head.from_json` and `RunInfo.from_json` check
@@ -32,8 +35,10 @@ HEAD_PATH = "heads/latest.json"
 ANCHOR_FORMAT = "deltasync.anchor"
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_INT = (1 << 63) - 1  # steps, sizes, counts, dims: anything larger is corrupt
+_TAG = r"(?:-(e\d{1,19}-[0-9a-f]{8}))?"
 _DATA_FILE = re.compile(
-    r"deltas/step-(\d{8,})\.safetensors|anchors/step-(\d{8,})/model(-\d{5}-of-\d{5})?\.safetensors"
+    rf"deltas/step-(\d{{8,}}){_TAG}\.safetensors"
+    rf"|anchors/step-(\d{{8,}}){_TAG}/model(?:-\d{{5}}-of-(\d{{5}}))?\.safetensors"
 )
 
 
@@ -41,28 +46,62 @@ class ManifestError(ValueError):
     """A run.json or head that is malformed or unsafe."""
 
 
-def delta_path(step: int) -> str:
-    return f"deltas/step-{step:08d}.safetensors"
+def _stem(step: int, tag: str) -> str:
+    return f"step-{step:08d}" + (f"-{tag}" if tag else "")
 
 
-def anchor_dir(step: int) -> str:
-    return f"anchors/step-{step:08d}"
+def delta_path(step: int, tag: str = "") -> str:
+    """Where the writer tagged `tag` puts its delta of `step` ("" : an untagged, older name)."""
+    return f"deltas/{_stem(step, tag)}.safetensors"
 
 
-def anchor_paths(step: int, shards: int) -> list[str]:
+def anchor_dir(step: int, tag: str = "") -> str:
+    return f"anchors/{_stem(step, tag)}"
+
+
+def anchor_paths(step: int, shards: int, tag: str = "") -> list[str]:
+    folder = anchor_dir(step, tag)
     if shards == 1:
-        return [f"{anchor_dir(step)}/model.safetensors"]
-    return [f"{anchor_dir(step)}/model-{i:05d}-of-{shards:05d}.safetensors" for i in range(1, shards + 1)]
+        return [f"{folder}/model.safetensors"]
+    return [f"{folder}/model-{i:05d}-of-{shards:05d}.safetensors" for i in range(1, shards + 1)]
+
+
+def parse_data_path(path: str) -> tuple[str, int, str, int] | None:
+    """(kind, step, tag, shards) of a file exactly as a publisher names it, else None: what GC may delete and
+    what a head may name."""
+    match = _DATA_FILE.fullmatch(path)
+    if match is None:
+        return None
+    if match[1] is not None:
+        kind, step, tag, shards = "delta", int(match[1]), match[2] or "", 1
+        canonical = delta_path(step, tag)
+    else:
+        kind, step, tag, shards = "anchor", int(match[3]), match[4] or "", int(match[5] or 1)
+        canonical = f"{anchor_dir(step, tag)}/{path.rsplit('/', 1)[1]}"
+    return (kind, step, tag, shards) if path == canonical and step <= MAX_INT else None
 
 
 def step_of(path: str) -> int | None:
     """The step of a file exactly as a publisher names it (None for anything else): what GC may delete."""
-    match = _DATA_FILE.fullmatch(path)
-    if match is None:
-        return None
-    step = int(match[1] or match[2])
-    canonical = delta_path(step) if match[1] else f"{anchor_dir(step)}/{path.rsplit('/', 1)[1]}"
-    return step if path == canonical else None
+    parsed = parse_data_path(path)
+    return parsed[1] if parsed else None
+
+
+def check_step(step: int, where: str) -> int:
+    """`step` if a head can hold it (what `Head.from_json` accepts), else ValueError naming `where`."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_INT:
+        raise ValueError(f"{where}: step {step!r} is not an integer from 0 to {MAX_INT}")
+    return step
+
+
+def schema_problem(name: object, shape: object) -> str | None:
+    """Why (`name`, `shape`) cannot be a run.json schema entry, or None: readers and writers share it."""
+    if not isinstance(name, str) or not name:
+        return "a tensor name must be a non-empty string"
+    ok = isinstance(shape, list) and all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_INT for d in shape
+    )
+    return None if ok else "a shape must be a list of integers from 0 to 2**63 - 1"
 
 
 def read_head(storage: Storage) -> Head:
@@ -120,7 +159,13 @@ class RunInfo:
 
     @classmethod
     def of(cls, model: str, state: Mapping[str, torch.Tensor]) -> RunInfo:
-        return cls(model, {name: list(t.shape) for name, t in state.items()})
+        """The run of `state`; ValueError naming the tensor if a reader would refuse its schema."""
+        schema = {name: list(t.shape) for name, t in state.items()}
+        for name, shape in schema.items():
+            problem = schema_problem(name, shape)
+            if problem:
+                raise ValueError(f"tensor {name!r}: {problem}")
+        return cls(model, schema)
 
     @property
     def numel(self) -> int:
@@ -135,11 +180,9 @@ class RunInfo:
         model = _field(raw, "model", str, RUN_PATH)
         schema = _field(raw, "schema", dict, RUN_PATH)
         for name, shape in schema.items():
-            ok = isinstance(shape, list) and all(
-                isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_INT for d in shape
-            )
-            if not name or not ok:
-                raise ManifestError(f"{RUN_PATH}: bad schema entry {name!r}: {shape!r:.80}")
+            problem = schema_problem(name, shape)
+            if problem:
+                raise ManifestError(f"{RUN_PATH}: bad schema entry {name!r:.80}: {shape!r:.80}: {problem}")
         return cls(model, schema)
 
 
@@ -240,13 +283,10 @@ def _entry(raw: object, index: int) -> Entry:
     kind = raw.get("kind")
     files = tuple(_field(raw, "files", list, what))
     if kind == "delta":
-        expected_ok = files == (delta_path(step),)
         base_step = _field(raw, "base_step", int, what)
         if base_step >= step:
             raise ManifestError(f"{what}: base step {base_step} is not before step {step}")
     elif kind == "anchor":
-        n = len(files)
-        expected_ok = 0 < n < 100_000 and files == tuple(anchor_paths(step, n))
         base_step = None
     else:
         raise ManifestError(f"{what}: kind {kind!r} is neither 'anchor' nor 'delta'")
@@ -255,6 +295,13 @@ def _entry(raw: object, index: int) -> Entry:
             check_path(path)
         except ValueError as e:
             raise ManifestError(f"{what}: {e}") from None
+    # Where a writer (tagged or not) puts the files of this step: one delta, or every shard of one anchor.
+    first = parse_data_path(files[0]) if files and isinstance(files[0], str) else None
+    expected_ok = first is not None and first[:2] == (kind, step) and len(files) < 100_000
+    if expected_ok and kind == "delta":
+        expected_ok = len(files) == 1
+    elif expected_ok:
+        expected_ok = files == tuple(anchor_paths(step, len(files), first[2]))
     if not expected_ok:
         raise ManifestError(f"{what}: files {list(files)!r:.200} are not where a {kind} of step {step} lives")
     return Entry(

@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent import futures
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
@@ -31,6 +32,7 @@ from deltasync.storage import (
     TransientStorageError,
     WriterConflict,
     open_storage,
+    retry,
 )
 from deltasync.sync.anchor import anchor_encoding, write_anchor
 from deltasync.sync.claim import LEASE_S, WriterClaim, new_holder
@@ -42,6 +44,7 @@ from deltasync.sync.protocol import (
     Head,
     ManifestError,
     RunInfo,
+    check_step,
     delta_path,
     read_manifest,
     read_run,
@@ -92,12 +95,15 @@ class Publisher:
         self._published: dict[str, torch.Tensor] | None = None  # the state the head names, bf16 on the host
         self._published_fp = 0
         self._head_bytes: set[bytes | None] = {None}  # what the head may be now: what we wrote (or none)
+        # Head reads that travel while the data uploads, and lease checks beside read-backs.
+        self._background = futures.ThreadPoolExecutor(1, thread_name_prefix="deltasync-publisher-check")
         holder = new_holder()  # one name across retries: a lease written by a failed attempt is its own
         self.claim = self._retrying(lambda: WriterClaim(self.storage, self.config.lease_s, holder))
         try:
             self._retrying(self._resume)
         except BaseException:
             self.claim.release()
+            self._background.shutdown()
             raise
         self.last_step = self._head.step if self._head else -1  # the newest step handed to publish()
         self._thread = threading.Thread(target=self._work, name="deltasync-publisher", daemon=True)
@@ -117,7 +123,7 @@ class Publisher:
         require_floats(params, "publish()")
         with self._cond:
             self._raise_if_failed()
-            step = self.last_step + 1 if step is None else step
+            step = check_step(self.last_step + 1 if step is None else step, "publish()")
             if step <= self.last_step:
                 raise ValueError(f"step {step} is not after the last published step {self.last_step}")
             pending = self._pending
@@ -151,7 +157,10 @@ class Publisher:
                 self._cond.notify_all()
             self._thread.join(timeout)
             if not self._thread.is_alive():
+                if self._error is None:
+                    self._restore_head()
                 self.claim.release()
+                self._background.shutdown()
 
     def __enter__(self) -> Publisher:
         return self
@@ -212,46 +221,45 @@ class Publisher:
             if self._error is not None:
                 return
 
-    def _retrying(self, call: Callable[[], T], attempts: int = 6) -> T:
-        """`call()`, retried with backoff on transient storage errors (for the constructor's reads)."""
-        wait = self.config.retry_s[0]
-        for attempt in range(attempts):
-            try:
-                return call()
-            except TransientStorageError as e:
-                if attempt == attempts - 1:
-                    raise
-                log.warning("opening %s failed, retrying in %.1f s: %s", self.storage.url, wait, e)
-            time.sleep(wait)
-            wait = min(2 * wait, self.config.retry_s[1])
-        raise AssertionError("unreachable")
+    def _retrying(self, call: Callable[[], T]) -> T:
+        """`call()`, retried a few times on transient storage errors (for the constructor's reads)."""
+        return retry(call, self.config.retry_s, attempts=6, log_as=f"opening {self.storage.url}")
 
     def _renew_lease(self) -> None:
         if not self.claim.renew_due():
             return
         try:
             self.claim.renew()
+            self._restore_head()
         except TransientStorageError as e:
             log.warning("lease renewal failed, retrying: %s", e)
         except WriterConflict as e:  # fenced: publish() and flush() raise it from now on
             with self._cond:
                 self._error = e
 
+    def _restore_head(self) -> None:
+        """Put this writer's head back if a fenced writer replaced it (see deltasync.sync.claim)."""
+        if not self.claim.leased or self._head is None:
+            return
+        try:
+            current = self._current_head()
+            if current not in self._head_bytes:
+                self._write_head(self._head, current)
+        except (TransientStorageError, WriterConflict) as e:
+            log.warning("could not check the head of %s: %s", self.storage.url, e)
+
     def _publish_with_retries(self, job: _Pending) -> None:
-        wait = self.config.retry_s[0]
-        while True:
-            try:
-                self._publish(job)
-                return
-            except TransientStorageError as e:
-                log.warning("upload of step %d failed, retrying in %.1f s: %s", job.step, wait, e)
+        jobs = [job]  # the one being published: a newer state replaces it while a failed upload waits
+
+        def wait(seconds: float) -> None:
             with self._cond:
                 # A newer state arrived while this one failed: publish that instead, folding this step in.
-                if self._cond.wait_for(lambda: self._pending is not None, wait):
-                    newer, self._pending = self._pending, None
-                    newer.skipped = [*job.skipped, self._skipped_record(job), *newer.skipped]
-                    self._spare, job = job.state, newer
-            wait = min(2 * wait, self.config.retry_s[1])
+                if self._cond.wait_for(lambda: self._pending is not None, seconds):
+                    newer, self._pending, old = self._pending, None, jobs[0]
+                    newer.skipped = [*old.skipped, self._skipped_record(old), *newer.skipped]
+                    self._spare, jobs[0] = old.state, newer
+
+        retry(lambda: self._publish(jobs[0]), self.config.retry_s, log_as="publishing a step", sleep=wait)
 
     def _publish(self, job: _Pending) -> None:
         start = time.perf_counter()
@@ -264,30 +272,44 @@ class Publisher:
             data = encode(patch, old, self.config.encoding, self.config.threads)
         fp = patch.fingerprint if patch else fingerprint.state_fingerprint(job.state)
         fp_text = fingerprint.format_fingerprint(fp)
+        tag = self.claim.tag  # files only this claim writes: a fenced writer can never overwrite them
         with tempfile.TemporaryDirectory(prefix="deltasync-") as tmp:
             anchor_files = []
             if self._anchor_due(job.step, len(data) if data is not None else None):
                 local = isinstance(self.storage, LocalStorage)
                 encoding = anchor_encoding(self.config.anchor_encoding, local)
                 anchor_files = write_anchor(
-                    job.state, job.step, fp, Path(tmp), self.config.shard_bytes, encoding, self.config.threads
+                    job.state,
+                    job.step,
+                    fp,
+                    Path(tmp),
+                    self.config.shard_bytes,
+                    encoding,
+                    self.config.threads,
+                    tag,
                 )
             encode_s = time.perf_counter() - start
-            if patch is not None:
-                self.storage.write_bytes(delta_path(job.step), data)
-            for local, path in anchor_files:
-                self.storage.upload_file(local, path)
+            if self.claim.renew_due():
+                self.claim.renew()
+            current = self._background.submit(self._current_head)  # travels while the data uploads
+            try:
+                if patch is not None:
+                    self.storage.write_bytes(delta_path(job.step, tag), data)
+                for local, path in anchor_files:
+                    self.storage.upload_file(local, path)
+            finally:
+                futures.wait([current])
             anchor_bytes = sum(local.stat().st_size for local, _ in anchor_files)
         now = time.time()
         entries = []
         if patch is not None:
-            files = (delta_path(job.step),)
+            files = (delta_path(job.step, tag),)
             entries.append(Entry(job.step, "delta", files, len(data), fp_text, now, patch.changed, head.step))
         if anchor_files:
             files = tuple(path for _, path in anchor_files)
             entries.append(Entry(job.step, "anchor", files, anchor_bytes, fp_text, now))
         new_head = self._retained(head, entries, job.step, fp_text)
-        self._write_head(new_head)  # the step exists from here on
+        self._write_head(new_head, current.result())  # the step is acknowledged from here on
         upload_s = time.perf_counter() - start - encode_s
         with self._cond:
             self._head, self._published_fp = new_head, fp
@@ -314,25 +336,47 @@ class Publisher:
         except TransientStorageError as e:
             log.warning("step %d published, but telemetry or GC failed: %s", job.step, e)
 
-    def _write_head(self, head: Head) -> None:
-        """Write `head` as the only writer: re-read the current head first (it must be what this publisher
-        wrote last), read it back after (it must be what was written); else WriterConflict."""
+    def _write_head(self, head: Head, current: bytes | None) -> None:
+        """Write `head` as the only writer (see deltasync.sync.claim). `current`, the head read just before,
+        must be the one this publisher wrote last (or a fenced writer's); returning acknowledges the step:
+        the head read back is what was written and the lease is still this claim's. Else WriterConflict."""
         data = head.to_json()
-        if self.claim.renew_due():
-            self.claim.renew()
-        current = self._current_head()
-        if current not in self._head_bytes:
-            raise WriterConflict(
-                f"{self.storage.url}: another publisher moved the head ({_writer_of(current)})"
-            )
+        self._check_current(current)
+        self.claim.check_live()
         self._head_bytes.add(data)  # if the read-back fails transiently, a retry finds this head
         self.storage.write_bytes(HEAD_PATH, data)
-        current = self._current_head()
+        confirmed = self._background.submit(self.claim.confirm)  # beside the read-back: one latency
+        try:
+            current = self._current_head()
+        finally:
+            futures.wait([confirmed])
         if current != data:
             raise WriterConflict(
                 f"{self.storage.url}: another publisher overwrote step {head.step} ({_writer_of(current)})"
             )
+        confirmed.result()
         self._head_bytes = {data}
+
+    def _check_current(self, current: bytes | None) -> None:
+        """WriterConflict unless the head is the one this publisher wrote last, or one written by a fenced
+        writer (a smaller epoch) after it: that one is replaced."""
+        if current in self._head_bytes:
+            return
+        try:
+            other = Head.from_json(current) if current is not None else None
+        except ManifestError:
+            other = None
+        if other is None or other.epoch >= self.claim.epoch:
+            raise WriterConflict(
+                f"{self.storage.url}: another publisher moved the head ({_writer_of(current)})"
+            )
+        log.warning(
+            "%s: replacing a head written by a fenced publisher (%s, epoch %d; this one has epoch %d)",
+            self.storage.url,
+            other.writer or "unnamed",
+            other.epoch,
+            self.claim.epoch,
+        )
 
     def _current_head(self) -> bytes | None:
         try:
@@ -372,9 +416,9 @@ class Publisher:
             raise RuntimeError(f"cannot resume {self.storage.url}: {reader.last_error}")
         if reader.head != head:
             raise WriterConflict(f"{self.storage.url}: another publisher moved the head while resuming")
-        self.claim.epoch = max(self.claim.epoch, head.epoch + 1)
+        self.claim.raise_epoch(head.epoch + 1)
         self._head = replace(head, epoch=self.claim.epoch, writer=self.claim.holder)
-        self._write_head(self._head)
+        self._write_head(self._head, self._current_head())
         self._published, self._published_fp = reader.state, reader.fingerprint
         try:
             collect_garbage(self.storage)  # what a crashed predecessor left

@@ -11,6 +11,7 @@ whose state is not the one the head names for its step is reloaded from an ancho
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import tempfile
@@ -27,9 +28,17 @@ from deltasync import telemetry
 from deltasync.codec import fingerprint
 from deltasync.codec.changes import TensorChanges, apply_changes
 from deltasync.codec.patch import Patch, PatchError, decode, read_info
-from deltasync.storage import Storage, TransientStorageError, open_storage
+from deltasync.storage import Storage, TransientStorageError, open_storage, retry
 from deltasync.sync.anchor import read_anchor
-from deltasync.sync.protocol import Entry, Head, ManifestError, RunInfo, read_head, read_run
+from deltasync.sync.protocol import (
+    HEAD_PATH,
+    Entry,
+    Head,
+    ManifestError,
+    RunInfo,
+    read_manifest,
+    read_run,
+)
 
 log = logging.getLogger(__name__)
 MAX_ERROR_CHARS = 500  # last_error and telemetry errors: one readable line, however long the cause
@@ -133,6 +142,7 @@ class Subscriber:
         self.threads = threads  # codec threads; None: every core this process may run on
         self.run: RunInfo | None = None
         self.head: Head | None = None
+        self._head_data: bytes | None = None  # what `head` was parsed from: an unchanged poll parses nothing
         self.state: dict[str, torch.Tensor] | None = None  # bf16 shadow of the target, HF names
         self.step: int | None = None  # the step the target holds, verified; None: unknown
         self.fingerprint = 0
@@ -199,42 +209,54 @@ class Subscriber:
                     raise SyncError(f"{e}, though the head names it") from None
 
     def _read_head(self) -> Head:
+        """The head: one bounded read per poll, parsed only when its bytes changed."""
         try:
-            head = self._retry(lambda: read_head(self.storage))
+            data = self._retry(lambda: read_manifest(self.storage, HEAD_PATH))
+            head = self.head if data == self._head_data and self.head else Head.from_json(data)
             if self.run is None:
                 self.run = self._retry(lambda: read_run(self.storage))
         except FileNotFoundError:
             raise SyncError(f"no run in {self.storage.url} yet") from None
         except ManifestError as e:
             raise SyncError(f"refused the head of {self.storage.url}: {e}") from None
-        self.head = head
+        self.head, self._head_data = head, data
         return head
 
     def _plan(self, head: Head, goal: int) -> list[Entry]:
-        """The cheapest verified-file path (by bytes) to step `goal`."""
+        """The cheapest verified-file path (by bytes, then files) to step `goal`, in time linear in the
+        head: every path is a start (an anchor, or what the target holds) and all the deltas after it."""
         if not any(e.step == goal for e in head.entries):
             steps = sorted({e.step for e in head.entries})
             raise SyncError(
                 f"step {goal} is not retained in {self.storage.url} (from {steps[0]} to {steps[-1]})"
             )
-        deltas = [d for d in head.deltas if d.step <= goal]
-        starts = [a for a in head.anchors if a.step <= goal]
+        deltas = [d for d in head.deltas if d.step <= goal]  # ascending: the head holds one unbroken chain
+        steps = [d.step for d in deltas]
+        after = [0] * (len(deltas) + 1)  # after[i]: bytes of deltas[i:]
+        for i in range(len(deltas) - 1, -1, -1):
+            after[i] = after[i + 1] + deltas[i].bytes
+        # A path crosses every delta after its start: it may start no earlier than the last refused one.
+        floor = max((d.step for d in deltas if self._refused(d)), default=-1)
+        starts = [(a, a.step) for a in head.anchors if floor <= a.step <= goal and not self._refused(a)]
         here = fingerprint.format_fingerprint(self.fingerprint)
-        held = self.step is not None and self.step <= goal
+        held = self.step is not None and floor <= self.step <= goal
         if held and any(e.step == self.step and e.fingerprint == here for e in head.entries):
-            starts.append(None)  # replay from what the target holds
-        paths = []
-        for start in starts:
-            since = self.step if start is None else start.step
-            path = [start] if start else []
-            path += [d for d in deltas if d.step > since]
-            if not any((f, e.bytes) in self._bad for e in path for f in e.files):
-                paths.append(path)
-        if not paths:
+            starts.append((None, self.step))  # replay from what the target holds
+        best = None
+        for start, since in starts:
+            i = bisect.bisect_right(steps, since)
+            cost = ((start.bytes if start else 0) + after[i], len(deltas) - i + (start is not None))
+            if best is None or cost < best[0]:
+                best = (cost, start, i)
+        if best is None:
             raise SyncError(
                 f"no verified path to step {goal} yet: waiting for a newer anchor (refused: {self._refusal})"
             )
-        return min(paths, key=lambda p: (sum(e.bytes for e in p), len(p)))
+        _, start, i = best
+        return ([start] if start else []) + deltas[i:]
+
+    def _refused(self, entry: Entry) -> bool:
+        return any((f, entry.bytes) in self._bad for f in entry.files)
 
     # ------------------------------------------------------------------------------------------ applying
 
@@ -243,9 +265,13 @@ class Subscriber:
         with tempfile.TemporaryDirectory(prefix="deltasync-") as tmp:
             local = [Path(tmp) / f"{i}.safetensors" for i in range(len(entry.files))]
             try:
-                for path, dest in zip(entry.files, local, strict=True):  # each at most the entry's size
-                    self._retry(lambda p=path, d=dest: self.storage.download_file(p, d, entry.bytes))
-                size = sum(f.stat().st_size for f in local)
+                if entry.kind == "delta":  # one read, no stat: the head gives its size
+                    data = self._retry(lambda: self.storage.read_bytes(entry.files[0], entry.bytes))
+                    size = len(data)
+                else:
+                    for path, dest in zip(entry.files, local, strict=True):  # each at most the entry's size
+                        self._retry(lambda p=path, d=dest: self.storage.download_file(p, d, entry.bytes))
+                    size = sum(f.stat().st_size for f in local)
                 if size != entry.bytes:
                     raise ValueError(f"its files hold {size} bytes, the head lists {entry.bytes}")
                 download_s = time.perf_counter() - start
@@ -254,7 +280,7 @@ class Subscriber:
                     patch = None
                     state = read_anchor(local, self.run, entry.step, entry.fingerprint, self.threads)
                 else:
-                    state, patch = None, self._decode(local[0].read_bytes(), entry)
+                    state, patch = None, self._decode(data, entry)
             except ValueError as e:  # PatchError, AnchorError, TooLargeError, a size mismatch: not this file
                 self._bad.update((f, entry.bytes) for f in entry.files)
                 self._refusal = _bounded(f"{entry.kind} of step {entry.step}: {e}")
@@ -324,13 +350,10 @@ class Subscriber:
             )
 
     def _retry(self, call):
-        for attempt in range(self.retries + 1):
-            try:
-                return call()
-            except TransientStorageError as e:
-                if attempt == self.retries:
-                    raise SyncError(f"storage keeps failing: {e}") from None
-                time.sleep(self.backoff_s * 2**attempt)
+        try:
+            return retry(call, (self.backoff_s, float("inf")), attempts=self.retries + 1)
+        except TransientStorageError as e:
+            raise SyncError(f"storage keeps failing: {e}") from None
 
     # ----------------------------------------------------------------------------------------- telemetry
 

@@ -24,7 +24,7 @@ from deltasync.sync import protocol
 from deltasync.sync.gc import collect_garbage
 from deltasync.sync.publisher import Publisher, PublisherConfig
 from deltasync.sync.subscriber import MAX_ERROR_CHARS, Subscriber, SyncError
-from tests.helpers import REPO, bf16, bitwise_equal, make_params, run_steps, train_step, wait_for
+from tests.helpers import REPO, bf16, bitwise_equal, delta_file, make_params, run_steps, train_step, wait_for
 
 
 def cli(*args, env=None):
@@ -54,9 +54,10 @@ class Counting(LocalStorage):
         self.polls += path == protocol.HEAD_PATH
         return super().read_bytes(path, limit)
 
-    def _read_bytes(self, path):
-        self.copied.append(path)
-        return super()._read_bytes(path)
+    def _read_bytes(self, path, limit):
+        data = super()._read_bytes(path, limit)
+        self.copied.append(path)  # only once read: a refused file was not copied
+        return data
 
     def _download_file(self, path, local):
         self.copied.append(path)
@@ -147,10 +148,11 @@ def test_follower_survives_every_malformed_file_and_recovers(tmp_path):
             wait_for(recovered, f"recovery from {fault}")
 
         step = publish()
-        bad = shapeless_raw_entry((src / protocol.delta_path(step)).read_bytes())
+        delta = delta_file(src, step)
+        bad = shapeless_raw_entry(delta.read_bytes())
         head = json.loads((src / protocol.HEAD_PATH).read_bytes())
         head["entries"][-1]["bytes"] = len(bad)  # the head lists the bad file's size: it is decoded
-        mirror(src, dst, json.dumps(head).encode(), {protocol.delta_path(step): bad})
+        mirror(src, dst, json.dumps(head).encode(), {delta.relative_to(src).as_posix(): bad})
         wait_for(lambda: replica.last_error and "waiting for a newer anchor" in replica.last_error, "refusal")
         first = replica.last_error
         polls_later()
@@ -185,7 +187,7 @@ def test_head_and_deltas_over_their_size_are_refused_before_reading(tmp_path):
     """A head over its limit, or a delta larger than the head lists, is refused before a byte is read."""
     states = run_steps(tmp_path, 3)
     storage = Counting(tmp_path)
-    head_path, delta = tmp_path / protocol.HEAD_PATH, tmp_path / protocol.delta_path(2)
+    head_path, delta = tmp_path / protocol.HEAD_PATH, delta_file(tmp_path, 2)
     good_head = head_path.read_bytes()
     with open(head_path, "r+b") as f:
         f.truncate(protocol.MAX_MANIFEST_BYTES + 1)  # sparse: no disk used
@@ -200,7 +202,7 @@ def test_head_and_deltas_over_their_size_are_refused_before_reading(tmp_path):
     storage.copied.clear()
     with pytest.raises(SyncError, match="refused delta of step 2: .* more than the"):
         replica.sync()
-    assert protocol.delta_path(2) not in storage.copied
+    assert delta.relative_to(tmp_path).as_posix() not in storage.copied
     assert replica.step == 1 and bitwise_equal(replica.state, states[1])
 
 
@@ -274,14 +276,15 @@ def test_cli_errors_are_one_line(tmp_path):
     root = tmp_path / "root"
     run_steps(root, 3, PublisherConfig(encoding="raw"))
     patch = tmp_path / "bad.safetensors"
-    patch.write_bytes(shapeless_raw_entry((root / protocol.delta_path(1)).read_bytes()))
+    patch.write_bytes(shapeless_raw_entry(delta_file(root, 1).read_bytes()))
     pulled = tmp_path / "pulled"
     assert cli("pull", root, "-o", pulled, "--step", "0").returncode == 0
     one_line_error(cli("inspect", patch), "expected 1-D")
     one_line_error(cli("apply", pulled / "model.safetensors", patch, "-o", tmp_path / "o"), "expected 1-D")
 
-    (root / protocol.delta_path(2)).unlink()
-    one_line_error(cli("pull", root, "-o", tmp_path / "o"), protocol.delta_path(2), "missing")
+    missing = delta_file(root, 2)
+    missing.unlink()
+    one_line_error(cli("pull", root, "-o", tmp_path / "o"), missing.relative_to(root).as_posix(), "missing")
 
     good = (root / protocol.HEAD_PATH).read_bytes()
     (root / protocol.HEAD_PATH).write_bytes(huge_published_at(good))

@@ -20,7 +20,7 @@ from deltasync.sync import protocol
 from deltasync.sync.claim import WRITER_PATH, WriterClaim
 from deltasync.sync.publisher import Publisher, PublisherConfig
 from deltasync.sync.subscriber import Subscriber
-from tests.helpers import bf16, bitwise_equal, make_params, run_steps, train_step, wait_for
+from tests.helpers import bf16, bitwise_equal, delta_file, make_params, run_steps, train_step, wait_for
 
 ROUNDS = 24
 
@@ -167,7 +167,7 @@ def test_publisher_starting_during_a_publish_deletes_nothing(tmp_path):
         assert storage.reached.wait(60)  # step 3's delta is uploaded, its head not yet written
         with pytest.raises(WriterConflict):
             Publisher(tmp_path)
-        assert (tmp_path / protocol.delta_path(3)).exists()
+        assert delta_file(tmp_path, 3).exists()
         storage.release.set()
     reader = Subscriber(tmp_path)
     reader.sync()

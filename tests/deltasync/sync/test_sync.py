@@ -20,7 +20,7 @@ from deltasync.sync import protocol
 from deltasync.sync.gc import collect_garbage
 from deltasync.sync.publisher import Publisher, PublisherConfig
 from deltasync.sync.subscriber import Subscriber, SyncError, TensorsApplier
-from tests.helpers import SHAPES, bf16, bitwise_equal, make_params, run_steps, train_step
+from tests.helpers import SHAPES, bf16, bitwise_equal, delta_file, make_params, run_steps, train_step
 
 
 class Flaky(Storage):
@@ -41,8 +41,8 @@ class Flaky(Storage):
             raise TimeoutError(f"{method}: injected timeout")
         return getattr(self.inner, method)(*args)
 
-    def _read_bytes(self, path):
-        return self._call("_read_bytes", path)
+    def _read_bytes(self, path, limit):
+        return self._call("_read_bytes", path, limit)
 
     def _write_bytes(self, path, data):
         return self._call("_write_bytes", path, data)
@@ -153,7 +153,7 @@ def test_corrupt_delta_is_refused_and_recovered_from_the_next_anchor(tmp_path):
             publish(step)
             if step == 2:
                 subscriber.sync()
-        path = tmp_path / protocol.delta_path(3)
+        path = delta_file(tmp_path, 3)
         data = bytearray(path.read_bytes())
         data[-20] ^= 0x40  # one bit of the payload
         path.write_bytes(bytes(data))
@@ -176,7 +176,7 @@ def test_corrupt_delta_is_refused_and_recovered_from_the_next_anchor(tmp_path):
 
 def test_missing_delta_is_an_error_not_a_warning(tmp_path):
     run_steps(tmp_path, 4)
-    (tmp_path / protocol.delta_path(2)).unlink()
+    delta_file(tmp_path, 2).unlink()
     subscriber = Subscriber(tmp_path)
     subscriber.sync(1)
     with pytest.raises(SyncError, match="missing"):
@@ -277,7 +277,7 @@ def test_publisher_killed_mid_upload_leaves_the_last_complete_step(tmp_path):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert (tmp_path / protocol.delta_path(5)).exists()  # uploaded, but no head names it
+    assert delta_file(tmp_path, 5).exists()  # uploaded, but no head names it
     states = run_steps(tmp_path / "reference", 5)
     subscriber = Subscriber(tmp_path)
     subscriber.sync()
