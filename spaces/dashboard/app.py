@@ -12,6 +12,8 @@ The UI is at `/`; scripts read `GET /api/summary` and `GET /api/series?since=STE
 from __future__ import annotations
 
 import html
+import re
+import string
 import threading
 import time
 from datetime import UTC, datetime
@@ -22,11 +24,11 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import plotly.io as pio
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic_settings import BaseSettings
 
+from deltasync.asgi import BodyLimit, serve
 from deltasync.settings import from_env
 from deltasync.storage import open_storage, redact
 from deltasync.telemetry.reader import TelemetryReader
@@ -55,6 +57,8 @@ REPLICA_COLUMNS = [
     "last error",
 ]
 SHOWN_PROBLEMS = 50
+MAX_REQUEST_BYTES = 64 << 10  # the page's event calls carry a version number; the API takes no body
+ASCII_PUNCTUATION = re.compile(f"([{re.escape(string.punctuation)}])")  # what Markdown lets one escape
 pio.templates.default = "plotly_white"  # set once: a per-figure template= costs a deep copy on every refresh
 CSS = """
 #headline .cards { display: flex; gap: 12px; flex-wrap: wrap; }
@@ -377,7 +381,8 @@ def status_markdown(summary: dict[str, Any], refresh_s: float) -> str:
     root = f"`{summary['root']}`"
     if summary["error"]:
         shown = f" Showing the last data read ({summary['steps']} steps)." if summary.get("steps") else ""
-        return f"⚠ **Cannot read the sync root.** {summary['error']}.{shown} Retrying every {refresh_s:g} s."
+        error = markdown_text(summary["error"])
+        return f"⚠ **Cannot read the sync root.** {error}.{shown} Retrying every {refresh_s:g} s."
     if summary["read_at"] is None:
         return f"Reading {root} for the first time…"
     lines = []
@@ -390,7 +395,8 @@ def status_markdown(summary: dict[str, Any], refresh_s: float) -> str:
     for row in summary["replicas"]:
         if row["status"] == "stopped reporting":
             lines.append(
-                f"⚠ Replica **{row['replica']}** stopped reporting {fmt_seconds(row['silent_s'])} ago "
+                f"⚠ Replica **{markdown_text(row['replica'])}** stopped reporting "
+                f"{fmt_seconds(row['silent_s'])} ago "
                 f"(holds step {row['step']}, {row['behind_steps']} behind)."
             )
     if summary["problem_count"]:
@@ -434,7 +440,15 @@ def problems_markdown(problems: dict[str, str]) -> str:
         return "None."
     shown = list(problems.items())[-SHOWN_PROBLEMS:]
     more = f"\n\n…and {len(problems) - len(shown)} more." if len(problems) > len(shown) else ""
-    return "\n".join(f"- `{path}`: {html.escape(why)}" for path, why in shown) + more
+    return "\n".join(f"- {markdown_text(path)}: {markdown_text(why)}" for path, why in shown) + more
+
+
+def markdown_text(text: str) -> str:
+    """`text` shown as it is in Markdown (file names and errors come from the sync root, which whoever can
+    write there shapes): control characters as escapes, all ASCII punctuation escaped, so no Markdown, HTML,
+    link or formula can start."""
+    printable = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+    return ASCII_PUNCTUATION.sub(r"\\\1", printable)
 
 
 # ---------------------------------------------------------------------------------------------------- app
@@ -459,6 +473,7 @@ def build_app(root: str, refresh_s: float = 2.0, stale_after_s: float = 120.0) -
     """The JSON API and the Gradio UI (mounted at "/") over one Board."""
     board = Board(root, stale_after_s, min_poll_s=refresh_s / 2)
     api = FastAPI(title="deltasync dashboard")
+    api.add_middleware(BodyLimit, max_bytes=MAX_REQUEST_BYTES)
 
     @api.get("/api/summary")
     def summary() -> JSONResponse:
@@ -523,7 +538,7 @@ class Settings(BaseSettings):
 def main() -> None:
     cfg = from_env(Settings)
     app = build_app(cfg.sync_root, refresh_s=cfg.refresh_s, stale_after_s=cfg.stale_after_s)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
+    serve(app, "deltasync dashboard", cfg.host, cfg.port, log_level="warning")
 
 
 if __name__ == "__main__":

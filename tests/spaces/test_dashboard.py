@@ -1,9 +1,11 @@
 """The dashboard Space: the incremental telemetry reader and its summary, the app's states and JSON API, and
 the page itself in Debian's Chromium driven by Playwright (`python app.py` on a loopback port)."""
 
+import html
 import json
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -14,7 +16,7 @@ import pytest
 import requests
 
 from deltasync.storage import Storage, TransientStorageError, open_storage
-from deltasync.telemetry import ReplicaRecord, TrainerRecord, write
+from deltasync.telemetry import MAX_INFO_KEYS, ReplicaRecord, TrainerRecord, write
 from deltasync.telemetry.reader import TelemetryReader
 from trainer.deploy import build_bundle
 from trainer.processes import serving
@@ -302,7 +304,7 @@ def test_series_since(tmp_path):
 
 def test_board_states(dashboard, tmp_path, monkeypatch):
     unset = dashboard.Board("")
-    assert "SYNC_ROOT is not set" in dashboard.status_markdown(unset.summary(), 2)
+    assert dashboard.markdown_text("SYNC_ROOT is not set") in dashboard.status_markdown(unset.summary(), 2)
     assert len(unset.figures()) == len(dashboard.PLOTS)
 
     board = dashboard.Board(str(tmp_path))
@@ -355,6 +357,42 @@ def test_board_renders_while_a_poll_hangs(dashboard, tmp_path, monkeypatch):
     release.set()
     poller.join()
     assert "No run yet" in dashboard.status_markdown(board.summary(), 2)
+
+
+HOSTILE_NAMES = [
+    "telemetry/trainer/x`<img src=x onerror=alert(1)>`.json",
+    "telemetry/trainer/[click](http://example.com).json",
+    "telemetry/trainer/**bold** _it_ $x^2$ <b>b</b> https://example.com a@b.co\n- item.json",
+]
+
+
+def test_skipped_file_names_and_errors_show_as_plain_text(dashboard):
+    from markdown_it import MarkdownIt
+
+    shown = dashboard.problems_markdown({name: f"{name}: not JSON" for name in HOSTILE_NAMES})
+    rendered = MarkdownIt("commonmark").enable("strikethrough").render(shown)
+    assert rendered.count("<li>") == len(HOSTILE_NAMES)
+    tags = {tag for tag in re.findall(r"</?([a-z]+)", rendered)}
+    assert tags <= {"ul", "li"}, tags
+    for name in HOSTILE_NAMES:
+        text = html.escape(name.replace("\n", "\\n"), quote=False)
+        assert f"<li>{text}: {text}: not JSON</li>" in rendered
+
+
+def test_a_tick_over_records_with_thousands_of_info_keys_stays_bounded(dashboard, tmp_path):
+    storage = open_storage(tmp_path)
+    for step in range(220):  # 200 valid records with 63 keys of their own each, 20 with 3,000 keys
+        keys = 3000 if step >= 200 else MAX_INFO_KEYS - 1
+        info = {"reward_mean": 0.5} | {f"s{step}.k{i}": 1.0 for i in range(keys)}
+        write(storage, TrainerRecord(step, "delta", 1e9 + step, 10, 1, 1, 2, 0.0, 0.0, 0.0, info=info))
+    board = dashboard.Board(str(tmp_path))
+    version, status, _, _, problems, *figures = dashboard.update(board, -1, 2)
+    assert len(board.reader.trainer) == 200
+    assert len(board.reader.problems) == 20 and "20 invalid telemetry files skipped" in status
+    assert all("3001 keys, more than 64" in why for why in board.reader.problems.values())
+    columns = board.series()["trainer"]
+    assert sum(key.startswith("info.") for key in columns) == MAX_INFO_KEYS
+    assert sum(len(fig.data) for fig in figures) <= 2 * len(dashboard.PLOTS)  # traces per plot, not per key
 
 
 # ---------------------------------------------------------------------------------------- the Space, live

@@ -19,6 +19,12 @@ REPLICAS_DIR = "telemetry/replicas"
 REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_RECORD_BYTES = 64 << 10
 MAX_MAGNITUDE = 2**63  # largest number a record may hold: any count, size, time or trainer number is smaller
+# The trainer's own numbers: a run reports about ten; each key becomes a column of every reader's series.
+MAX_INFO_KEYS = 64
+MAX_INFO_KEY_CHARS = 128
+# published_at and applied_at, unix seconds: from 1970 to 2286, a range every date formatter can show.
+TIME_RANGE = (0.0, 1e10)
+TIME_FIELDS = ("published_at", "applied_at")
 
 
 class RecordError(ValueError):
@@ -105,6 +111,16 @@ def from_json(cls: type[Record], data: bytes, where: str = "record") -> Record:
     for name, value in raw.items():
         if name in fields:  # newer writers may add fields: ignore them
             values[name] = _check(cls, name, fields[name].type, value, where)
+    for name in TIME_FIELDS:
+        if name in values and not TIME_RANGE[0] <= values[name] <= TIME_RANGE[1]:
+            raise RecordError(f"{where}: field {name!r} is {values[name]!r}, not a unix time in {TIME_RANGE}")
+    info = values.get("info", {})
+    if len(info) > MAX_INFO_KEYS:
+        raise RecordError(f"{where}: field 'info' has {len(info)} keys, more than {MAX_INFO_KEYS}")
+    if any(not 0 < len(key) <= MAX_INFO_KEY_CHARS for key in info):
+        raise RecordError(
+            f"{where}: field 'info' has an empty key or one over {MAX_INFO_KEY_CHARS} characters"
+        )
     record = cls(**values)
     if isinstance(record, ReplicaRecord) and not REPLICA_ID.fullmatch(record.replica):
         raise RecordError(f"{where}: bad replica id {record.replica!r}")

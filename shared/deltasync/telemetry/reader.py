@@ -10,6 +10,8 @@ regular file) is skipped and reported in one line naming it, never fatal, and ne
 
 from __future__ import annotations
 
+import collections
+import heapq
 import math
 import os
 import stat
@@ -21,6 +23,7 @@ from typing import Any
 
 from deltasync.storage import LocalStorage, Storage, TooLargeError, TransientStorageError
 from deltasync.telemetry import (
+    MAX_INFO_KEYS,
     MAX_RECORD_BYTES,
     REPLICAS_DIR,
     TRAINER_DIR,
@@ -37,6 +40,7 @@ REMOTE_READERS = 16  # parallel reads on object stores, where each read is a rou
 LISTING_SHARE = 0.1
 PROBE_STEPS = 8  # next step names probed per writer; a faster writer is followed over successive polls
 SUMMARY_PROBLEMS = 50  # newest problems listed in summary(); all are in `problems`
+SERIES_REPLICAS = 64  # replicas in series(): those with the newest steps (a run has a handful)
 
 
 # What reading one file gave: the record and its size, a bad record, a failure to retry, or nothing (removed).
@@ -62,6 +66,7 @@ class TelemetryReader:
         self._listed_at = 0.0
         self._listing_s: float | None = None  # how long the last listing took
         self.trainer: dict[int, TrainerRecord] = {}
+        self._info_keys: collections.Counter[str] = collections.Counter()  # trainer records reporting each
         self.replicas: dict[str, dict[int, ReplicaRecord]] = {}
         self.problems: dict[str, str] = {}
         self._seen: set[str] = set()
@@ -150,14 +155,23 @@ class TelemetryReader:
 
     def _add(self, record: TrainerRecord | ReplicaRecord) -> None:
         if isinstance(record, TrainerRecord):
+            old = self.trainer.get(record.step)
+            if old is not None:
+                self._info_keys.subtract(old.info)
+                for key in old.info:
+                    if self._info_keys[key] <= 0:
+                        del self._info_keys[key]
+            self._info_keys.update(record.info)
             self.trainer[record.step] = record
         else:
             self.replicas.setdefault(record.replica, {})[record.step] = record
 
     def series(self, since: int = -1) -> dict[str, Any]:
-        """Per-step columns (JSON-ready) of records with step > `since`, sorted by step."""
+        """Per-step columns (JSON-ready) of records with step > `since`, sorted by step. Bounded whatever the
+        root holds: of the trainer's own numbers the MAX_INFO_KEYS keys the most records report (a run's keys
+        recur at every step), of the replicas the SERIES_REPLICAS that reached the highest steps."""
         trainer = [self.trainer[s] for s in sorted(self.trainer) if s > since]
-        info_keys = sorted({k for r in trainer for k in r.info})
+        info_keys = sorted(self.info_keys())
         return {
             "trainer": {
                 "step": [r.step for r in trainer],
@@ -175,9 +189,19 @@ class TelemetryReader:
             },
             "replicas": {
                 name: _replica_columns([steps[s] for s in sorted(steps) if s > since])
-                for name, steps in sorted(self.replicas.items())
+                for name, steps in sorted(self._newest_replicas())
             },
         }
+
+    def _newest_replicas(self) -> list[tuple[str, dict[int, ReplicaRecord]]]:
+        """The SERIES_REPLICAS replicas that reached the highest steps (ties: by name)."""
+        ranked = ((-max(steps), name, steps) for name, steps in self.replicas.items())
+        return [(name, steps) for _, name, steps in heapq.nsmallest(SERIES_REPLICAS, ranked)]
+
+    def info_keys(self) -> list[str]:
+        """The MAX_INFO_KEYS info keys the most trainer records report (ties: by name)."""
+        counts = ((-n, key) for key, n in self._info_keys.items())
+        return [key for _, key in heapq.nsmallest(MAX_INFO_KEYS, counts)]
 
     def summary(self, now: float, stale_after_s: float = 120.0) -> dict[str, Any]:
         """Headline numbers and one row per replica. A replica behind the newest step that has not reported

@@ -14,9 +14,9 @@ import pytest
 import requests
 
 from deltasync.storage import open_storage
-from deltasync.telemetry import MAX_RECORD_BYTES, ReplicaRecord, TrainerRecord, write
-from deltasync.telemetry.reader import TelemetryReader
-from tests.helpers import REPO
+from deltasync.telemetry import MAX_INFO_KEYS, MAX_RECORD_BYTES, ReplicaRecord, TrainerRecord, write
+from deltasync.telemetry.reader import SERIES_REPLICAS, TelemetryReader
+from tests.helpers import REPO, post_with_length
 from trainer.processes import free_port, start_process, stop_process, wait_healthy
 
 APP = REPO / "spaces" / "dashboard" / "app.py"
@@ -25,6 +25,7 @@ T0 = 1_700_000_000.0
 HUGE = "1" + "0" * 400  # an integer no float can hold
 DIGITS = "9" * 5000  # over Python's 4300-digit limit for int(str)
 DEEP = "[" * 30_000 + "]" * 30_000  # 60 KB: under the size limit, far past the parser's recursion limit
+MANY_KEYS = json.dumps({f"k{i}": 0.5 for i in range(3000)})  # 36 KB: under the size limit
 
 
 def trainer(step: int) -> TrainerRecord:
@@ -73,6 +74,13 @@ BAD = {
         with_raw(trainer(13), info=f'{{"reward_mean": {HUGE}}}'),
     ),
     "replica-time-too-large-for-a-float": (replica(10).path(), with_raw(replica(10), applied_at=HUGE)),
+    "replica-time-in-the-year-3-billion": (replica(11).path(), with_raw(replica(11), applied_at="1e17")),
+    "replica-time-before-1970": (replica(12).path(), with_raw(replica(12), applied_at="-1e13")),
+    "replica-time-nan": (replica(13).path(), with_raw(replica(13), applied_at="NaN")),
+    "replica-time-infinite": (replica(14).path(), with_raw(replica(14), published_at="Infinity")),
+    "trainer-time-in-the-year-3-billion": (trainer(14).path(), with_raw(trainer(14), published_at="1e17")),
+    "trainer-info-with-3000-keys": (trainer(15).path(), with_raw(trainer(15), info=MANY_KEYS)),
+    "trainer-info-with-an-empty-key": (trainer(16).path(), with_raw(trainer(16), info='{"": 1.0}')),
 }
 
 
@@ -113,6 +121,31 @@ def test_one_malformed_record_is_skipped_and_named(storage, case):
     assert list(poll.problems) == [path] and not poll.unread
     assert_only_bad_skipped(reader, {path})
     assert not reader.poll().problems  # reported once
+
+
+def test_series_carry_the_info_keys_that_most_records_report(tmp_path):
+    storage = open_storage(tmp_path)
+    for step in range(200):  # each record: the run's key and 63 keys of its own
+        record = trainer(step)
+        record.info |= {f"step{step}.k{i}": 1.0 for i in range(MAX_INFO_KEYS - 1)}
+        write(storage, record)
+    reader = TelemetryReader(storage)
+    reader.poll()
+    assert not reader.problems and len(reader.trainer) == 200
+    columns = [key for key in reader.series()["trainer"] if key.startswith("info.")]
+    assert len(columns) == MAX_INFO_KEYS
+    assert "info.reward_mean" in columns
+    assert reader.series()["trainer"]["info.reward_mean"] == [0.5] * 200
+
+
+def test_series_carry_the_replicas_that_reached_the_newest_steps(tmp_path):
+    storage = open_storage(tmp_path)
+    for i in range(SERIES_REPLICAS + 36):
+        write(storage, dataclasses.replace(replica(i), replica=f"r{i:03d}"))
+    reader = TelemetryReader(storage)
+    reader.poll()
+    assert len(reader.replicas) == SERIES_REPLICAS + 36
+    assert list(reader.series()["replicas"]) == [f"r{i:03d}" for i in range(36, SERIES_REPLICAS + 36)]
 
 
 def without_blocking(call, fifos: list[Path]):
@@ -171,7 +204,7 @@ def test_the_page_plots_every_good_step_and_lists_each_bad_file(dashboard, tmp_p
     assert board.error is None and version == 1
     assert f"**Live** at `{tmp_path}`: latest step {GOOD_STEPS[-1]}" in status
     assert f"⚠ {len(bad)} invalid telemetry files skipped" in status
-    assert all(f"`{path}`" in problems for path in bad)
+    assert all(dashboard.markdown_text(path) in problems for path in bad)
     sparsity = figures[dashboard.PLOTS.index("sparsity")]
     assert list(sparsity.data[0].x) == list(GOOD_STEPS[1:])  # every delta plotted
 
@@ -198,6 +231,9 @@ def test_the_live_app_reports_bad_files_and_stops_on_sigterm(tmp_path):
         series = requests.get(f"{url}/api/series", timeout=30).json()
         assert series["trainer"]["step"] == list(GOOD_STEPS)
         assert series["replicas"]["r0"]["step"] == list(GOOD_STEPS)
+        for length, status in [("abc", 400), ("-1", 400), (str(10 << 20), 413)]:
+            assert post_with_length(url, "/gradio_api/queue/join", length) == status, length
+        assert f"deltasync dashboard listening on 127.0.0.1:{port}" in log.read_text()
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(60)  # TimeoutExpired if SIGTERM does not stop it
     finally:
