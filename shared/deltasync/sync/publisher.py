@@ -121,6 +121,9 @@ class Publisher:
         start = time.perf_counter()
         params = dict(params.items() if isinstance(params, Mapping) else params)
         require_floats(params, "publish()")
+        problem = telemetry.info_problem(info or {})
+        if problem:  # else every dashboard would skip the step's record
+            raise ValueError(f"publish(): info {problem}")
         with self._cond:
             self._raise_if_failed()
             step = check_step(self.last_step + 1 if step is None else step, "publish()")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,17 +115,23 @@ def from_json(cls: type[Record], data: bytes, where: str = "record") -> Record:
     for name in TIME_FIELDS:
         if name in values and not TIME_RANGE[0] <= values[name] <= TIME_RANGE[1]:
             raise RecordError(f"{where}: field {name!r} is {values[name]!r}, not a unix time in {TIME_RANGE}")
-    info = values.get("info", {})
-    if len(info) > MAX_INFO_KEYS:
-        raise RecordError(f"{where}: field 'info' has {len(info)} keys, more than {MAX_INFO_KEYS}")
-    if any(not 0 < len(key) <= MAX_INFO_KEY_CHARS for key in info):
-        raise RecordError(
-            f"{where}: field 'info' has an empty key or one over {MAX_INFO_KEY_CHARS} characters"
-        )
+    problem = info_problem(values.get("info", {}))
+    if problem:
+        raise RecordError(f"{where}: field 'info' {problem}")
     record = cls(**values)
     if isinstance(record, ReplicaRecord) and not REPLICA_ID.fullmatch(record.replica):
         raise RecordError(f"{where}: bad replica id {record.replica!r}")
     return record
+
+
+def info_problem(info: Mapping[str, Any]) -> str | None:
+    """Why readers would skip a trainer record with this `info` (too many keys, an empty or overlong key), or
+    None: writers check it before they publish."""
+    if len(info) > MAX_INFO_KEYS:
+        return f"has {len(info)} keys, more than {MAX_INFO_KEYS}"
+    if any(not isinstance(key, str) or not 0 < len(key) <= MAX_INFO_KEY_CHARS for key in info):
+        return f"has an empty key, or one that is not a string or over {MAX_INFO_KEY_CHARS} characters"
+    return None
 
 
 def _check(cls: type, name: str, annotation: str, value: Any, where: str) -> Any:

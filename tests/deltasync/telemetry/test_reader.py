@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 import requests
+import torch
 
 from deltasync.storage import open_storage
+from deltasync.sync.publisher import Publisher
 from deltasync.telemetry import MAX_INFO_KEYS, MAX_RECORD_BYTES, ReplicaRecord, TrainerRecord, write
 from deltasync.telemetry.reader import SERIES_REPLICAS, TelemetryReader
 from tests.helpers import REPO, post_with_length
@@ -146,6 +148,20 @@ def test_series_carry_the_replicas_that_reached_the_newest_steps(tmp_path):
     reader.poll()
     assert len(reader.replicas) == SERIES_REPLICAS + 36
     assert list(reader.series()["replicas"]) == [f"r{i:03d}" for i in range(36, SERIES_REPLICAS + 36)]
+
+
+@pytest.mark.parametrize(
+    "info", [{f"k{i}": 1.0 for i in range(MAX_INFO_KEYS + 1)}, {"": 1.0}, {"k" * 129: 1.0}]
+)
+def test_the_publisher_refuses_info_that_readers_would_skip(tmp_path, info):
+    with Publisher(tmp_path, model="tiny") as publisher:
+        with pytest.raises(ValueError, match="publish\\(\\): info has"):
+            publisher.publish({"w": torch.zeros(3)}, info=info)
+        publisher.publish({"w": torch.zeros(3)}, info={f"k{i}": 1.0 for i in range(MAX_INFO_KEYS)})
+        publisher.flush()
+    reader = TelemetryReader(open_storage(tmp_path))
+    reader.poll()
+    assert not reader.problems and len(reader.trainer[0].info) == MAX_INFO_KEYS
 
 
 def without_blocking(call, fifos: list[Path]):
