@@ -345,11 +345,17 @@ def test_board_names_a_replica_that_stopped_reporting(dashboard, tmp_path):
 
 def test_board_renders_while_a_poll_hangs(dashboard, tmp_path, monkeypatch):
     board = dashboard.Board(str(tmp_path))
-    release = threading.Event()
-    monkeypatch.setattr(board.reader.storage, "list", lambda prefix="": release.wait(10) and [])
+    entered, release = threading.Event(), threading.Event()
+
+    def hanging_list(prefix: str = "") -> list[str]:
+        entered.set()
+        release.wait(10)
+        return []
+
+    monkeypatch.setattr(board.reader.storage, "list", hanging_list)
     poller = threading.Thread(target=board.refresh)
     poller.start()
-    time.sleep(0.2)
+    assert entered.wait(10)  # the first viewer's poll hangs now
     start = time.monotonic()
     assert board.refresh() == 0  # another viewer: does not wait for the hanging poll
     assert "for the first time" in dashboard.status_markdown(board.summary(), 2)
