@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
+from functools import cache
 
 import numpy as np
 import torch
@@ -49,21 +50,49 @@ def _weighted_sum(name: str, rows: np.ndarray, row_sums: np.ndarray) -> int:
         return int((row_sums.astype(np.uint64) * _row_weights(name, rows)).sum(dtype=np.uint64))
 
 
-def tensor_fingerprint(name: str, t: torch.Tensor) -> int:
-    """Fingerprint contribution of one bf16 tensor (a full pass over it)."""
+@cache
+def _r1_on(device: torch.device) -> torch.Tensor:
+    return _R1_TORCH.to(device)
+
+
+def _row_sums(t: torch.Tensor) -> torch.Tensor:
+    """sum(bits * R1) of each row of ROW elements of the bf16 tensor `t` (int64, on `t`'s device)."""
     b = bits(t)
     n_rows = -(-b.numel() // ROW)
     padded = torch.nn.functional.pad(b, (0, n_rows * ROW - b.numel())) if b.numel() % ROW else b
-    r1 = _R1_TORCH.to(b.device)
+    r1 = _r1_on(b.device)
     sums = [(chunk.to(torch.int64) * r1).sum(1) for chunk in padded.view(n_rows, ROW).split(_ROWS_PER_CHUNK)]
-    row_sums = torch.cat(sums).cpu().numpy() if sums else np.zeros(0, np.int64)
-    return _weighted_sum(name, np.arange(n_rows), row_sums) & MASK64
+    return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int64, device=b.device)
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """`tensors` (one dtype) as numpy arrays: one copy per device for all of them, not a round trip each."""
+    out: list[np.ndarray] = [np.empty(0)] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for which in by_device.values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in which]).cpu().numpy()
+        cuts = np.cumsum([tensors[i].numel() for i in which])[:-1]
+        for i, part in zip(which, np.split(flat, cuts), strict=True):
+            out[i] = part.reshape(tensors[i].shape)
+    return out
+
+
+def tensor_fingerprint(name: str, t: torch.Tensor) -> int:
+    """Fingerprint contribution of one bf16 tensor (a full pass over it)."""
+    row_sums = _row_sums(t).cpu().numpy()
+    return _weighted_sum(name, np.arange(row_sums.size), row_sums) & MASK64
 
 
 def state_fingerprint(state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Fingerprint of a whole bf16 state."""
-    items = state.items() if isinstance(state, Mapping) else state
-    return sum(tensor_fingerprint(n, t) for n, t in items) & MASK64
+    """Fingerprint of a whole bf16 state (on accelerators: one copy to the host per device)."""
+    names, sums = [], []
+    for name, t in state.items() if isinstance(state, Mapping) else state:  # keeps row sums, not tensors
+        names.append(name)
+        sums.append(_row_sums(t))
+    rows = to_host(sums)
+    return sum(_weighted_sum(n, np.arange(r.size), r) for n, r in zip(names, rows, strict=True)) & MASK64
 
 
 def delta(name: str, positions: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:

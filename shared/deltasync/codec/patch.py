@@ -77,20 +77,35 @@ def fingerprint_after(
     """The fingerprint of `old` with `changes` applied, in O(changed elements), on `threads` threads."""
     from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
 
+    gathered = _gather_on_devices(old, changes)
+
     def moved(work: tuple[str, int, int]) -> int:
         name, lo, hi = work
-        ch = changes[name]
-        idx, old_bits = ch.indices[lo:hi], bits(old[name])
-        if old_bits.device.type == "cpu":  # no torch op: its thread pool would spin beside ours
-            idx = idx.cpu().numpy()
-            before = kernels.gather(old_bits.numpy(), idx)
-        else:
-            before = old_bits[idx.to(old_bits.device)].cpu().numpy()
-            idx = idx.cpu().numpy()
+        if name in gathered:
+            idx, before, after = (a[lo:hi] for a in gathered[name])
+            return fingerprint.delta(name, idx, before, after)
+        ch = changes[name]  # old on the host: no torch op, its thread pool would spin beside ours
+        idx = ch.indices[lo:hi].cpu().numpy()
+        before = kernels.gather(bits(old[name]).numpy(), idx)
         return fingerprint.delta(name, idx, before, bits(ch.values[lo:hi]).cpu().numpy())
 
     work = [(n, lo, hi) for n, ch in changes.items() for lo, hi in spans(len(ch), FINGERPRINT_SPAN)]
     return (base_fingerprint + sum(parallel_map(moved, work, threads))) & fingerprint.MASK64
+
+
+def _gather_on_devices(old: Mapping[str, torch.Tensor], changes: dict) -> dict[str, tuple[np.ndarray, ...]]:
+    """Positions, old and new bit patterns of the changes to `old`'s accelerator tensors, on the host: one
+    copy per device for all tensors, not a round trip per tensor."""
+    names = [n for n in changes if old[n].device.type != "cpu"]
+    rows = []
+    for name in names:
+        idx = changes[name].indices.to(old[name].device)
+        after = bits(changes[name].values).to(idx.device)
+        rows.append(torch.stack([idx.long(), bits(old[name])[idx].long(), after.long()]))
+    return {
+        n: (r[0], r[1].astype(np.int16), r[2].astype(np.int16))
+        for n, r in zip(names, fingerprint.to_host(rows), strict=True)
+    }
 
 
 def make_patch(

@@ -61,6 +61,26 @@ def test_roundtrip_on_a_large_tensor_uses_every_class():
     assert patches.read_info(data).tensors["w"]["mode"] == "compact"
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_patches_of_weights_on_their_device_match_the_host(device):
+    rng = np.random.default_rng(3)
+    old = random_state(rng, {"w": (512, 1024), "b": (1024,), "n": (70,)})
+    new = step_state(rng, old, 0.01)
+    there = {n: t.to(device) for n, t in old.items()}
+    patch = patches.make_patch(there, {n: t.to(device) for n, t in new.items()}, 2, 1)
+    assert (
+        patch.fingerprint
+        == patches.make_patch(old, new, 2, 1).fingerprint
+        == fingerprint.state_fingerprint(new)
+    )
+    for encoding in ENCODINGS:
+        decoded = patches.decode(patches.encode(patch, there, encoding), there)
+        assert decoded.fingerprint == patch.fingerprint
+        result = {n: t.clone() for n, t in there.items()}
+        apply_changes(result, decoded.changes)
+        assert_bitwise_equal({n: t.cpu() for n, t in result.items()}, new)
+
+
 def test_every_bf16_bit_pattern_survives():
     all_patterns = np.arange(-(1 << 15), 1 << 15)
     old = {"w": bf16_from_bits(all_patterns, (256, 256))}
