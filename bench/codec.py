@@ -156,7 +156,7 @@ def decode_and_apply(data: bytes, target: dict, base_fp: int) -> None:
 def measure(old: dict, new: dict) -> dict:
     old_bits = [bits(t) for t in old.values()]
     new_bits = [bits(t) for t in new.values()]
-    floor = min(timed(lambda: [a != b for a, b in zip(old_bits, new_bits, strict=True)])[1] for _ in range(5))  # noqa: B023
+    floor = min(timed(lambda: [a != b for a, b in zip(old_bits, new_bits, strict=True)])[1] for _ in range(5))
     base_fp = state_fingerprint(old)  # publishers and subscribers track it; not part of a step's cost
     row = {"numel": sum(t.numel() for t in old.values())}
     for encoding in patches.ENCODINGS:

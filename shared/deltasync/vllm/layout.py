@@ -104,7 +104,7 @@ class Layout:
             try:
                 with recorder:
                     model.load_weights([(name, probe)])
-            except Exception:  # noqa: BLE001 (vLLM's loader does not take this name: not servable, not ours)
+            except Exception:  # vLLM's loader does not take this name: not servable, not ours
                 continue
             shapes[name] = tuple(shape)
             found, ptr = [], probe.untyped_storage().data_ptr()
