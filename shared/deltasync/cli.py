@@ -43,7 +43,7 @@ def load_bf16(path: Path) -> dict[str, torch.Tensor]:
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
-    state = {}
+    state: dict[str, torch.Tensor] = {}
     for f in files:
         if not f.is_file():  # absent, or a FIFO or device that load_file would wait on or read without end
             if f.exists():
@@ -145,6 +145,7 @@ def cmd_push(args: argparse.Namespace) -> dict:
     state = load_bf16(args.checkpoint)  # a bad checkpoint is refused before the root is touched
     with Publisher(args.root, model=str(args.checkpoint), config=config) as publisher:
         step = publisher.publish(state, step=args.step)
+    assert publisher.head is not None  # closed without an error: the head names the step
     entries = [e for e in publisher.head.entries if e.step == step]
     return {"step": step, "kinds": [e.kind for e in entries], "payload_bytes": entries[0].bytes}
 
@@ -152,6 +153,7 @@ def cmd_push(args: argparse.Namespace) -> dict:
 def cmd_pull(args: argparse.Namespace) -> dict:
     subscriber = Subscriber(args.root, retries=0)
     applied = subscriber.sync(args.step)
+    assert subscriber.state is not None  # synced without an error: it holds the step
     args.output.mkdir(parents=True, exist_ok=True)
     meta = {"format": "pt", "step": str(subscriber.step), "fingerprint": f"{subscriber.fingerprint:016x}"}
     save_file(subscriber.state, args.output / "model.safetensors", metadata=meta)
