@@ -151,7 +151,9 @@ def encode(
     else:
         if not 1 <= chunk <= compact.MAX_CHUNK:
             raise ValueError(f"chunk {chunk} not in 1..{compact.MAX_CHUNK}")
-        models, symbols, dense_changed = compact.Models(), {}, {}
+        models = compact.Models()
+        symbols: dict[str, list[compact.Symbols]] = {}
+        dense_changed: dict[str, int] = {}
         chunks = _chunks(patch.changes, old, chunk)
         for (name, _), s in zip(chunks, parallel_map(_chunk_symbols, chunks, threads), strict=True):
             symbols.setdefault(name, []).append(s)
@@ -399,8 +401,8 @@ def decode(
         entries = load_safetensors(data)
     except Exception as e:  # safetensors raises its own error types for every kind of corruption
         raise PatchError(f"corrupt patch payload: {e}") from None
-    chunks: list[tuple] = []
-    decoded: list[tuple] = []
+    chunks: list[ChunkStream] = []
+    decoded: list[tuple[np.ndarray, np.ndarray]] = []
     if info.encoding == "compact":
         try:
             models = compact.Models.from_json(json.loads(info.metadata.get("models", "null")) or {})
@@ -432,7 +434,10 @@ def decode(
     return Patch(info.step, info.base_step, numel, base_fingerprint, fp, changes)
 
 
-def _compact_chunks(info: PatchInfo, entries: dict, base: Mapping[str, torch.Tensor]) -> list[tuple]:
+ChunkStream = tuple[str, bytes, np.ndarray, int]  # (tensor name, chunk stream, old bits, offset)
+
+
+def _compact_chunks(info: PatchInfo, entries: dict, base: Mapping[str, torch.Tensor]) -> list[ChunkStream]:
     """(name, chunk stream, old bits, offset) of every chunk of the compact tensors of a patch."""
     try:
         chunk = int(info.metadata["chunk"])
@@ -460,7 +465,9 @@ def _compact_chunks(info: PatchInfo, entries: dict, base: Mapping[str, torch.Ten
     return out
 
 
-def _decode_chunk(name: str, stream: bytes, old_bits: np.ndarray, offset: int, tables) -> tuple:
+def _decode_chunk(
+    name: str, stream: bytes, old_bits: np.ndarray, offset: int, tables: compact.Tables
+) -> tuple[np.ndarray, np.ndarray]:
     try:
         idx, new = compact.decode_chunk(stream, old_bits, tables)
     except compact.CompactDecodeError as e:
