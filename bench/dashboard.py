@@ -8,11 +8,14 @@ own tick (`update`: poll the new records, summarise, redraw the text views, rebu
 serialisation of the figures. Browser side (Debian's Chromium driven by
 Playwright, if present): the page's first load, and per appended step the time until the plots show it
 (includes waiting for the next 1 s tick) and the longest main-thread task (what a viewer feels as a freeze).
+Hostile keys: the first tick and the `/api/series` size over 200 trainer records with 63 info keys of their
+own each (valid) and 200 with 3,000 (skipped as invalid), against the same over a plain 200-step run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -142,6 +145,43 @@ def browser_side(root: Path, steps: int, refreshes: int, rng: random.Random) -> 
         return rows
 
 
+def hostile_keys(tmp: Path) -> list[tuple[str, str]]:
+    """The first tick and the series' JSON size over records with thousands of distinct info keys, and over
+    a plain run of as many steps."""
+    app = load_space_app("dashboard")
+    plot = gr.Plot(render=False)
+    results = {}
+    for name, keys in (("plain", {}), ("hostile", {63: range(200), 3000: range(200, 400)})):
+        root = tmp / f"keys-{name}"
+        write_steps(root, range(200), random.Random(0))
+        for count, steps in keys.items():
+            for step in steps:
+                info = {f"s{step}.k{i}": 1.0 for i in range(count)}
+                record = TrainerRecord(
+                    step, "delta", time.time(), NUMEL, 1, 1, 2 * NUMEL, 0.5, 1.2, 0.02, info=info
+                )
+                (root / record.path()).write_bytes(to_json(record))
+        board = app.Board(str(root))
+
+        def tick(board=board) -> None:
+            for figure in app.update(board, -1, refresh_s=2.0)[-len(app.PLOTS) :]:
+                plot.postprocess(figure)
+
+        results[name] = (timed(tick), len(json.dumps(board.series())), len(board.reader.problems))
+    (plain_s, plain_bytes, _), (hostile_s, hostile_bytes, skipped) = results["plain"], results["hostile"]
+    return [
+        (
+            f"first tick, 400 records with 63 or 3,000 keys each ({skipped} skipped) vs a plain 200-step run",
+            f"{hostile_s * 1000:.0f} ms vs {plain_s * 1000:.0f} ms ({hostile_s / plain_s:.1f}x)",
+        ),
+        (
+            "/api/series size, same two roots",
+            f"{hostile_bytes / 1e6:.2f} MB vs {plain_bytes / 1e6:.2f} MB "
+            f"({hostile_bytes / plain_bytes:.1f}x)",
+        ),
+    ]
+
+
 def _stats(seconds: list[float]) -> str:
     return f"median {statistics.median(seconds) * 1000:.0f} ms, max {max(seconds) * 1000:.0f} ms"
 
@@ -157,6 +197,7 @@ def main() -> None:
         root = Path(tmp) / "root"
         write_steps(root, range(args.steps), rng)
         rows = server_side(root, args.steps, args.refreshes, rng)
+        rows += hostile_keys(Path(tmp))
         if not args.no_browser and CHROMIUM.exists():
             browser_root = Path(tmp) / "browser-root"
             write_steps(browser_root, range(args.steps), rng)
