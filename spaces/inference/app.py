@@ -56,7 +56,6 @@ from prometheus_client import REGISTRY
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from starlette.datastructures import MutableHeaders
-from starlette.responses import JSONResponse
 from transformers import AutoConfig, AutoModelForCausalLM
 from vllm import SamplingParams
 from vllm.entrypoints.launchers.api_server.app_state import init_app_state
@@ -66,6 +65,7 @@ from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.platforms import current_platform
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from deltasync.asgi import BodyLimit
 from deltasync.settings import from_env
 from deltasync.sync.subscriber import Subscriber
 from deltasync.vllm.applier import KvPolicy, VllmApplier, WritePath
@@ -154,24 +154,6 @@ def preemptions() -> int:
             if sample.name.endswith("_total")
         )
     )
-
-
-class BodyLimit:
-    """Refuses request bodies over `max_bytes` (413) and bodies of unannounced length (411)."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            headers = dict(scope["headers"])
-            length = headers.get(b"content-length", b"0")
-            if b"transfer-encoding" in headers:
-                return await JSONResponse({"error": "send a Content-Length"}, 411)(scope, receive, send)
-            if not length.isdigit() or int(length) > self.max_bytes:
-                error = {"error": f"request body over {self.max_bytes} bytes"}
-                return await JSONResponse(error, 413)(scope, receive, send)
-        await self.app(scope, receive, send)
 
 
 class WeightVersionHeaders:
