@@ -86,7 +86,9 @@ def median_s(fn: Callable[[], object], repeat: int, setup: Callable[[], object] 
 
 def host_syncs(fn: Callable[[], object]) -> int:
     """Synchronizing CUDA calls made by `fn()` in this thread."""
-    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's note, once, that the mode is a prototype
+        torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
