@@ -81,26 +81,33 @@ def wait_for_replica(inference: str, step: int, timeout: float = 60) -> dict:
 
 
 @contextmanager
-def services(tmp_path: Path, root: Path, model: Path) -> Iterator[tuple[str, str]]:
-    """The Wordle env and a vLLM replica following `root` (vLLM on its own cores); yields their URLs."""
+def replica(tmp_path: Path, root: Path, model: Path, name: str = REPLICA) -> Iterator[str]:
+    """A vLLM inference Space following `root` on vLLM's cores, reading its weights back every step; yields
+    its URL."""
     inference_env = {
         "MODEL": str(model),
         "SYNC_ROOT": str(root),
-        "REPLICA_ID": REPLICA,
+        "REPLICA_ID": name,
         "POLL_S": "0.1",
         "VERIFY_EVERY": "1",  # read the weights back from vLLM after every step
-        "VLLM_ARGS": "--enforce-eager --max-model-len 2048 --max-num-seqs 16",
+        "ENGINE_ARGS": "--enforce-eager --max-model-len 2048 --max-num-seqs 16",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         **PLACEMENT.server_env(),
     }
-    env_app = [sys.executable, str(REPO / "spaces" / "env" / "app.py")]
     inference_app = [sys.executable, str(REPO / "spaces" / "inference" / "app.py")]
+    log = tmp_path / f"{name}.log"
+    with serving(inference_app, log, inference_env, 600, cpus=PLACEMENT.server) as url:
+        yield url
+
+
+@contextmanager
+def services(tmp_path: Path, root: Path, model: Path) -> Iterator[tuple[str, str]]:
+    """The Wordle env and a vLLM replica following `root` (vLLM on its own cores); yields their URLs."""
+    env_app = [sys.executable, str(REPO / "spaces" / "env" / "app.py")]
     with (
         serving(env_app, tmp_path / "env.log", {}, 60, cpus=PLACEMENT.others) as env_url,
-        serving(
-            inference_app, tmp_path / "inference.log", inference_env, 600, cpus=PLACEMENT.server
-        ) as inference_url,
+        replica(tmp_path, root, model) as inference_url,
     ):
         yield env_url, inference_url
 
