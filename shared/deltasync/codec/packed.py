@@ -41,7 +41,7 @@ def pack(t: torch.Tensor, threads: int | None = None, chunk: int = CHUNK) -> byt
         lo, hi = span
         exponents = np.empty(hi - lo, np.uint8)
         kernels.split_exponents(patterns[lo:hi], exponents, rest[lo:hi])
-        return zstandard.ZstdCompressor(level=LEVEL).compress(exponents)
+        return zstandard.ZstdCompressor(level=LEVEL).compress(exponents.data)
 
     frames = parallel_map(frame, spans(patterns.size, chunk), threads)
     return struct.pack(f"<{len(frames)}Q", *map(len, frames)) + b"".join(frames) + rest.tobytes()

@@ -160,7 +160,7 @@ def _unpacker(
         if shape != schema[name]:
             raise AnchorError(f"{path.name}: {name} lists shape {shape!r:.80}, expected {schema[name]}")
         try:
-            return packed.unpack(t.numpy(), shape, threads, chunk)
+            return packed.unpack(t.numpy().data, shape, threads, chunk)
         except (packed.PackedError, ValueError, TypeError) as e:
             raise AnchorError(f"{path.name}: {name}: {e}") from None
 

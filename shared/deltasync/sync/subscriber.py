@@ -183,9 +183,10 @@ class Subscriber:
             except SyncError as e:  # the next poll tries again
                 log.warning("sync: %s", _bounded(str(e)))
                 applied = []
-            for a in applied if on_applied else []:
+            for a in applied:
                 try:
-                    on_applied(a)
+                    if on_applied is not None:
+                        on_applied(a)
                 except Exception:
                     log.exception("on_applied for step %d failed", a.step)
             stop.wait(interval)

@@ -111,7 +111,7 @@ def from_json(cls: type[Record], data: bytes, where: str = "record") -> Record:
     values = {}
     for name, value in raw.items():
         if name in fields:  # newer writers may add fields: ignore them
-            values[name] = _check(cls, name, fields[name].type, value, where)
+            values[name] = _check(cls, name, str(fields[name].type), value, where)
     for name in TIME_FIELDS:
         if name in values and not TIME_RANGE[0] <= values[name] <= TIME_RANGE[1]:
             raise RecordError(f"{where}: field {name!r} is {values[name]!r}, not a unix time in {TIME_RANGE}")

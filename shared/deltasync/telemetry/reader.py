@@ -131,6 +131,7 @@ class TelemetryReader:
         ]
 
     def _read(self, path: str) -> Read:
+        cls: type[TrainerRecord] | type[ReplicaRecord]
         if path.startswith(TRAINER_DIR + "/"):
             cls = TrainerRecord
         elif path.startswith(REPLICAS_DIR + "/"):
