@@ -1,0 +1,146 @@
+"""Preflight: a dead environment, a dead replica, a replica serving another model, an unwritable root or a
+root holding another model's run each end in one line naming what and where (exit status 2 from the scripts),
+and the root holds nothing new afterwards."""
+
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi import FastAPI
+
+from deltasync.sync.publisher import Publisher
+from deltasync.trl.preflight import PROBE_PREFIX, preflight, schema_hash, schema_of
+from tests.helpers import REPO
+from trainer.processes import serving_in_thread
+from trainer.tiny_model import default_model_dir, ensure_tiny_model
+
+DEAD = "http://127.0.0.1:9"  # nothing listens there
+MODEL = "tiny-model"
+SCHEMA = {"model.embed_tokens.weight": [16, 8], "model.norm.weight": [8]}
+
+
+@contextlib.contextmanager
+def fake_replica(served: str = MODEL, schema: dict | None = None) -> Iterator[str]:
+    """Answers /v1/models with `served` and, like the inference Space, /weights with its sync status."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": served, "object": "model"}]}
+
+    @app.get("/weights")
+    def weights():
+        status = {"model": served, "step": 4, "weight_version": "4"}
+        return status | ({"schema_hash": schema_hash(schema)} if schema is not None else {})
+
+    @app.get("/health")
+    def health():
+        return {"status": "healthy"}
+
+    with serving_in_thread(app) as url:
+        yield url
+
+
+def listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*")) if root.exists() else []
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    return tmp_path / "root"
+
+
+def test_all_well(root):
+    with fake_replica(schema=SCHEMA) as url:
+        assert preflight(root, SCHEMA, MODEL, [url], env_url=url) is None
+    assert listing(root) == []  # the write check's probe is gone again
+    assert not any(PROBE_PREFIX in name for name in listing(root))
+
+
+def test_dead_env(root):
+    with fake_replica() as url:
+        failure = preflight(root, SCHEMA, MODEL, [url], env_url=DEAD)
+    assert failure == f"environment {DEAD}/health does not answer: ConnectionError"
+    assert listing(root) == []
+
+
+def test_dead_replica(root):
+    with fake_replica() as url:
+        failure = preflight(root, SCHEMA, MODEL, [url, DEAD])
+    assert failure == f"inference server {DEAD}/v1/models does not answer: ConnectionError"
+    assert listing(root) == []
+
+
+def test_replica_serving_another_model(root):
+    with fake_replica(served="other-model") as url:
+        failure = preflight(root, SCHEMA, MODEL, [url])
+    assert failure == f"inference server {url} serves ['other-model'], not {MODEL}"
+    assert listing(root) == []
+
+
+def test_replica_holding_other_parameters(root):
+    other = {**SCHEMA, "model.norm.weight": [9]}
+    with fake_replica(schema=other) as url:
+        failure = preflight(root, SCHEMA, MODEL, [url])
+    assert failure.startswith(f"inference server {url} holds other parameters than the trainer"), failure
+    assert listing(root) == []
+
+
+def test_unwritable_root(tmp_path):
+    (tmp_path / "file").write_text("a file, not a folder")
+    root = tmp_path / "file" / "root"
+    failure = preflight(root, SCHEMA, MODEL)
+    assert failure.startswith(f"sync root {root} is not writable: "), failure
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_root_holding_a_run_of_another_model(root):
+    with Publisher(root, model="other") as publisher:
+        publisher.publish({"model.embed_tokens.weight": torch.zeros(16, 4)})
+    before = listing(root)
+    failure = preflight(root, SCHEMA, MODEL)
+    assert failure == (
+        f"sync root {root} holds a run of another model (other): model.embed_tokens.weight has shape "
+        "[16, 4] there, [16, 8] here"
+    )
+    assert listing(root) == before
+
+
+def test_schema_of_names_what_trl_sends():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    model[1].weight.requires_grad_(False)  # frozen: TRL sends only trainable parameters
+    assert schema_of(model) == {"0.weight": [3, 2], "0.bias": [3], "1.bias": [1]}
+
+
+def run_script(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=600, check=False
+    )
+
+
+def test_trainer_exits_2_on_a_dead_env_before_publishing(tmp_path, root):
+    model = ensure_tiny_model(default_model_dir())
+    with fake_replica(served=str(model)) as url:
+        argv = ["-m", "trainer", "--sync_root", str(root), "--inference_url", url, "--env_url", DEAD]
+        argv += ["--model", str(model), "--output_dir", str(tmp_path / "out"), "--no_progress"]
+        proc = run_script(argv, tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == f"preflight failed: environment {DEAD}/health does not answer: ConnectionError"
+    assert listing(root) == []
+
+
+def test_example_exits_2_on_a_dead_replica_before_publishing(tmp_path, root):
+    model = ensure_tiny_model(default_model_dir())
+    argv = [str(REPO / "examples" / "grpo_bucket.py"), "--model_name_or_path", str(model)]
+    argv += ["--sync_root", str(root), "--inference_url", DEAD, "--output_dir", str(tmp_path / "out")]
+    argv += ["--use_cpu", "--bf16", "false", "--token_budget", "0", "--report_to", "none"]
+    proc = run_script(argv, tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == f"preflight failed: inference server {DEAD}/v1/models does not answer: ConnectionError"
+    assert listing(root) == []
