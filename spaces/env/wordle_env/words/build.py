@@ -1,6 +1,6 @@
 """Build answers.txt and allowed.txt from two Debian SCOWL word lists (run once; see README.md here).
 
-    python shared/wordle_words/build.py SMALL_LIST HUGE_LIST
+    python spaces/env/wordle_env/words/build.py SMALL_LIST HUGE_LIST
 
 SMALL_LIST (wamerican-small: common words) gives the answers, HUGE_LIST (wamerican-huge) the allowed guesses.
 Both keep only 5-letter words of lowercase a-z (no proper nouns, abbreviations or apostrophes), minus Roman
