@@ -121,12 +121,12 @@ class WriterClaim:
                 raise WriterConflict(f"{self.storage.url}: another publisher ({other}) took over")
 
     def renew(self, taking: bool = False) -> None:
-        """Extend the lease (a lock needs nothing); WriterConflict if another writer took it over, or if the
-        lease lapsed (another writer may be taking it now)."""
+        """Extend the lease (a lock needs nothing); WriterConflict if another writer took it over. A lease
+        that lapsed (a long step) but is still ours is taken again like a new claim: written, read back."""
         if self._lock is not None:
             return
         if not taking:
-            self.check_live()
+            taking = time.time() >= self._renewed_at + self.lease_s
             self._check_lease("took over")
         now = time.time()
         lease = {"holder": self.holder, "epoch": self.epoch, "expires_at": now + self.lease_s}
