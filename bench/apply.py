@@ -2,19 +2,20 @@
 
     python -m bench.apply                  # Qwen3-0.6B-shaped random model on this machine's vLLM
     python -m bench.apply --preset tiny    # the tests' tiny Qwen3 (a quick check of the bench itself)
+    python -m bench.apply --tp 2           # tensor parallel: one rank per core (the whole machine's cores)
 
-The server path exactly (spaces/inference/app.py): one AsyncLLM with the Space's worker extension, placed as
-the tests place it (`trainer.processes.placement()`: vLLM's worker on its own cores, this process on the
-others), and its VllmApplier writing synthetic steps. Two tables:
+The server path exactly (spaces/inference/app.py): one AsyncLLM with the deltasync weight-transfer backend,
+placed as the tests place it (`trainer.processes.placement()`: vLLM's worker on its own cores, this process
+on the others), and the follower's EngineApplier writing synthetic steps through the engine client's
+weight-update methods. Two tables:
 
-1. Apply, per density and write path, while two request streams keep generating: "stage", the worker's
-   stage RPC (the patch file read, checked and moved into the worker's memory, outside the pause; the worker
-   is busy with it between two forward steps); "write", the worker's in-place write; "paused", the whole
-   window generation was paused (from the engine's pause acknowledgement to its resume acknowledgement: the
-   write, the weight version, the RPC round trips); "floor", measured in the same run as the worker writes
-   (generation paused, on the server's cores, one thread): a plain indexed copy of the same values into
-   same-size bf16 tensors. Each step is read back from the worker and checked against the expected
-   fingerprint. Medians over --repeat steps.
+1. Apply, per density and write path, while two request streams keep generating: "update", the engine's
+   start, update and finish calls (the worker reads the patch file, checks it against the weights it holds
+   and writes; the RPC round trips); "paused", the whole window generation was paused (from the engine's
+   pause acknowledgement to its resume acknowledgement); "floor", measured in the same run as the worker
+   writes (generation paused, on the server's cores): a plain indexed copy of the same values into same-size
+   bf16 tensors. Each step is read back in the worker and checked against the expected fingerprint. Medians
+   over --repeat steps.
 2. Throughput: --streams concurrent long generations while a step of --step-density lands every --every
    seconds, with KV_ON_UPDATE=keep, with recompute, and with no updates, in --rounds windows of --seconds
    each, the three taking turns. Generated tokens per
@@ -40,10 +41,11 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from bench import load_space_app
 from deltasync.codec.changes import TensorChanges
-from deltasync.codec.fingerprint import state_fingerprint
+from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
 from deltasync.codec.patch import fingerprint_after
-from deltasync.vllm.applier import VllmApplier
-from trainer.processes import placement
+from deltasync.vllm import compat
+from deltasync.vllm.follower import AsyncEngine, EngineApplier
+from trainer.processes import Placement, placement
 from trainer.tiny_model import build_tiny_model
 
 QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16)
@@ -103,7 +105,7 @@ async def generate(engine, stream: int, max_tokens: int, tokens: list[int], stop
 
 async def floor_s(engine, cpus, state, changes) -> float:
     """The floor, measured as the worker writes: generation paused, on the server's cores."""
-    await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+    await engine.pause_generation(mode="keep", clear_cache=False)
     os.sched_setaffinity(0, cpus.server)
     try:
         return indexed_copy_s(state, changes)
@@ -117,33 +119,34 @@ async def apply_table(engine, applier, cpus, state, densities, paths, repeat) ->
     fp = state_fingerprint(state)
     rows, step = [], 0
     for density in densities:
-        for applier.write in paths:
+        for path in paths:
+            await asyncio.to_thread(applier.use_write, path)
             samples = []
             for _ in range(repeat):
                 step += 1
                 changes = random_changes(state, density, step)
-                fp = fingerprint_after(fp, state, changes)
+                base, fp = fp, fingerprint_after(fp, state, changes)
                 changed = sum(len(c) for c in changes.values())
-                await asyncio.to_thread(applier.patch, changes, step)
+                target = format_fingerprint(fp)
+                await asyncio.to_thread(applier.write_delta, changes, step, format_fingerprint(base), target)
                 floor = await floor_s(engine, cpus, state, changes)  # writes the changes into `state`
-                assert await asyncio.to_thread(applier.fingerprint) == fp, f"readback after step {step}"
+                readback = await asyncio.to_thread(applier.read_fingerprint, step, fp)
+                assert readback == fp, f"readback after step {step}"
                 w = applier.last_write
-                assert w["tensors"]["vllm" if applier.write == "direct" else "direct"] == 0, w
+                assert w["write"] == path, w
                 samples.append(
                     {
                         "changed": changed,
                         "share": changed / numel,
                         "raw MB": 6 * changed / 1e6,
-                        "stage ms": 1e3 * w["stage_s"],
-                        "write ms": 1e3 * w["write_s"],
+                        "update ms": 1e3 * w["update_s"],
                         "paused ms": 1e3 * w["pause_s"],
                         "floor ms": 1e3 * floor,
                     }
                 )
             medians = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-            medians["paused / write"] = medians["paused ms"] / medians["write ms"]
-            medians["write / floor"] = medians["write ms"] / medians["floor ms"]
-            rows.append({"density": f"{100 * density:g}%", "write path": applier.write, **medians})
+            medians["update / floor"] = medians["update ms"] / medians["floor ms"]
+            rows.append({"density": f"{100 * density:g}%", "write path": path, **medians})
     return rows
 
 
@@ -163,8 +166,9 @@ async def throughput_window(engine, applier, a, policy: str, pool: list, totals:
         await asyncio.sleep(max(0.0, next_at - elapsed))
         if policy != "none" and time.perf_counter() - start < a.seconds:
             totals["step"] += 1
-            await asyncio.to_thread(applier.patch, pool[totals["step"] % len(pool)], totals["step"])
-            totals[policy]["costs"].append((applier.last_write["stage_s"], applier.last_write["pause_s"]))
+            changes, base, fp = pool[(totals["step"] - 10_001) % len(pool)]  # in order: step, undo, ...
+            await asyncio.to_thread(applier.write_delta, changes, totals["step"], base, fp)
+            totals[policy]["costs"].append((applier.last_write["update_s"], applier.last_write["pause_s"]))
             updates += 1
     row = totals[policy]
     row["seconds"] += time.perf_counter() - start
@@ -182,8 +186,17 @@ async def throughput_table(engine, applier, state, a, preemptions) -> list[dict]
     jobs on these cores) falls on all of them alike."""
     # Steps cycle through a few change sets made beforehand: this process's CPU goes to the serving path
     # (patch file, stage, pause), as the subscriber's would, not to making random changes.
-    pool = [random_changes(state, a.step_density, 10_000 + i) for i in range(3)]
-    applier.write = "direct"  # the default path (the apply table leaves the last one it measured)
+    # Each step is a fresh change set of the same state, written and then undone: (changes, base, fingerprint)
+    # for the step and its undo alternate, so the engine's fingerprint checks hold throughout.
+    here = state_fingerprint(state)
+    pool = []
+    for i in range(2):
+        changes = random_changes(state, a.step_density, 10_000 + i)
+        undo = {n: TensorChanges(ch.indices, state[n].view(-1)[ch.indices]) for n, ch in changes.items()}
+        moved = fingerprint_after(here, state, changes)
+        pool += [(changes, format_fingerprint(here), format_fingerprint(moved))]
+        pool += [(undo, format_fingerprint(moved), format_fingerprint(here))]
+    await asyncio.to_thread(applier.use_write, "direct")  # the default path (the apply table leaves the last)
     policies = ("none", "keep", "recompute")
     totals = {p: {"seconds": 0.0, "tokens": 0, "updates": 0, "preemptions": 0, "costs": []} for p in policies}
     totals |= {"step": 10_000, "preemptions_fn": preemptions}
@@ -203,7 +216,7 @@ async def throughput_table(engine, applier, state, a, preemptions) -> list[dict]
                 / t["seconds"]
                 / (totals["none"]["tokens"] / totals["none"]["seconds"]),
                 "preemptions": t["preemptions"],
-                "stage ms": 1e3 * statistics.median(c[0] for c in costs) if costs else 0.0,
+                "update ms": 1e3 * statistics.median(c[0] for c in costs) if costs else 0.0,
                 "paused ms": 1e3 * statistics.median(c[1] for c in costs) if costs else 0.0,
             }
         )
@@ -218,16 +231,16 @@ async def server_bench(model: Path, a, cpus) -> tuple[list[dict], list[dict]]:
         model=str(model),
         sync_root="-",  # unused: the bench drives the applier itself
         replica_id="bench",
-        vllm_args=shlex.join(["--skip-tokenizer-init", *a.vllm_args.split()]),
+        engine_args=shlex.join(["--skip-tokenizer-init", *a.engine_args.split()]),
     )
-    args = inference.engine_args(cfg)
-    async with inference.build_async_engine_client(args) as engine:
+    args = inference.server_args(cfg)
+    async with compat.engine_client(args) as engine:
         cpus.pin_self()  # the engine's processes stay on the server's cores, as the app's do
-        layout = (await engine.collective_rpc("deltasync_layout"))[0]
-        applier = VllmApplier(engine, asyncio.get_running_loop(), layout)
+        applier = await asyncio.to_thread(EngineApplier, AsyncEngine(engine, asyncio.get_running_loop()), "-")
         state = {n: t.clone() for n, t in load_file(model / "model.safetensors").items()}  # paged in
-        await asyncio.to_thread(applier.load, state, 0)
-        assert await asyncio.to_thread(applier.fingerprint) == state_fingerprint(state), "anchor readback"
+        fp = state_fingerprint(state)
+        await asyncio.to_thread(applier.write_anchor, state, 0, format_fingerprint(fp))
+        assert await asyncio.to_thread(applier.read_fingerprint, 0, fp) == fp, "anchor readback"
         stop, tokens = asyncio.Event(), [0, 0]
         streams = [asyncio.create_task(generate(engine, s, 32, tokens, stop)) for s in range(2)]
         await asyncio.sleep(2.0)
@@ -268,11 +281,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="windows per KV policy, taking turns")
     ap.add_argument("--every", type=float, default=3.0, help="seconds between steps (throughput)")
     ap.add_argument("--step-density", type=float, default=1e-2, help="share changed per step (throughput)")
-    ap.add_argument("--vllm-args", default="--enforce-eager --max-model-len 2048 --max-num-seqs 8")
+    ap.add_argument("--engine-args", default="--enforce-eager --max-model-len 2048 --max-num-seqs 8")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one core each (default 1)")
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C: the engine's processes too
     cpus = placement()
     os.environ |= cpus.server_env()  # vLLM's worker binds its threads to the server's cores
+    if a.tp > 1:  # one rank per core, on the first a.tp cores; this process shares them
+        cores = tuple(sorted(os.sched_getaffinity(0))[: a.tp])
+        cpus = Placement(cores, cores)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, cores))
+        a.engine_args += f" --tensor-parallel-size {a.tp}"
     torch.set_num_threads(len(cpus.server))  # the floor with as many threads as the worker has
     with tempfile.TemporaryDirectory(prefix="bench-apply-") as tmp:
         model = build_tiny_model(Path(tmp)) if a.preset == "tiny" else qwen3_06b_shaped(Path(tmp))

@@ -137,7 +137,7 @@ def bench_wordle(args) -> None:
         "REPLICA_ID": "bench-replica",
         "POLL_S": "0.2",
         "VERIFY_EVERY": "10",
-        "VLLM_ARGS": "--enforce-eager --max-model-len 4096 --max-num-seqs 16",
+        "ENGINE_ARGS": "--enforce-eager --max-model-len 4096 --max-num-seqs 16",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         **cores.server_env(),

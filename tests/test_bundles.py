@@ -72,7 +72,7 @@ def apps(tmp_path_factory):
         "SYNC_ROOT": str(root),
         "MODEL": str(model),
         "POLL_S": "0.2",
-        "VLLM_ARGS": "--enforce-eager",
+        "ENGINE_ARGS": "--enforce-eager",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",

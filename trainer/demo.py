@@ -16,7 +16,7 @@ Environment:
     DEMO_MODEL         the policy's folder (default: the warm-started tiny Qwen3, built once into the cache of
                        trainer.tiny_model.default_model_dir(): $DELTASYNC_CACHE or ~/.cache/deltasync)
     DEMO_TRAINER_ARGS  trainer flags (default: DEFAULT_TRAINER_ARGS), e.g. "--reward short --max_grad_norm 1"
-    VLLM_ARGS          flags for the inference replica's vLLM (default: DEFAULT_VLLM_ARGS)
+    ENGINE_ARGS        flags for the inference replica's vLLM (default: DEFAULT_ENGINE_ARGS)
 
 Exit status: 0 when the trainer finished and the replica verified every published step, else 1.
 """
@@ -50,7 +50,7 @@ SPACES = REPO / "spaces"
 REPLICA_ID = "local-replica"
 REWARD_KEY = "reward_mean"  # the trainer's `info` key the dashboard plots as reward
 # --enforce-eager: no torch.compile, half the CPU start-up (the app itself keeps CPU prefills whole).
-DEFAULT_VLLM_ARGS = "--enforce-eager"
+DEFAULT_ENGINE_ARGS = "--enforce-eager"
 # The tiny model never wins a game in a few steps: with the win reward alone every group's rewards are equal,
 # GRPO's advantages are zero and no weight changes. Partial credit (what the guesses found of the word) gives
 # it a gradient. A 1.1M-parameter model learns visibly in a few minutes only with large steps (lr 1e-3, not
@@ -220,7 +220,7 @@ class Settings(BaseSettings):
     demo_headless: bool = False
     demo_model: Path | None = None  # None: the cached tiny model
     demo_trainer_args: str = DEFAULT_TRAINER_ARGS
-    vllm_args: str = DEFAULT_VLLM_ARGS
+    engine_args: str = DEFAULT_ENGINE_ARGS
 
 
 class Demo:
@@ -338,7 +338,7 @@ def run(settings: Settings, demo: Demo) -> int:
         SYNC_ROOT=str(demo.root),
         REPLICA_ID=REPLICA_ID,
         POLL_S="0.5",
-        VLLM_ARGS=settings.vllm_args,
+        ENGINE_ARGS=settings.engine_args,
     )
     demo.start_app("dashboard", "/api/summary", SYNC_ROOT=str(demo.root), REFRESH_S="1")
     print("starting the env, vLLM and the dashboard (vLLM takes ~20-60 s on CPU) ...", flush=True)

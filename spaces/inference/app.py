@@ -1,5 +1,9 @@
 """Inference Space: vLLM's own OpenAI-compatible server, whose weights follow a deltasync root in place.
 
+The weights are written by the `deltasync` weight-transfer backend (`deltasync.vllm.engine`), driven in this
+process through the engine client's public weight-update methods by the same follower as `deltasync follow`
+(`deltasync.vllm.follower`): one write path for this app and for any vLLM server.
+
     python spaces/inference/app.py        (or `python app.py` inside the Space bundle)
 
 Configuration, from the environment:
@@ -14,11 +18,10 @@ Configuration, from the environment:
     VERIFY_EVERY       read the weights back from vLLM every N deltas to compare fingerprints (10)
     MAX_REQUEST_BYTES  largest request body accepted (4 MiB)
     PATCH_WRITE        "direct" (default): indexed writes into the parameter views learned at start-up,
-                       O(changed elements), vLLM's loader only for tensors without one contiguous destination;
-                       "vllm": vLLM's load_checkpoint_weight_patches for every tensor (see bench/apply.py)
+                       O(changed elements); "vllm": vLLM's load_checkpoint_weight_patches for every tensor
     KV_ON_UPDATE       "keep" (default): running requests keep their KV cache across an update; "recompute":
                        they are preempted and recompute their context on the new weights
-    VLLM_ARGS          more `vllm serve` flags, e.g. "--max-model-len 4096 --gpu-memory-utilization 0.85"
+    ENGINE_ARGS        more `vllm serve` flags, e.g. "--max-model-len 4096 --gpu-memory-utilization 0.85"
 
 On CPU, unless VLLM_CPU_KVCACHE_SPACE or --kv-cache-memory-bytes says otherwise, the KV cache gets half the
 memory left beside the weights, at most room for 4 sequences of --max-model-len (`cpu_kv_cache_bytes`).
@@ -29,6 +32,8 @@ Public routes: /health, /version, /v1/models, /v1/completions, /v1/chat/completi
 and the Gradio page at /. vLLM's other routes (admin, dev, scaling, metrics, docs) answer 404. Completions
 carry `x-weight-version` (the version when the request arrived) and `x-weight-version-end` (when the response
 started; for a non-streamed response, when it was complete): the versions that produced it lie in between.
+Each generation request is salted with the weight version current when it arrives (vLLM's `cache_salt`), so no
+request reuses prefix-cache blocks computed by other weights.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 import logging
 import os
 import re
@@ -58,19 +64,16 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from starlette.datastructures import MutableHeaders
 from transformers import AutoConfig, AutoModelForCausalLM
 from vllm import SamplingParams
-from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
-from vllm.entrypoints.launchers.app import build_app
-from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.platforms import current_platform
-from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from deltasync.asgi import BodyLimit
 from deltasync.settings import from_env
 from deltasync.sync.subscriber import Subscriber
-from deltasync.vllm.applier import KvPolicy, VllmApplier, WritePath
+from deltasync.vllm import compat
+from deltasync.vllm.follower import AsyncEngine, EngineApplier, KvPolicy, WritePath, log_applied
 
 log = logging.getLogger("deltasync.inference")
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 PUBLIC_ROUTES = {
     "/health",
     "/version",
@@ -99,7 +102,7 @@ class Settings(BaseSettings):
     max_request_bytes: int = 4 << 20
     patch_write: WritePath = "direct"
     kv_on_update: KvPolicy = "keep"
-    vllm_args: str = ""
+    engine_args: str = ""
 
     @property
     def served_names(self) -> list[str]:
@@ -117,7 +120,7 @@ def default_replica_id(space_id: str) -> str:
     return f"{readable}-{hashlib.blake2b(origin.encode(), digest_size=4).hexdigest()}"
 
 
-def sync_status(cfg: Settings, subscriber: Subscriber, applier: VllmApplier) -> dict:
+def sync_status(cfg: Settings, subscriber: Subscriber, applier: EngineApplier, in_flight: InFlight) -> dict:
     """What GET /weights and the front page report."""
     head, step, now = subscriber.head, subscriber.step, time.time()
     recent = list(subscriber.history)[-20:]
@@ -137,7 +140,7 @@ def sync_status(cfg: Settings, subscriber: Subscriber, applier: VllmApplier) -> 
         "last_error": subscriber.last_error,
         "readback": applier.readback,
         "last_write": applier.last_write,
-        "requests_in_flight": applier.engine.output_processor.get_num_unfinished_requests(),
+        "requests_in_flight": in_flight.count,
         "preemptions": preemptions(),
         "recent": [{**asdict(a), "lag_s": a.lag_s} for a in recent],
     }
@@ -154,6 +157,77 @@ def preemptions() -> int:
             if sample.name.endswith("_total")
         )
     )
+
+
+class InFlight:
+    """Counts the generation requests being answered (from their arrival to the end of their response)."""
+
+    def __init__(self, app):
+        self.app, self.count = app, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in GENERATION_ROUTES:
+            return await self.app(scope, receive, send)
+        self.count += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.count -= 1
+
+
+class VersionSalt:
+    """Sets each generation request's `cache_salt` to the weight version current when it arrives (with the
+    client's own salt kept inside it), so requests never share prefix-cache blocks across versions."""
+
+    def __init__(self, app, version: Callable[[], str]):
+        self.app, self.version = app, version
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_ROUTES:
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:  # the whole body: BodyLimit bounds it
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message], receive), send)
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        try:
+            request = json.loads(body)
+        except ValueError:
+            request = None  # vLLM answers it with its own error
+        if isinstance(request, dict):
+            request["cache_salt"] = version_salt(self.version(), request.get("cache_salt"))
+            body = json.dumps(request).encode()
+            scope = {**scope, "headers": _with_length(scope["headers"], len(body))}
+        replayed = _replay([{"type": "http.request", "body": body, "more_body": False}], receive)
+        await self.app(scope, replayed, send)
+
+
+def version_salt(version: str, salt: object) -> str:
+    """A valid vLLM cache salt for `version` and the client's `salt` (which vLLM checks as usual if it is
+    not a string)."""
+    if salt is None:
+        return f"deltasync-{version}"
+    client = salt if isinstance(salt, str) else json.dumps(salt)
+    return f"deltasync-{version}-{hashlib.blake2b(client.encode(), digest_size=16).hexdigest()}"
+
+
+def _with_length(headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in headers if k.lower() != b"content-length"] + [
+        (b"content-length", str(length).encode())
+    ]
+
+
+def _replay(messages: list[dict], receive):
+    """`messages` first, then the client's own (its disconnect, which streaming responses wait for)."""
+    pending = list(messages)
+
+    async def replayed():
+        return pending.pop(0) if pending else await receive()
+
+    return replayed
 
 
 class WeightVersionHeaders:
@@ -197,8 +271,9 @@ def front_page(cfg: Settings, engine, status: Callable[[], dict]) -> gr.Blocks:
         if not prompt.strip():
             return "", ""
         params = SamplingParams(max_tokens=min(max(int(max_tokens), 1), 256), temperature=0.0)
+        request = {"prompt": prompt[:4000], "cache_salt": version_salt(status()["weight_version"], None)}
         final = None
-        async for out in engine.generate(prompt[:4000], params, request_id=f"ui-{uuid.uuid4().hex}"):
+        async for out in engine.generate(request, params, request_id=f"ui-{uuid.uuid4().hex}"):
             final = out
         choice = final.outputs[0]
         spans = ", ".join(f"{v.version}: tokens {v.start}-{v.end}" for v in choice.weight_versions or [])
@@ -222,10 +297,10 @@ def front_page(cfg: Settings, engine, status: Callable[[], dict]) -> gr.Blocks:
     return page
 
 
-async def public_app(cfg: Settings, args, engine, status: Callable[[], dict], version: Callable[[], str]):
-    tasks = await engine.get_supported_tasks()
-    app = build_app(args, tasks, engine.model_config)
-    await init_app_state(engine, app.state, args, tasks)
+async def public_app(
+    cfg: Settings, args, engine, status: Callable[[], dict], version: Callable[[], str], in_flight: InFlight
+):
+    app = await compat.openai_app(engine, args)
     # vLLM also registers maintenance and scaling routes (abort, elastic EP, metrics, render, docs): keep only
     # the public API, so anything else falls through to Gradio's 404.
     app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) in PUBLIC_ROUTES]
@@ -235,16 +310,17 @@ async def public_app(cfg: Settings, args, engine, status: Callable[[], dict], ve
     no_docs = {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = gr.mount_gradio_app(app, front_page(cfg, engine, status), path="/", auth=auth, app_kwargs=no_docs)
     # Outside the app: vLLM's app has already built its middleware stack.
-    return BodyLimit(WeightVersionHeaders(app, version), cfg.max_request_bytes)
+    in_flight.app = VersionSalt(WeightVersionHeaders(app, version), version)
+    return BodyLimit(in_flight, cfg.max_request_bytes)
 
 
-def engine_args(cfg: Settings):
+def server_args(cfg: Settings):
     argv = ["--model", cfg.model, "--dtype", "bfloat16", "--served-model-name", *cfg.served_names]
-    argv += ["--worker-extension-cls", "deltasync.vllm.worker.PatchWorkerExtension", "--disable-fastapi-docs"]
+    argv += ["--weight-transfer-config", json.dumps({"backend": "deltasync"}), "--disable-fastapi-docs"]
     argv += ["--enable-scale-out"]  # for /inference/v1/generate; the other scale-out routes are dropped
     if current_platform.is_cpu():  # vLLM 0.32's CPU engine crashes on a seeded request (TRL seeds them all)
-        argv += ["--no-enable-chunked-prefill"]  # whose prefill is split across steps; VLLM_ARGS may override
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args([*argv, *shlex.split(cfg.vllm_args)])
+        argv += ["--no-enable-chunked-prefill"]  # whose prefill is split across steps; ENGINE_ARGS may undo
+    args = compat.parse_server_args([*argv, *shlex.split(cfg.engine_args)])
     args.api_key = [cfg.token] if cfg.token else None  # vLLM's own bearer check, kept out of argv
     if current_platform.is_cpu() and args.kv_cache_memory_bytes is None and not os.environ.get(KV_ENV):
         args.kv_cache_memory_bytes = cpu_kv_cache_bytes(args, psutil.virtual_memory().available)
@@ -274,29 +350,48 @@ def cpu_kv_cache_bytes(args, available: int) -> int:
         raise SystemExit(
             f"not enough memory for {args.model}: {available / gib:.1f} GiB available, the weights need "
             f"{weights / gib:.1f} GiB, the engine ~{ENGINE_HEADROOM / gib:.0f} GiB and one {max_len}-token "
-            f"sequence's KV cache {one / gib:.1f} GiB; lower --max-model-len in VLLM_ARGS or free memory"
+            f"sequence's KV cache {one / gib:.1f} GiB; lower --max-model-len in ENGINE_ARGS or free memory"
         )
     return max(one, min(left // 2, KV_SEQUENCES * one))
 
 
 async def serve(cfg: Settings) -> None:
-    args = engine_args(cfg)
-    async with build_async_engine_client(args) as engine:
-        layout = (await engine.collective_rpc("deltasync_layout"))[0]
-        applier = VllmApplier(engine, asyncio.get_running_loop(), layout, cfg.patch_write, cfg.kv_on_update)
+    args = server_args(cfg)
+    # The public port is bound before the engine starts: a port chosen free cannot go to vLLM's internal ones.
+    sock = socket.create_server((cfg.host, cfg.port), reuse_port=False)
+    async with compat.engine_client(args) as engine:
+        loop = asyncio.get_running_loop()
+        in_flight = InFlight(None)
+        applier = await asyncio.to_thread(
+            EngineApplier,
+            AsyncEngine(engine, loop),
+            cfg.sync_root,
+            cfg.patch_write,
+            cfg.kv_on_update,
+            lambda: in_flight.count,
+        )
         await engine.update_weight_version(applier.version)
         subscriber = Subscriber(cfg.sync_root, applier, replica=cfg.replica_id, verify_every=cfg.verify_every)
+        applier.attach(subscriber)
         app = await public_app(
-            cfg, args, engine, lambda: sync_status(cfg, subscriber, applier), lambda: applier.version
+            cfg,
+            args,
+            engine,
+            lambda: sync_status(cfg, subscriber, applier, in_flight),
+            lambda: applier.version,
+            in_flight,
         )
         stop = threading.Event()
-        follower = threading.Thread(target=subscriber.follow, args=(stop, cfg.poll_s), name="deltasync")
+        follower = threading.Thread(
+            target=subscriber.follow, args=(stop, cfg.poll_s, log_applied), name="deltasync"
+        )
         follower.start()
         try:
-            await uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port)).serve()
+            await uvicorn.Server(uvicorn.Config(app)).serve(sockets=[sock])
         finally:
             stop.set()
             await asyncio.to_thread(follower.join)  # it may wait on a write that needs this loop
+            applier.close()
 
 
 def main() -> None:

@@ -18,14 +18,8 @@ from pathlib import Path
 
 import pytest
 import requests
-import torch
-from safetensors.torch import load_file
 
-from deltasync import telemetry
-from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
-from deltasync.sync.protocol import HEAD_PATH, RUN_PATH, Head, step_of
-from deltasync.sync.publisher import Publisher, PublisherConfig
-from tests.helpers import REPO
+from tests.helpers import REPO, ServedRun
 from trainer.processes import placement, serving
 from trainer.tiny_model import build_tiny_model
 
@@ -63,61 +57,7 @@ ADMIN_ROUTES = [
 ]
 
 
-class Run:
-    """A stand-in training run: publishes successive states to a staging root with the project's Publisher and
-    mirrors each step into the root the servers follow (data first, head last), optionally corrupting a delta
-    on the way, as a broken upload would."""
-
-    def __init__(self, tmp: Path, model_dir: Path):
-        self.model_dir, self.staging, self.served = model_dir, tmp / "staging", tmp / "served"
-        self.state = load_file(model_dir / "model.safetensors")
-        config = PublisherConfig(anchor_every=ANCHOR_EVERY)
-        self.publisher = Publisher(str(self.staging), model=str(model_dir), config=config)
-        self.fingerprints: dict[int, str] = {}
-
-    def step(self, corrupt: bool = False) -> int:
-        step = self.publisher.last_step + 1
-        if step:
-            self.state = perturb(self.state, step, big=step == BIG_STEP)
-        self.publisher.publish(self.state, step)
-        self.publisher.flush()
-        self.fingerprints[step] = format_fingerprint(state_fingerprint(self.state))
-        self.mirror(corrupt_step=step if corrupt else None)
-        return step
-
-    def head(self) -> Head:
-        return Head.from_json((self.served / HEAD_PATH).read_bytes())
-
-    def mirror(self, corrupt_step: int | None) -> None:
-        head = Head.from_json((self.staging / HEAD_PATH).read_bytes())
-        for path in [RUN_PATH, *sorted(head.files())]:
-            if not (self.served / path).exists():
-                data = (self.staging / path).read_bytes()
-                if path.startswith("deltas/") and step_of(path) == corrupt_step:
-                    data = data[:-64] + bytes(b ^ 0x5A for b in data[-64:])
-                write_atomic(self.served / path, data)
-        write_atomic(self.served / HEAD_PATH, (self.staging / HEAD_PATH).read_bytes())
-
-
-def perturb(state: dict[str, torch.Tensor], seed: int, big: bool) -> dict[str, torch.Tensor]:
-    """Like an optimizer step: ~3% of the bf16 weights move by about one ulp (`big`: all move by ~50%)."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in state.items():
-        moved = torch.rand(t.shape, generator=g) < (1.0 if big else 0.03)
-        scale = 1 + (0.5 if big else 0.012) * torch.randn(t.shape, generator=g)
-        out[name] = torch.where(moved, (t.float() * scale).to(torch.bfloat16), t)
-    return out
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def request_across_an_update(run: Run, server: "Server") -> tuple[dict, dict, dict]:
+def request_across_an_update(run: ServedRun, server: "Server") -> tuple[dict, dict, dict]:
     """A LONG-token request during which a step lands: the server's own record says the request was in
     flight when generation paused for the write; it completes with exactly its tokens, sampled by the two
     versions in turn (vLLM's `weight_versions` spans). Returns the status before and after, and the choice."""
@@ -179,13 +119,13 @@ class Server:
 
 
 @contextmanager
-def running_server(run: Run, log: Path, **env):
+def running_server(run: ServedRun, log: Path, **env):
     env = {
         "MODEL": str(run.model_dir),
         "SYNC_ROOT": str(run.served),
         "POLL_S": "0.2",
         "VERIFY_EVERY": "1",  # read the weights back from vLLM after every step
-        "VLLM_ARGS": "--enforce-eager --max-model-len 8192 --max-num-seqs 8",
+        "ENGINE_ARGS": "--enforce-eager --max-model-len 8192 --max-num-seqs 8",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         **env,
@@ -193,11 +133,6 @@ def running_server(run: Run, log: Path, **env):
     env |= CPUS.server_env()
     with serving([sys.executable, str(APP)], log, env, timeout=600, cpus=CPUS.server) as url:
         yield Server(url, str(run.model_dir), log, AUTH if env.get("API_TOKEN") else {})
-
-
-def replica_record(run: Run, replica: str, step: int) -> telemetry.ReplicaRecord:
-    path = run.served / f"{telemetry.REPLICAS_DIR}/{replica}/step-{step:08d}.json"
-    return telemetry.from_json(telemetry.ReplicaRecord, path.read_bytes(), str(path))
 
 
 @pytest.fixture(scope="module")
@@ -210,9 +145,9 @@ def pinned():
 
 
 @pytest.fixture(scope="module")
-def run(pinned, tmp_path_factory) -> Run:
+def run(pinned, tmp_path_factory) -> ServedRun:
     tmp = tmp_path_factory.mktemp("inference")
-    run = Run(tmp, build_tiny_model(tmp / "tiny-qwen3"))
+    run = ServedRun(tmp, build_tiny_model(tmp / "tiny-qwen3"), anchor_every=ANCHOR_EVERY, big_step=BIG_STEP)
     yield run
     run.publisher.close()
 
@@ -238,18 +173,17 @@ class TestFollowingServer:
         outputs = {0: server.greedy()}
         for _ in range(20):
             step = run.step()
-            # The subscriber reads the weights back from the vLLM worker (RPC) after each step: bitwise equal.
+            # After each step, the vLLM worker reads its weights back and confirms their fingerprint.
             status = server.wait_for(lambda s, step=step: s["readback"]["step"] == step, f"step {step}")
             assert status["step"] == step and status["readback"]["fingerprint"] == run.fingerprints[step]
             assert status["lag_steps"] == 0 and status["weight_version"] == str(step)
             outputs[step] = server.greedy()
-        tensors = status["last_write"]["tensors"]
-        assert tensors["direct"] > 0 and tensors["vllm"] == 0  # the default path
+        assert status["last_write"]["write"] == "direct"  # the default path
         applied = [a for a in server.status()["recent"] if a["step"] > 0]
         assert [a["step"] for a in applied] == list(range(1, 21))
         assert all(a["pause_s"] < a["apply_s"] for a in applied)
         for step in range(21):
-            record = replica_record(run, "replica-a", step)
+            record = run.replica_record("replica-a", step)
             assert record.verified and record.pause_s is not None and record.lag_steps == 0
         # Small steps rarely flip a greedy token; the big one changes every weight, and the outputs with it.
         assert outputs[BIG_STEP] != outputs[BIG_STEP - 1], outputs
@@ -258,6 +192,25 @@ class TestFollowingServer:
         before, status, choice = request_across_an_update(run, server)
         assert status["last_write"]["kv_on_update"] == "keep"
         assert server.status()["preemptions"] == before["preemptions"]  # vLLM kept the request running
+
+    def test_no_prefix_cache_reuse_across_versions(self, run, server):
+        """A request after an update computes its prompt's KV with the new weights, even though the same
+        prompt's blocks sit in the prefix cache from the old ones: it answers exactly as one whose own
+        `cache_salt` rules out any reuse."""
+        prompt = list(range(5, 69))  # 64 tokens: whole KV blocks, which the prefix cache keeps
+
+        def ask(**extra) -> tuple:
+            body = {"prompt": prompt, "max_tokens": 8, "logprobs": 1, "return_token_ids": True, **extra}
+            response = server.complete(**body)
+            assert response.status_code == 200, response.text
+            choice, version = response.json()["choices"][0], response.headers["x-weight-version"]
+            return choice["token_ids"], choice["logprobs"]["token_logprobs"], version
+
+        ask()  # cached under the current version
+        step = run.step()
+        server.wait_for(lambda s: s["step"] == step, f"step {step}")
+        again, fresh = ask(), ask(cache_salt=f"fresh-{step}")
+        assert again == fresh and again[2] == str(step), (again, fresh)
 
     def test_trl_rollout_request_shape(self, run, server):
         # The exact body TRL 1.16's AsyncRolloutWorker._generate_one_turn posts.
@@ -293,8 +246,10 @@ class TestFollowingServer:
                 assert response.status_code == 404, (method, path, response.status_code)
         huge = b'{"prompt": "' + b"x" * (5 << 20) + b'"}'
         headers = {**AUTH, "Content-Type": "application/json"}
-        response = requests.post(f"{server.url}/v1/completions", data=huge, headers=headers, timeout=30)
-        assert response.status_code == 413
+        # The server answers before reading the body and closes the connection: read the status line only.
+        url = f"{server.url}/v1/completions"
+        with requests.post(url, data=huge, headers=headers, timeout=30, stream=True) as response:
+            assert response.status_code == 413
 
     def test_corrupt_delta_refused_then_recovered_from_next_anchor(self, run, server):
         good = server.status()["step"]
@@ -303,7 +258,7 @@ class TestFollowingServer:
         assert status["step"] == good and status["readback"]["fingerprint"] == run.fingerprints[good]
         response = server.complete()  # still serving the last good step
         assert response.status_code == 200 and response.headers["x-weight-version"] == str(good)
-        record = replica_record(run, "replica-a", bad)
+        record = run.replica_record("replica-a", bad)
         assert not record.verified and record.error
         step = run.step()
         while not run.head().entry(step, "anchor"):  # deltas based on the refused one cannot apply
@@ -333,13 +288,15 @@ def late_server(run, tmp_path_factory):
 class TestLateServer:
     def test_catches_up_from_the_newest_anchor(self, run, late_server):
         head = run.head().step
-        status = late_server.wait_for(lambda s: s["step"] == head, f"step {head}")
+        # The step moves before the subscriber reads the weights back and records it: wait for the record.
+        recorded = lambda s: s["recent"] and s["recent"][-1]["step"] == head  # noqa: E731
+        status = late_server.wait_for(recorded, f"step {head}")
         anchor = run.head().anchors[-1].step
         expected = [(anchor, "anchor"), (anchor + 1, "delta"), (anchor + 2, "delta")]
         assert [(a["step"], a["kind"]) for a in status["recent"]] == expected
         assert status["readback"]["fingerprint"] == run.fingerprints[head]
-        assert status["last_write"]["tensors"]["direct"] == 0 and status["last_write"]["tensors"]["vllm"] > 0
-        assert replica_record(run, "replica-b", head).verified
+        assert status["last_write"]["write"] == "vllm"
+        assert run.replica_record("replica-b", head).verified
 
     def test_request_running_across_an_update_recomputes(self, run, late_server):
         before, status, choice = request_across_an_update(run, late_server)

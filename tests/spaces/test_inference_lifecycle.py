@@ -43,7 +43,7 @@ def test_starts_without_tuning_variables_and_a_signal_stops_the_whole_server(sig
         monkeypatch.delenv(name)
     port = free_port()
     env = {**os.environ, "MODEL": str(model), "SYNC_ROOT": str(tmp_path / "root"), "HOST": "127.0.0.1"}
-    env |= {"PORT": str(port), "VLLM_ARGS": "--enforce-eager"}
+    env |= {"PORT": str(port), "ENGINE_ARGS": "--enforce-eager"}
     log = tmp_path / "server.log"
     proc = start_process([sys.executable, APP], log, env)
     try:

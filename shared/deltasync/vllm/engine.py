@@ -37,6 +37,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from vllm.logger import init_logger
+from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+    CheckpointWeightPatch,
+    load_checkpoint_weight_patches,
+)
 
 from deltasync.codec.fingerprint import format_fingerprint
 from deltasync.codec.patch import PatchError, raw_changes
@@ -45,13 +49,17 @@ from deltasync.vllm.layout import Layout, sum_across
 
 log = init_logger(__name__)  # vLLM's logger: configured in its worker processes
 KINDS = ("delta", "anchor", "verify", "readback")
+WRITES = ("direct", "vllm")
 
 
 @dataclass
 class DeltasyncInitInfo(WeightTransferInitInfo):
-    """`root`: the sync root this server follows (reported, never read by the workers)."""
+    """`root`: the sync root this server follows (reported, never read by the workers). `write`: "direct"
+    (indexed writes into the parameter views, O(changed elements)) or "vllm" (vLLM's own
+    `load_checkpoint_weight_patches` and `load_weights` for every tensor: slower, for comparison)."""
 
     root: str
+    write: str = "direct"
 
 
 @dataclass
@@ -78,6 +86,7 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
         self.layout: Layout | None = None
         self.fingerprint: int | None = None  # of the whole state, as last verified or moved by a delta
         self.step: int | None = None
+        self.write = "direct"
 
     def init_transfer_engine(self, init_info: DeltasyncInitInfo) -> None:
         if self.layout is None:
@@ -92,7 +101,9 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
                 format_fingerprint(self.fingerprint),
                 time.perf_counter() - start,
             )
-        self.root = init_info.root
+        if init_info.write not in WRITES:
+            raise ValueError(f"init_info write {init_info.write!r} is not one of {', '.join(WRITES)}")
+        self.root, self.write = init_info.root, init_info.write
 
     def start_weight_update(self) -> None:
         pass
@@ -114,23 +125,60 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
     def receive_weights(self, update_info: DeltasyncUpdateInfo) -> None:
         if self.layout is None:
             raise ValueError("deltasync engine not initialized: POST /init_weight_transfer_engine first")
-        info = update_info
+        try:
+            self._receive(update_info)
+        except ValueError:
+            # Every rank reached the same verdict; one rank reports it (see compat.reports_errors).
+            if compat.reports_errors(self.group):
+                raise
+
+    def _receive(self, info: DeltasyncUpdateInfo) -> None:
         if info.kind == "verify":
             return self._verify(self._read_fingerprint(), info)
+        if info.path is None:  # parse_update_info refused it already
+            raise ValueError(f"update_info of kind {info.kind!r} needs a path")
         if info.kind == "readback":
             return self._readback(Path(info.path))
+        # Every rank checks the file before any writes, and all agree: one rank's refusal stops them all
+        # before the collectives below (else the others would wait in them for ever).
         try:
             entries = load_file(info.path, device="cpu")
+            checked = (
+                self._check_anchor(entries, info)
+                if info.kind == "anchor"
+                else self._check_delta(entries, info)
+            )
+        except ValueError as e:
+            self._agree(str(e))
+            raise
         except (OSError, SafetensorError) as e:
-            raise ValueError(f"step {info.step}: cannot read {info.path}: {type(e).__name__}: {e}") from None
+            error = f"step {info.step}: cannot read {info.path}: {type(e).__name__}: {e}"
+            self._agree(error)
+            raise ValueError(error) from None
+        self._agree(None)
         if info.kind == "anchor":
-            return self._write_anchor(entries, info)
-        self._write_delta(entries, info)
+            return self._write_anchor(checked, info)
+        self._write_delta(checked, info)
+
+    def _agree(self, error: str | None) -> None:
+        """Raise on every rank, with the first rank's reason, if any rank refused."""
+        if self.group is None:
+            return
+        errors: list[str | None] = [None] * torch.distributed.get_world_size(self.group)
+        torch.distributed.all_gather_object(errors, error, group=self.group)
+        first = next((e for e in errors if e is not None), None)
+        if first is not None and error is None:
+            raise ValueError(first)
 
     # ---------------------------------------------------------------------------------------------------
 
-    def _write_delta(self, entries: dict[str, torch.Tensor], info: DeltasyncUpdateInfo) -> None:
-        layout = self.layout
+    def _ready(self) -> Layout:
+        if self.layout is None:
+            raise ValueError("deltasync engine not initialized: POST /init_weight_transfer_engine first")
+        return self.layout
+
+    def _check_delta(self, entries: dict[str, torch.Tensor], info: DeltasyncUpdateInfo) -> dict:
+        layout = self._ready()
         if info.base is None or info.fingerprint is None:
             raise ValueError(f"step {info.step}: a delta needs its base and fingerprint")
         here = None if self.fingerprint is None else format_fingerprint(self.fingerprint)
@@ -143,37 +191,57 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
         through_loader = sorted(set(changes) & set(layout.loader))
         if through_loader:  # its old values are not readable here, so the promise cannot be checked
             raise ValueError(f"step {info.step}: {through_loader[0]!r} cannot be patched in place")
+        if self.write == "vllm" and any(torch.isnan(ch.values).any() for ch in changes.values()):
+            raise ValueError(f"step {info.step}: NaN values cannot be patched through vLLM's loader")
+        return changes
+
+    def _write_delta(self, changes: dict, info: DeltasyncUpdateInfo) -> None:
+        layout = self._ready()
         writes, moved = layout.plan_patch(changes)
-        new = (self.fingerprint + sum_across(moved, self.group)) & ((1 << 64) - 1)
+        base = int(str(info.base), 16)  # the weights held: checked in _check_delta
+        new = (base + sum_across(moved, self.group)) & ((1 << 64) - 1)
         if format_fingerprint(new) != info.fingerprint:
             raise ValueError(
                 f"step {info.step} would lead to weights {format_fingerprint(new)}, it promises "
                 f"{info.fingerprint}: refused, nothing written"
             )
         with torch.no_grad():
-            for dst, index, values in writes:
-                dst.index_put_(index, values)
+            if self.write == "vllm":
+                patches = [
+                    CheckpointWeightPatch(
+                        name, layout.shapes[name], torch.bfloat16, ch.values.to(self.device), ch.indices
+                    )
+                    for name, ch in changes.items()
+                ]
+                load_checkpoint_weight_patches(self.model, patches)
+            else:
+                for dst, index, values in writes:
+                    dst.index_put_(index, values)
         self.fingerprint, self.step = new, info.step
 
-    def _write_anchor(self, entries: dict[str, torch.Tensor], info: DeltasyncUpdateInfo) -> None:
-        layout = self.layout
+    def _check_anchor(self, entries: dict[str, torch.Tensor], info: DeltasyncUpdateInfo) -> dict:
         for name, values in entries.items():
-            shape = layout.shapes.get(name)
+            shape = self._ready().shapes.get(name)
             if shape is None:
                 raise ValueError(f"step {info.step}: unknown tensor {name!r}")
             if values.dtype != torch.bfloat16 or tuple(values.shape) != shape:
                 got = f"{values.dtype} {list(values.shape)}"
                 raise ValueError(f"step {info.step}: {name} is {got}, expected bf16 {list(shape)}")
+        return entries
+
+    def _write_anchor(self, entries: dict[str, torch.Tensor], info: DeltasyncUpdateInfo) -> None:
+        layout = self._ready()
         self.fingerprint = None  # from the first write until the read-back below, the state is mixed
         with torch.no_grad():
             loader = []
             for name, values in entries.items():
-                if name in layout.loader:
+                if name in layout.loader or self.write == "vllm":
                     loader.append((name, values.to(self.device)))
+                    continue
                 for b in layout.blocks.get(name, []):
                     b.dst.copy_(values.as_strided(b.size, b.stride, b.offset))
             if loader:
-                self.model.load_weights(loader)
+                self.model.load_weights(loader)  # type: ignore[operator]
         if info.fingerprint is not None:
             self.fingerprint = self._read_fingerprint()
             self._verify(self.fingerprint, info)
@@ -187,12 +255,13 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
             raise ValueError(f"the weights read back hold {held}, step {info.step} is {info.fingerprint}")
 
     def _read_fingerprint(self) -> int:
-        return sum_across(self.layout.partial_fingerprint(), self.group)
+        return sum_across(self._ready().partial_fingerprint(), self.group)
 
     def _readback(self, folder: Path) -> None:
         tensors = {}
-        for name, blocks in self.layout.blocks.items():
-            shape = self.layout.shapes[name]
+        layout = self._ready()
+        for name, blocks in layout.blocks.items():
+            shape = layout.shapes[name]
             full = torch.full(shape, float("nan"), dtype=torch.bfloat16)
             covered = 0
             for b in blocks:

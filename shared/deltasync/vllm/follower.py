@@ -24,9 +24,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from safetensors.torch import save_file
@@ -40,6 +40,8 @@ from deltasync.sync.subscriber import Applied, Applier, Subscriber
 log = logging.getLogger(__name__)
 SHARD_BYTES = 1 << 30  # an anchor reaches the workers in files of about this size, one update each
 HOLDS = re.compile(r"weights read back hold ([0-9a-f]{16})")
+KvPolicy = Literal["keep", "recompute"]
+WritePath = Literal["direct", "vllm"]
 
 
 class WriteRefused(RuntimeError):
@@ -56,6 +58,7 @@ class Engine(Protocol):
     def update(self, update_info: dict[str, Any]) -> None: ...
     def finish(self, version: str) -> None: ...
     def resume(self) -> None: ...
+    def recompute_running(self) -> None: ...
 
 
 class HttpEngine:
@@ -94,6 +97,9 @@ class HttpEngine:
     def resume(self) -> None:
         self._post("/resume")
 
+    def recompute_running(self) -> None:
+        self._post("/reset_prefix_cache?reset_running_requests=true")
+
 
 def _reason(body: bytes) -> str:
     """The worker's own message out of vLLM's error JSON."""
@@ -118,7 +124,7 @@ class AsyncEngine:
     def _run(self, coroutine):
         try:
             return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
-        except Exception as e:  # noqa: BLE001 (the worker's error, through vLLM's RPC)
+        except Exception as e:  # the worker's error, through vLLM's RPC
             raise WriteRefused(_reason(str(e).encode())) from None
 
     def init(self, init_info: dict[str, Any]) -> None:
@@ -143,21 +149,40 @@ class AsyncEngine:
     def resume(self) -> None:
         self._run(self.engine.resume_generation())
 
+    def recompute_running(self) -> None:
+        self._run(self.engine.reset_prefix_cache(reset_running_requests=True))
+
 
 class EngineApplier(Applier):
     """Writes the subscriber's verified steps through `engine`. Call `attach(subscriber)` before syncing:
-    each update carries the fingerprints the subscriber verified, which the workers check again."""
+    each update carries the fingerprints the subscriber verified, which the workers check again.
 
-    def __init__(self, engine: Engine, root: str):
-        self.engine, self.root = engine, root
+    `write`: the engine's write path ("direct" or "vllm", see `DeltasyncInitInfo`). `kv_on_update`: "keep"
+    (running requests continue on the KV they have; their next tokens come from the new weights) or
+    "recompute" (running requests are preempted and recompute their context on the new weights).
+    `in_flight`: how many requests are running, recorded when generation pauses."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        root: str,
+        write: WritePath = "direct",
+        kv_on_update: KvPolicy = "keep",
+        in_flight: Callable[[], int] | None = None,
+    ):
+        self.engine, self.root, self.write, self.kv_on_update = engine, root, write, kv_on_update
+        self.in_flight, self.update_s = in_flight, 0.0
+        self.paused_with: int | None = None
         self.subscriber: Subscriber | None = None
         self.step: int | None = None  # the step last written
+        self.anchor_step: int | None = None
         self.version = "model"  # the weight version label generation runs under
+        self.readback: dict | None = None  # the last fingerprint the workers confirmed
         self.last_write: dict | None = None
         # An anchor failed after part of it was written: generation stays paused until an anchor loads.
         self.stuck = False
         self.tmp = Path(tempfile.mkdtemp(prefix="deltasync-follow-"))
-        self.engine.init({"root": root})
+        self.engine.init({"root": root, "write": write})
 
     def attach(self, subscriber: Subscriber) -> None:
         self.subscriber = subscriber
@@ -166,41 +191,66 @@ class EngineApplier(Applier):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def load(self, state: Mapping[str, torch.Tensor], step: int) -> float:
+        return self.write_anchor(state, step, self._target(step))
+
+    def patch(self, changes: Mapping[str, TensorChanges], step: int) -> float:
+        base = format_fingerprint(self._attached().fingerprint)
+        return self.write_delta(changes, step, base, self._target(step))
+
+    def fingerprint(self) -> int:
+        subscriber = self._attached()
+        return self.read_fingerprint(subscriber.step, subscriber.fingerprint)
+
+    def _attached(self) -> Subscriber:
+        if self.subscriber is None:
+            raise RuntimeError("EngineApplier.attach(subscriber) first: updates carry its fingerprints")
+        return self.subscriber
+
+    def write_anchor(self, state: Mapping[str, torch.Tensor], step: int, fingerprint: str) -> float:
+        """Write the whole state of `step` (whose fingerprint is `fingerprint`); the seconds paused."""
         shards = shard(state, SHARD_BYTES)
         files = [self.tmp / f"anchor-{step}-{i}.safetensors" for i in range(len(shards))]
         for tensors, path in zip(shards, files, strict=True):
             save_file(tensors, path)
-        target = self._target(step)
         last = len(files) - 1  # the whole state is read back and checked after the last shard
         infos = [
-            {"step": step, "kind": "anchor", "path": str(f), "fingerprint": target if i == last else None}
+            {"step": step, "kind": "anchor", "path": str(f), "fingerprint": (None, fingerprint)[i == last]}
             for i, f in enumerate(files)
         ]
-        return self._write(infos, step, "anchor", sum(f.stat().st_size for f in files))
+        pause_s = self._write(infos, step, "anchor", sum(f.stat().st_size for f in files))
+        self.anchor_step = step
+        return pause_s
 
-    def patch(self, changes: Mapping[str, TensorChanges], step: int) -> float:
+    def write_delta(
+        self, changes: Mapping[str, TensorChanges], step: int, base: str, fingerprint: str
+    ) -> float:
+        """Write the changes of `step`, from weights `base` to `fingerprint`; the seconds paused."""
         path = self.tmp / f"delta-{step}.safetensors"
         save_file(raw_entries(changes), path)  # the raw encoding's entries, without the patch's metadata
-        base = format_fingerprint(self.subscriber.fingerprint)
-        target = self._target(step)
-        info = {"step": step, "kind": "delta", "path": str(path), "base": base, "fingerprint": target}
+        info = {"step": step, "kind": "delta", "path": str(path), "base": base, "fingerprint": fingerprint}
         return self._write([info], step, "delta", path.stat().st_size)
 
-    def fingerprint(self) -> int:
-        """What the workers read back: the expected fingerprint when they confirm it, else theirs."""
-        expected = format_fingerprint(self.subscriber.fingerprint)
+    def read_fingerprint(self, step: int | None, expected: int) -> int:
+        """What the workers read back: `expected` when they confirm it, else theirs."""
+        info = {"step": step, "kind": "verify", "fingerprint": format_fingerprint(expected)}
         try:
-            info = {"step": self.subscriber.step, "kind": "verify", "fingerprint": expected}
             self._paused([info], pause=False)  # a read: generation goes on
         except WriteRefused as e:
             held = HOLDS.search(str(e))
             if held is None:
                 raise
             return int(held.group(1), 16)
-        return int(expected, 16)
+        self.readback = {"step": step, "at": time.time(), "fingerprint": format_fingerprint(expected)}
+        return expected
+
+    def use_write(self, write: WritePath) -> None:
+        """Switch the engine's write path (its layout is kept)."""
+        self.engine.init({"root": self.root, "write": write})
+        self.write = write
 
     def _target(self, step: int) -> str:
-        return next(e.fingerprint for e in self.subscriber.head.entries if e.step == step)
+        head = self._attached().head
+        return next(e.fingerprint for e in (head.entries if head else ()) if e.step == step)
 
     def _paused(self, infos: list[dict], version: str | None = None, pause: bool = True) -> float:
         """Pause, run the updates, finish (setting `version`) and resume; the seconds generation was paused.
@@ -208,6 +258,7 @@ class EngineApplier(Applier):
         if pause:
             self.engine.pause()
         start = time.perf_counter()
+        self.paused_with = self.in_flight() if self.in_flight and pause else None
         written = 0
         try:
             self.engine.start()
@@ -215,8 +266,12 @@ class EngineApplier(Applier):
                 self.engine.update(info)
                 written += 1
             self.engine.finish(version or self.version)
+            self.update_s = time.perf_counter() - start
+            if pause and self.kv_on_update == "recompute":
+                self.engine.recompute_running()
         except WriteRefused:
             self.stuck |= written > 0  # an anchor's later shard refused: the earlier ones are written
+            self._close_refused_update()
             if pause and not self.stuck:
                 self.engine.resume()
             raise
@@ -227,6 +282,15 @@ class EngineApplier(Applier):
             self.engine.resume()
         return time.perf_counter() - start
 
+    def _close_refused_update(self) -> None:
+        """Close the update on the ranks that did not report the refusal (compat.reports_errors); the rank
+        that did has closed it already and refuses this, as a single rank does."""
+        try:
+            self.engine.finish(self.version)
+        except WriteRefused as e:
+            if "without a matching start_weight_update" not in str(e):
+                raise
+
     def _write(self, infos: list[dict], step: int, kind: str, nbytes: int) -> float:
         try:
             pause_s = self._paused(infos, str(step))
@@ -234,7 +298,16 @@ class EngineApplier(Applier):
             for info in infos:
                 Path(info["path"]).unlink(missing_ok=True)
         self.version, self.step, self.stuck = str(step), step, False
-        self.last_write = {"step": step, "kind": kind, "bytes": nbytes, "pause_s": pause_s}
+        self.last_write = {
+            "step": step,
+            "kind": kind,
+            "bytes": nbytes,
+            "write": self.write,
+            "kv_on_update": self.kv_on_update,
+            "requests_in_flight": self.paused_with,  # running when generation paused
+            "update_s": self.update_s,  # start, update and finish: the workers' write and its round trips
+            "pause_s": pause_s,
+        }
         return pause_s
 
 

@@ -103,12 +103,17 @@ class Layout:
             recorder = _RecordCopies()
             try:
                 with recorder:
-                    model.load_weights([(name, probe)])
+                    model.load_weights([(name, probe)])  # type: ignore[operator]
             except Exception:  # vLLM's loader does not take this name: not servable, not ours
                 continue
+            if not recorder.copies:  # the loader skips it (a tied lm_head): writing it would change nothing
+                continue
             shapes[name] = tuple(shape)
-            found, ptr = [], probe.untyped_storage().data_ptr()
+            found: list[Block] | None = []
+            ptr = probe.untyped_storage().data_ptr()
             for dst, src in recorder.copies:
+                if found is None:
+                    break
                 if (
                     src.untyped_storage().data_ptr() != ptr
                     or src.shape != dst.shape
@@ -117,8 +122,8 @@ class Layout:
                 ):
                     found = None
                     break
-                offset = src.storage_offset() - probe.storage_offset()
-                found.append(Block(dst, tuple(src.shape), src.stride(), offset))
+                offset = int(src.storage_offset() - probe.storage_offset())
+                found.append(Block(dst, tuple(src.shape), tuple(src.stride()), offset))
             if found is None:
                 loader.append(name)
             else:
@@ -190,6 +195,7 @@ class Layout:
 
 def _scatter_owned(b: Block, flat: torch.Tensor, mask: torch.Tensor, index: tuple[torch.Tensor, ...]):
     """`mask` narrowed to the elements this rank owns in the fingerprint."""
+    assert b.owned is not None
     owned = b.owned.view(b.size)[index] if index else b.owned
     out = torch.zeros_like(mask)
     out[mask] = owned

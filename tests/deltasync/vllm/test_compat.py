@@ -1,0 +1,108 @@
+"""Canaries for each vLLM name `deltasync.vllm.compat` relies on beyond vLLM's public weight-transfer and
+engine-client API: if an upgrade moves or changes one, this fails here rather than in a running server.
+Also the plugin's registration and the public names the engine and follower use."""
+
+import inspect
+import subprocess
+import sys
+import textwrap
+from dataclasses import fields
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+
+def test_world_group_has_a_cpu_group():
+    from vllm.distributed.parallel_state import GroupCoordinator, get_world_group
+
+    assert callable(get_world_group)
+    annotations = inspect.get_annotations(GroupCoordinator)
+    assert "cpu_group" in annotations and "world_size" in annotations
+
+
+def test_cpu_gemm_dispatch_is_looked_up_at_call_time():
+    """The linear layers import `dispatch_cpu_unquantized_gemm` inside process_weights_after_loading, so
+    replacing the module attribute reaches them."""
+    from vllm.model_executor.layers import linear, utils
+
+    parameters = inspect.signature(utils.dispatch_cpu_unquantized_gemm).parameters
+    assert list(parameters) == ["layer", "remove_weight"]
+    source = textwrap.dedent(inspect.getsource(linear.UnquantizedLinearMethod.process_weights_after_loading))
+    assert "from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm" in source
+    assert "dispatch_cpu_unquantized_gemm(layer, remove_weight=True)" in source
+
+
+def test_current_config_and_its_weight_transfer_backend():
+    from vllm.config import WeightTransferConfig, get_current_vllm_config_or_none
+
+    assert callable(get_current_vllm_config_or_none)
+    assert WeightTransferConfig(backend="deltasync").backend == "deltasync"
+
+
+def test_server_assembly_names():
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    assert list(inspect.signature(build_app).parameters)[:3] == ["args", "supported_tasks", "model_config"]
+    assert list(inspect.signature(init_app_state).parameters)[:4] == [
+        "engine_client",
+        "state",
+        "args",
+        "supported_tasks",
+    ]
+    assert "args" in inspect.signature(build_async_engine_client).parameters
+    from deltasync.vllm import compat
+
+    args = compat.parse_server_args(["--model", "m", "--weight-transfer-config", '{"backend":"deltasync"}'])
+    assert args.model == "m" and callable(make_arg_parser) and FlexibleArgumentParser
+
+
+def test_keep_live_cpu_weights_only_with_the_backend():
+    import torch
+    from vllm.config import VllmConfig, WeightTransferConfig, set_current_vllm_config
+    from vllm.model_executor.layers import utils
+
+    from deltasync.vllm import compat
+
+    compat.keep_live_cpu_weights()
+    compat.keep_live_cpu_weights()  # plugins load more than once per process
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+    assert dispatch.deltasync
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.zeros(2, 3, 5, dtype=torch.bfloat16), requires_grad=False)
+    dispatch(layer, remove_weight=True)  # no current config: vLLM's own dispatch (a 3-D weight: left alone)
+    assert layer.weight.shape == (2, 3, 5) and not hasattr(layer, "cpu_linear")
+    linear = torch.nn.Module()
+    linear.weight = torch.nn.Parameter(torch.ones(8, 16, dtype=torch.bfloat16), requires_grad=False)
+    config = VllmConfig(weight_transfer_config=WeightTransferConfig(backend="deltasync"))
+    with set_current_vllm_config(config):
+        dispatch(linear, remove_weight=True)
+    # The parameter stays, and the layer multiplies with it: an in-place write reaches the compute.
+    assert linear.weight.shape == (8, 16) and linear.cpu_linear is torch.nn.functional.linear
+
+
+def test_plugin_registers_the_backend_lazily():
+    """The entry point names the backend without importing the engine (vLLM imports it only in a server
+    that selects it); loading it twice, as vLLM does, is harmless."""
+    code = (
+        "import sys; from importlib.metadata import entry_points;"
+        "(p,) = [e for e in entry_points(group='vllm.general_plugins') if e.name == 'deltasync'];"
+        "register = p.load(); register(); register();"
+        "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as F;"
+        "print(p.value, 'deltasync.vllm.engine' in sys.modules);"
+        "F.register_engine('deltasync', 'x', 'y')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.stdout.split() == ["deltasync.vllm.plugin:register", "False"], result.stderr[-2000:]
+    assert "Weight transfer engine 'deltasync' is already registered" in result.stderr
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    from deltasync.vllm.engine import DeltasyncEngine, DeltasyncInitInfo, DeltasyncUpdateInfo
+
+    assert issubclass(DeltasyncEngine, WeightTransferEngine)
+    assert [f.name for f in fields(DeltasyncInitInfo)] == ["root", "write"]
+    assert [f.name for f in fields(DeltasyncUpdateInfo)][:2] == ["step", "kind"]
