@@ -8,7 +8,10 @@ with the trainer's states.
 """
 
 import json
+import os
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -42,8 +45,11 @@ class Server:
         """One update through vLLM's routes (start, update, finish): the response of /update_weights."""
         assert self.post("/start_weight_update").status_code == 200
         response = self.post("/update_weights", {"update_info": update_info})
+        finish = self.post("/finish_weight_update")
         if response.status_code == 200:
-            assert self.post("/finish_weight_update").status_code == 200
+            assert finish.status_code == 200, finish.text
+        else:  # refused: the rank that reported it has left the update already (deltasync.vllm.compat)
+            assert finish.status_code == 200 or "without a matching start" in finish.text, finish.text
         return response
 
     def readback(self) -> dict:
@@ -54,8 +60,25 @@ class Server:
         assert response.status_code == 200, response.text
         return load_file(folder / "rank-0.safetensors")
 
+    def verify(self, step: int, fingerprint: str) -> requests.Response:
+        """The workers read their weights back and compare the whole state's fingerprint."""
+        return self.update(step=step, kind="verify", fingerprint=fingerprint)
+
+    def running(self) -> float:
+        """vLLM's own count of running requests (its Prometheus gauge)."""
+        text = requests.get(f"{self.url}/metrics", timeout=10).text
+        lines = [line for line in text.splitlines() if line.startswith("vllm:num_requests_running")]
+        return sum(float(line.split()[-1]) for line in lines)
+
     def wait_version(self, version: str) -> None:
         wait_for(lambda: self.version() == version, f"weight version {version}; log {self.log}", 180)
+
+    def wait_applied(self, run: ServedRun, replica: str, step: int) -> None:
+        """Until the follower has applied `step` and read it back (its telemetry record comes last), so
+        that this test's own updates never overlap the follower's."""
+        record = run.served / f"{telemetry.REPLICAS_DIR}/{replica}/step-{step:08d}.json"
+        wait_for(record.exists, f"the record of step {step}; log {self.log}", 180)
+        self.wait_version(str(step))
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +90,15 @@ def run(tmp_path_factory):
     run.publisher.close()
 
 
-@pytest.fixture(scope="module")
-def server(run, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("server")
+@contextmanager
+def stock_server(model_dir: Path, tmp: Path, *flags: str, cpus=CPUS.server, env: dict | None = None):
+    """vLLM's own OpenAI server, nothing of ours in its command but the backend's name."""
     port = free_port()
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(run.model_dir)]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "512"]
-    argv += ["--enforce-eager", "--weight-transfer-config", json.dumps({"backend": "deltasync"})]
-    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **CPUS.server_env()}
-    proc = start_process(argv, tmp / "server.log", {**env}, cpus=CPUS.server)
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager"]
+    argv += ["--weight-transfer-config", json.dumps({"backend": "deltasync"}), *flags]
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **CPUS.server_env(), **(env or {})}
+    proc = start_process(argv, tmp / "server.log", env, cpus=cpus)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, f"{url}/health", tmp / "server.log", 600)
@@ -84,22 +107,34 @@ def server(run, tmp_path_factory):
         stop_process(proc, grace_s=30)
 
 
-@pytest.fixture(scope="module")
-def follower(run, server, tmp_path_factory):
-    log = tmp_path_factory.mktemp("follower") / "follower.log"
-    argv = [sys.executable, "-m", "deltasync.cli", "follow", str(run.served), "--vllm-url", server.url]
-    argv += ["--replica", REPLICA, "--poll-s", "0.2", "--verify-every", "1"]
+@contextmanager
+def following(root: Path, server: Server, log: Path, replica: str):
+    """`deltasync follow ROOT --vllm-url URL` beside the server; yields its log."""
+    argv = [sys.executable, "-m", "deltasync.cli", "follow", str(root), "--vllm-url", server.url]
+    argv += ["--replica", replica, "--poll-s", "0.2", "--verify-every", "1"]
     proc = start_process(argv, log, {}, cpus=CPUS.others)
     yield log
     stop_process(proc, grace_s=30)
     assert proc.returncode == 0, log.read_text()[-3000:]
 
 
+@pytest.fixture(scope="module")
+def server(run, tmp_path_factory):
+    with stock_server(run.model_dir, tmp_path_factory.mktemp("server"), "--max-model-len", "512") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def follower(run, server, tmp_path_factory):
+    with following(run.served, server, tmp_path_factory.mktemp("follower") / "follower.log", REPLICA) as log:
+        yield log
+
+
 def test_follows_three_steps_bitwise(run, server, follower):
-    server.wait_version("0")
+    server.wait_applied(run, REPLICA, 0)
     for _ in range(3):
         step = run.step()
-    server.wait_version(str(step))
+    server.wait_applied(run, REPLICA, step)
     assert_bitwise_equal(server.readback(), run.states[step])
     for s in range(step + 1):
         record = run.replica_record(REPLICA, s)
@@ -111,7 +146,7 @@ def test_follows_three_steps_bitwise(run, server, follower):
 
 def test_refused_update_writes_nothing_and_tells_why(run, server, follower, tmp_path):
     step = run.publisher.last_step
-    server.wait_version(str(step))
+    server.wait_applied(run, REPLICA, step)
     before = server.readback()
     fingerprint = run.fingerprints[step]
     patch = tmp_path / "patch.safetensors"
@@ -138,7 +173,7 @@ def test_refused_update_writes_nothing_and_tells_why(run, server, follower, tmp_
 
 def test_corrupt_delta_refused_then_recovered_from_next_anchor(run, server, follower):
     good = run.publisher.last_step
-    server.wait_version(str(good))
+    server.wait_applied(run, REPLICA, good)
     bad = run.step(corrupt=True)
     refusal = run.served / f"{telemetry.REPLICAS_DIR}/{REPLICA}/step-{bad:08d}.json"
     wait_for(lambda: refusal.exists(), "the refusal")
@@ -149,6 +184,85 @@ def test_corrupt_delta_refused_then_recovered_from_next_anchor(run, server, foll
     step = run.step()
     while not run.head().entry(step, "anchor"):  # deltas based on the refused one cannot apply
         step = run.step()
-    server.wait_version(str(step))
+    server.wait_applied(run, REPLICA, step)
     assert_bitwise_equal(server.readback(), run.states[step])
     assert run.replica_record(REPLICA, step).verified
+
+
+# ------------------------------------------------------------------------------ tensor parallel: two ranks
+
+
+LONG = 3000  # tokens of the request that runs across an update
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("follow-tp")
+    run = ServedRun(tmp, build_tiny_model(tmp / "tiny-qwen3"), anchor_every=ANCHOR_EVERY)
+    run.step()
+    yield run
+    run.publisher.close()
+
+
+@pytest.fixture(scope="module")
+def tp_server(tp_run, tmp_path_factory):
+    # One rank per core: every core of this machine goes to the server, the follower and this test share them.
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    flags = ["--tensor-parallel-size", "2", "--max-model-len", "4096", "--enable-scale-out"]
+    # TORCHDYNAMO_DISABLE: vLLM compiles its vocab-parallel embedding mask with torch.compile even in eager
+    # mode, and inductor's C++ build needs a compiler this machine may lack; eager is exact here too.
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cores)), "TORCHDYNAMO_DISABLE": "1"}
+    with stock_server(tp_run.model_dir, tmp_path_factory.mktemp("tp"), *flags, cpus=cores, env=env) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tp_follower(tp_run, tp_server, tmp_path_factory):
+    log = tmp_path_factory.mktemp("tp-follower") / "follower.log"
+    with following(tp_run.served, tp_server, log, "follower-tp") as log:
+        yield log
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="tensor parallel on CPU needs a core per rank")
+def test_tensor_parallel_follows_three_steps(tp_run, tp_server, tp_follower):
+    tp_server.wait_applied(tp_run, "follower-tp", 0)
+    for _ in range(3):
+        step = tp_run.step()
+    tp_server.wait_applied(tp_run, "follower-tp", step)
+    # Each rank reads back the elements it holds; their shares of the fingerprint sum to the whole state's.
+    assert tp_server.verify(step, tp_run.fingerprints[step]).status_code == 200
+    wrong = tp_server.verify(step, tp_run.fingerprints[step - 1])
+    assert wrong.status_code == 500 and f"hold {tp_run.fingerprints[step]}" in wrong.text, wrong.text
+    assert tp_server.verify(step, tp_run.fingerprints[step]).status_code == 200  # the ranks still agree
+    for s in range(step + 1):
+        assert tp_run.replica_record("follower-tp", s).verified
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="tensor parallel on CPU needs a core per rank")
+def test_tensor_parallel_request_across_an_update(tp_run, tp_server, tp_follower):
+    before = tp_run.publisher.last_step
+    tp_server.wait_applied(tp_run, "follower-tp", before)
+    result = {}
+
+    def generate():
+        params = {"max_tokens": LONG, "temperature": 0.0, "ignore_eos": True}
+        body = {"model": str(tp_run.model_dir), "token_ids": [5, 6, 7, 8], "sampling_params": params}
+        url = f"{tp_server.url}/inference/v1/generate"
+        result["response"] = requests.post(url, json=body, timeout=600)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    try:
+        wait_for(lambda: tp_server.running() >= 1, "the request to start")
+        step = tp_run.step()
+        tp_server.wait_applied(tp_run, "follower-tp", step)
+    finally:
+        thread.join()
+    response = result["response"]
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert len(choice["token_ids"]) == LONG
+    spans = choice["weight_versions"]  # vLLM's own record of which weights sampled which tokens
+    assert [s["version"] for s in spans] == [str(before), str(step)], spans
+    assert spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == LONG
+    assert tp_server.verify(step, tp_run.fingerprints[step]).status_code == 200
