@@ -79,8 +79,19 @@ class HttpEngine:
         except urllib.error.HTTPError as e:
             raise WriteRefused(f"{route.split('?')[0]}: {_reason(e.read())}") from None
 
-    def init(self, init_info: dict[str, Any]) -> None:
-        self._post("/init_weight_transfer_engine", {"init_info": init_info})
+    def init(self, init_info: dict[str, Any], startup_s: float = 600.0) -> None:
+        """Initialize the engine, waiting up to `startup_s` for a server that is still starting."""
+        deadline = time.monotonic() + startup_s
+        while True:
+            try:
+                self._post("/init_weight_transfer_engine", {"init_info": init_info})
+                return
+            except urllib.error.URLError as e:  # not listening yet (HTTPError, a refusal, is WriteRefused)
+                if time.monotonic() > deadline:
+                    raise ConnectionError(f"no vLLM server at {self.url}: {e.reason}") from None
+                if time.monotonic() + startup_s - 2.0 < deadline:  # the first attempt: say so once
+                    log.info("waiting for the vLLM server at %s", self.url)
+                time.sleep(2.0)
 
     def pause(self) -> None:
         self._post("/pause?mode=keep&clear_cache=false")

@@ -1,0 +1,114 @@
+"""The follower's side of vLLM's weight-update protocol, against a stand-in engine that keeps the weights in a
+dict (no vLLM): the order of the calls, what a refusal leaves behind, and the read-back answer."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
+from deltasync.codec.patch import raw_changes
+from deltasync.sync.subscriber import Subscriber, SyncError
+from deltasync.vllm.follower import EngineApplier, WriteRefused
+from tests.helpers import SHAPES, assert_bitwise_equal, run_steps
+
+
+class FakeEngine:
+    """vLLM's protocol as the workers keep it: an update only between start and finish; a refusal (from
+    `refuse`) ends the update; `verify` answers as the deltasync engine does."""
+
+    def __init__(self):
+        self.state: dict[str, torch.Tensor] = {}
+        self.calls: list[str] = []
+        self.active = self.paused = False
+        self.version: str | None = None
+        self.refuse: str | None = None
+
+    def init(self, init_info):
+        self.calls.append("init")
+
+    def pause(self):
+        self.calls.append("pause")
+        self.paused = True
+
+    def resume(self):
+        self.calls.append("resume")
+        self.paused = False
+
+    def start(self):
+        self.calls.append("start")
+        if self.active:
+            raise WriteRefused("start_weight_update called while a weight update is already active")
+        self.active = True
+
+    def update(self, info):
+        self.calls.append(f"update {info['kind']}")
+        if self.refuse:
+            self.active = False
+            raise WriteRefused(self.refuse)
+        if info["kind"] == "verify":
+            held = format_fingerprint(state_fingerprint(self.state))
+            if held != info["fingerprint"]:
+                self.active = False
+                raise WriteRefused(f"the weights read back hold {held}, step {info['step']} is x")
+            return
+        entries = load_file(info["path"])
+        if info["kind"] == "anchor":
+            self.state |= {n: t.clone() for n, t in entries.items()}
+            return
+        assert info["base"] == format_fingerprint(state_fingerprint(self.state))
+        for name, ch in raw_changes(entries, {n: t.shape for n, t in self.state.items()}).items():
+            self.state[name].view(-1)[ch.indices] = ch.values
+
+    def finish(self, version):
+        self.calls.append("finish")
+        if not self.active:
+            raise WriteRefused("finish_weight_update called without a matching start_weight_update.")
+        self.active, self.version = False, version
+
+    def recompute_running(self):
+        self.calls.append("recompute")
+
+
+@pytest.fixture
+def followed(tmp_path):
+    states = run_steps(tmp_path / "root", 3)
+    engine = FakeEngine()
+    applier = EngineApplier(engine, str(tmp_path / "root"))
+    subscriber = Subscriber(tmp_path / "root", applier, verify_every=1)
+    applier.attach(subscriber)
+    yield states, engine, applier, subscriber
+    applier.close()
+
+
+def test_each_step_is_one_paused_update_then_a_read_back(followed):
+    states, engine, applier, subscriber = followed
+    subscriber.sync()
+    assert_bitwise_equal(engine.state, states[-1])
+    assert engine.version == "2" and applier.version == "2" and not engine.paused and not engine.active
+    delta = ["pause", "start", "update delta", "finish", "resume", "start", "update verify", "finish"]
+    assert engine.calls[-len(delta) :] == delta  # a read-back does not pause generation
+    assert applier.readback["step"] == 2 and applier.last_write["kind"] == "delta"
+    assert applier.last_write["bytes"] > 0 and applier.last_write["pause_s"] >= 0
+
+
+def test_refused_update_is_closed_and_generation_resumes(followed, tmp_path):
+    states, engine, applier, subscriber = followed
+    subscriber.sync(1)
+    engine.refuse = "step 2 applies to weights 0000000000000000, this server holds 1234"
+    engine.calls.clear()
+    with pytest.raises(SyncError, match="this server holds 1234"):
+        subscriber.sync()
+    # The update is closed (finish, which a worker that raised refuses as vLLM does) and generation resumes.
+    assert engine.calls == ["pause", "start", "update delta", "finish", "resume"]
+    assert not engine.paused and not engine.active and engine.version == "1"
+    assert_bitwise_equal(engine.state, states[1])
+    assert "this server holds 1234" in subscriber.last_error and not applier.stuck
+
+
+def test_read_back_reports_what_the_workers_hold(followed):
+    states, engine, applier, subscriber = followed
+    subscriber.sync()
+    name = next(iter(SHAPES))
+    engine.state[name].view(-1)[0] += 1
+    assert applier.fingerprint() == state_fingerprint(engine.state) != subscriber.fingerprint
+    assert not engine.active
