@@ -8,6 +8,8 @@
   the next calls. So when all ranks refuse an update alike, only the last rank raises (`reports_errors`);
   the others return, their worker still inside the update, and the caller closes it with
   `finish_weight_update` (which the last rank alone refuses: it left the update when it raised).
+- MoE layers (`w13_weight`, `w2_weight`) on CPU (`prepacked_experts`): `CPUUnquantizedExperts` replaces them
+  by a prepacked copy after loading, which in-place writes would not reach; the engine refuses such models.
 - `vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`: on CPUs with oneDNN (AVX-512) or AMX,
   vLLM runs linear layers from packed copies made at load time and frees the parameters, so an in-place write
   could never reach the compute. `keep_live_cpu_weights` wraps it so that, only in a server whose
@@ -36,6 +38,14 @@ def rank(group) -> int:
 def reports_errors(group) -> bool:
     """Whether this rank raises a refusal that every rank reached (the last rank: see above)."""
     return group is None or rank(group) == torch.distributed.get_world_size(group) - 1
+
+
+def prepacked_experts(model: torch.nn.Module) -> bool:
+    """Whether `model` has MoE layers whose experts vLLM's CPU kernel runs from a prepacked copy
+    (`fused_moe/experts/cpu_moe.py` replaces `w13_weight` / `w2_weight` by it after loading)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu() and any(hasattr(m, "w13_weight") for m in model.modules())
 
 
 def keep_live_cpu_weights() -> None:

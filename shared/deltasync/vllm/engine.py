@@ -90,6 +90,11 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
 
     def init_transfer_engine(self, init_info: DeltasyncInitInfo) -> None:
         if self.layout is None:
+            if compat.prepacked_experts(self.model):
+                raise ValueError(
+                    "this model's MoE experts run from a prepacked copy on CPU, which the deltasync engine "
+                    "does not refresh yet: it cannot write them in place"
+                )
             start = time.perf_counter()
             self.group = compat.model_group()
             self.layout = Layout.learn(self.model, self.model_config.hf_config, self.group)

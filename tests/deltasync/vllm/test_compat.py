@@ -33,6 +33,21 @@ def test_cpu_gemm_dispatch_is_looked_up_at_call_time():
     assert "dispatch_cpu_unquantized_gemm(layer, remove_weight=True)" in source
 
 
+def test_prepacked_experts_are_recognized():
+    import torch
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    from deltasync.vllm import compat
+
+    source = inspect.getsource(CPUUnquantizedExperts.process_weights_after_loading)
+    assert "cpu_prepack_moe_weight(layer.w13_weight" in source
+    assert "cpu_prepack_moe_weight(layer.w2_weight" in source
+    assert not compat.prepacked_experts(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    experts = torch.nn.Module()
+    experts.w13_weight = torch.nn.Parameter(torch.zeros(2, 4, 2))
+    assert compat.prepacked_experts(torch.nn.Sequential(experts))
+
+
 def test_current_config_and_its_weight_transfer_backend():
     from vllm.config import WeightTransferConfig, get_current_vllm_config_or_none
 
