@@ -1,6 +1,6 @@
 """The local trainer: TRL's AsyncGRPOTrainer on Wordle, publishing every step to a sync root.
 
-    python -m trainer --sync_root ROOT --inference_url URL --env_url URL [--model MODEL] [...]
+    python -m trainer --sync_root ROOT --inference_url URL [URL ...] --env_url URL [--model MODEL] [...]
     python -m trainer --config run.yaml [--max_steps 50]        # flags override the file
     python -m trainer --help
 
@@ -9,10 +9,16 @@ The flags are TRL's own `AsyncGRPOConfig` (any of them works unchanged: --learni
 publisher), through TRL's `TrlParser`; `--a-b` spells `--a_b` too. The project's defaults for TRL's flags
 are in `project_defaults()` (CPU: the tiny model, float32, small groups).
 
-Rollouts come from TRL's AsyncRolloutWorker, which asks the inference Space (vLLM's OpenAI API) for
-completions and plays them in the Wordle environment Space through `WordleEnv`. After every optimizer step the
-weights go to `BucketWeightTransfer`, which hands them to the background publisher and returns: training never
-waits for an upload, and replicas apply the step whenever it lands.
+Built on deltasync.trl, as any TRL script can be (examples/grpo_bucket.py): rollouts come from TRL's
+AsyncRolloutWorker, which asks the inference replicas (vLLM's OpenAI API) for completions, each rollout from
+the replica with the fewest in flight, stamped with that replica's weight version (`stamp_rollouts`), and
+plays them in the Wordle environment Space through `WordleEnv`. After every optimizer step the weights go to
+`BucketWeightTransfer`, which hands them to the background publisher and returns: training never waits for
+an upload, and replicas apply the step whenever it lands.
+
+Before anything is published, preflight checks the sync root, the replicas and the environment; a failure is
+one line and exit status 2. A failure later (a replica or the environment gone) ends the run with one line
+and exit status 1, after the last step handed to the publisher is published (traceback in the output dir).
 
 Secrets come from the environment only and are never logged: INFERENCE_API_TOKEN (bearer token of the
 inference Space, if it has one) and HF_TOKEN (read by huggingface_hub for hf:// sync roots and Hub models).
