@@ -15,7 +15,8 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 class BodyLimit:
     """Refuses an HTTP request before the app reads any of its body: 413 when its Content-Length is over
     `max_bytes`, 400 when the Content-Length is not one non-negative decimal number, 411 when the body comes
-    chunked (its length unannounced). Answers `{"detail": why}` and closes the connection."""
+    chunked (its length unannounced). Answers `{"detail": why}`; the server discards the unread body (a
+    client still sending it then reads the answer, where closing the connection would reset it)."""
 
     def __init__(self, app: App, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -27,7 +28,6 @@ class BodyLimit:
         status, why = refusal
         body = json.dumps({"detail": why}).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        headers.append((b"connection", b"close"))  # the unread body must not be taken for the next request
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
