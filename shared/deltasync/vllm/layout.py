@@ -40,6 +40,11 @@ class Block:
         numel = self.offset + 1 + sum((n - 1) * s for n, s in zip(self.size, self.stride, strict=True))
         return torch.arange(numel).as_strided(self.size, self.stride, self.offset).reshape(-1)
 
+    def whole(self, shape: tuple[int, ...]) -> bool:
+        """Whether the block is the whole HF tensor `shape`, in its order, in a contiguous `dst`."""
+        strides = tuple(int(np.prod(shape[h + 1 :])) for h in range(len(shape)))
+        return self.offset == 0 and self.size == shape and self.stride == strides and self.dst.is_contiguous()
+
     def locate(self, flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, tuple]:
         """Which of the HF flat positions `flat` fall in this block (a mask), and their indices into `dst`."""
         hf_strides = torch.ones(len(shape), dtype=torch.int64)
@@ -161,6 +166,9 @@ class Layout:
         total = 0
         for name in names if names is not None else self.blocks:
             for b in self.blocks.get(name, []):
+                if b.owned is None and b.whole(self.shapes[name]):  # in order: the vectorized pass
+                    total += fingerprint.tensor_fingerprint(name, b.dst)
+                    continue
                 positions, values = b.positions(), bits(b.dst.cpu())
                 if b.owned is not None:
                     positions, values = positions[b.owned], values[b.owned]
