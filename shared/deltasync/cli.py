@@ -143,6 +143,9 @@ def cmd_push(args: argparse.Namespace) -> dict:
         anchor_every=args.anchor_every, encoding=args.encoding, anchor_encoding=args.anchor_encoding
     )
     state = load_bf16(args.checkpoint)  # a bad checkpoint is refused before the root is touched
+    protocol.RunInfo.of(str(args.checkpoint), state)  # as are names and steps a reader would refuse
+    if args.step is not None:
+        protocol.check_step(args.step, "--step")
     with Publisher(args.root, model=str(args.checkpoint), config=config) as publisher:
         step = publisher.publish(state, step=args.step)
     assert publisher.head is not None  # closed without an error: the head names the step

@@ -359,3 +359,21 @@ def test_local_limited_read_refuses_a_fifo_without_blocking(tmp_path):
     os.mkfifo(tmp_path / "heads" / "latest.json")  # opening it for reading would wait for a writer
     with pytest.raises(TooLargeError, match="not a regular file"):
         LocalStorage(tmp_path).read_bytes("heads/latest.json", limit=1 << 20)
+
+
+USERINFO = st.text(st.characters(blacklist_categories=("Z", "C")), min_size=1, max_size=20)  # no spaces
+
+
+@given(user=USERINFO, password=USERINFO, scheme=st.sampled_from(["http", "https", "s3", "memory", "hf"]))
+@settings(max_examples=300, deadline=None)
+def test_redact_hides_userinfo_however_spelled(user, password, scheme):
+    """Passwords holding "/", "@", ":" or quotes, as written or as repr() writes them in an error message."""
+    url = f"{scheme}://{user}:S3cr{password}@bucket.example/root/heads"
+    for shown in (redact(url), redact(f"read {url!r} failed: {url}"), redact(f"{url}\n")):
+        assert "S3cr" not in shown and "***@" in shown
+
+
+def test_redact_known_spellings():
+    assert redact("http://user:pa/ss-secret@host/x") == "http://***@host/x"
+    assert redact("s3://KEY:secret/with/slash@bucket/root") == "s3://***@bucket/root"
+    assert redact("GET http://a:b@h/x with hf_abcdefghijkl") == "GET http://***@h/x with hf_***"

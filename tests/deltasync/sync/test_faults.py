@@ -318,3 +318,22 @@ def test_patch_claiming_more_changes_than_the_head_lists_is_refused_before_decod
     with pytest.raises(SyncError, match="refused delta of step 2: patch claims .* changes, the head lists 1"):
         replica.sync()
     assert replica.step == 1 and bitwise_equal(replica.state, states[1])
+
+
+def test_an_unreachable_fsspec_root_is_named_unreachable(tmp_path):
+    """Not "no run yet" or "missing": one line saying so, before any retries."""
+    url = f"http://127.0.0.1:{closed_port()}/root"
+    for args in (["ls", url], ["pull", url, "-o", tmp_path / "o"], ["gc", url]):
+        r = cli(*args)
+        one_line_error(r, f"{url} is unreachable")
+        assert "missing" not in r.stderr and "no run" not in r.stderr
+
+
+def test_push_refuses_what_would_brick_the_root_before_touching_it(tmp_path):
+    checkpoint = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(3)}, checkpoint)
+    for step in (str(protocol.MAX_INT + 1), "1" + "0" * 30):
+        one_line_error(cli("push", tmp_path / "root", checkpoint, "--step", step), "--step")
+    save_file({"": torch.ones(2), "w": torch.ones(3)}, checkpoint)
+    one_line_error(cli("push", tmp_path / "root", checkpoint), "tensor ''")
+    assert not (tmp_path / "root").exists()

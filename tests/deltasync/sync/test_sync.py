@@ -352,3 +352,49 @@ def test_transient_errors_surface_after_retries(tmp_path):
     subscriber = Subscriber(Flaky(LocalStorage(tmp_path), fail=1.0), retries=2, backoff_s=0.001)
     with pytest.raises(SyncError, match="storage keeps failing"):
         subscriber.sync()
+
+
+def test_parameter_order_does_not_matter_after_the_first_step(tmp_path):
+    """A checkpoint's tensors may load in another order in another process (zero-size tensors sharing an
+    offset do): publishing by name, a resumed run takes any order."""
+    params = {**make_params(), "empty.a": torch.zeros(0), "empty.b": torch.zeros(0, 4)}
+    with Publisher(tmp_path, model="tiny") as publisher:
+        publisher.publish(params)
+    train_step(params, 1)
+    with Publisher(tmp_path, model="tiny") as publisher:
+        publisher.publish(dict(reversed(params.items())))
+    reader = Subscriber(tmp_path)
+    reader.sync()
+    assert reader.step == 1 and bitwise_equal(reader.state, bf16(params))
+
+
+class CountingSet(set):
+    """A set that counts membership tests."""
+
+    lookups = 0
+
+    def __contains__(self, item):
+        CountingSet.lookups += 1
+        return super().__contains__(item)
+
+
+def test_planning_is_linear_in_the_head(tmp_path):
+    """A head of thousands of anchors and deltas: the plan is right, and costs a few lookups per entry."""
+    n, fp = 3000, lambda step: f"{step:016x}"
+    entries = [protocol.Entry(0, "anchor", tuple(protocol.anchor_paths(0, 1)), 1000, fp(0), 0.0)]
+    for step in range(1, n + 1):
+        delta = protocol.Entry(step, "delta", (protocol.delta_path(step),), 10, fp(step), 0.0, 1, step - 1)
+        anchor = protocol.Entry(step, "anchor", tuple(protocol.anchor_paths(step, 1)), 1000, fp(step), 0.0)
+        entries += [delta, anchor]
+    head = protocol.Head.from_json(protocol.Head(n, fp(n), tuple(entries)).to_json())
+    reader = Subscriber(tmp_path)
+    reader._bad = CountingSet(reader._bad)
+    assert reader._plan(head, n) == [head.entries[-1]]  # the newest anchor alone
+    assert reader._plan(head, n - 1) == [head.entries[-3]]  # any retained step
+    reader._bad.update((f, 1000) for f in head.entries[-1].files)  # refused: the anchor before, one delta
+    assert reader._plan(head, n) == [head.entries[-3], head.entries[-2]]
+    reader.step, reader.fingerprint = n - 3, int(fp(n - 3), 16)  # held: three deltas on top are cheapest
+    assert [e.step for e in reader._plan(head, n)] == [n - 2, n - 1, n]
+    reader._bad.add((head.entries[-4].files[0], 10))  # delta n - 1 refused: only anchor n - 1 + delta n
+    assert [(e.kind, e.step) for e in reader._plan(head, n)] == [("anchor", n - 1), ("delta", n)]
+    assert CountingSet.lookups < 5 * 4 * len(entries)  # five plans, each a few lookups per entry
