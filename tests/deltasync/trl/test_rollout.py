@@ -10,6 +10,7 @@ import multiprocessing
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 from accelerate import PartialState
@@ -249,3 +250,33 @@ def test_rollouts_spread_over_replicas_each_stamped_with_its_own_version(tokeniz
     versions = {sample.metrics[WEIGHT_VERSION] for sample in samples}
     assert versions == {5.0, 9.0}
     assert all(s.model_version == s.metrics[WEIGHT_VERSION] - 5 + 1 for s in samples)
+
+
+def test_stamp_rollouts_wires_the_worker_and_the_transfer(tokenizer, tmp_path):
+    from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
+
+    from deltasync.trl import BucketWeightTransfer, stamp_rollouts
+
+    PartialState()
+    worker = AsyncRolloutWorker(
+        model_name="tiny",
+        dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "Play."}]] * 4}),
+        reward_funcs=[reward_by_length],
+        processing_class=tokenizer,
+        eos_token_ids=[tokenizer.eos_token_id],
+        num_generations=2,
+        vllm_server_url="http://a",
+    )
+    trainer = SimpleNamespace(args=SimpleNamespace(logging_steps=10), rollout_worker=worker)
+    told = []
+    transfer = BucketWeightTransfer(tmp_path / "root", on_first_step=told.append)
+    stamp_rollouts(
+        trainer, transfer, replica_urls=["http://a/", "http://b"], model_name="served", max_ahead=4
+    )
+    kwargs = compat.loop_kwargs(worker)
+    assert kwargs["replica_urls"] == ["http://a", "http://b"]
+    assert (kwargs["model_name"], kwargs["max_ahead"]) == ("served", 4)
+    assert trainer.args.logging_steps == 1  # step_info reads TRL's metric sink once per step
+    transfer.on_first_step(7)  # the cold sync published step 7: TRL's model version 1
+    assert kwargs["version_base"] == 7 and told == [7]
+    assert transfer.info is not None
