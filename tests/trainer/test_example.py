@@ -9,13 +9,13 @@ import sys
 
 import pytest
 import torch
-from test_train_e2e import PLACEMENT, replica, wait_for_replica
 from transformers import AutoModelForCausalLM
 
 from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
 from deltasync.storage import open_storage
 from deltasync.sync.protocol import read_head, read_run
 from tests.helpers import REPO
+from tests.trainer.test_train_e2e import PLACEMENT, replica, wait_for_replica
 from trainer.processes import log_tail, start_process
 from trainer.tiny_model import default_model_dir, ensure_tiny_model
 

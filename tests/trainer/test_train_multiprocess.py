@@ -11,10 +11,10 @@ import json
 import sys
 
 import pytest
-from test_train_e2e import services, wait_for_replica
 
 from deltasync.sync.protocol import HEAD_PATH
 from tests.helpers import REPO
+from tests.trainer.test_train_e2e import services, wait_for_replica
 from trainer.processes import log_tail, placement, start_process
 from trainer.tiny_model import default_model_dir, ensure_tiny_model
 

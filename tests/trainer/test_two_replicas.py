@@ -6,10 +6,17 @@ Both replicas share vLLM's cores (the trainer and the env keep theirs)."""
 import sys
 
 import pytest
-from test_train_e2e import PLACEMENT, RESUME_STEPS, records, replica, run_trainer, wait_for_replica
 
 from deltasync import telemetry
 from tests.helpers import REPO
+from tests.trainer.test_train_e2e import (
+    PLACEMENT,
+    RESUME_STEPS,
+    records,
+    replica,
+    run_trainer,
+    wait_for_replica,
+)
 from trainer.processes import serving
 from trainer.tiny_model import default_model_dir, ensure_tiny_model
 
