@@ -9,13 +9,14 @@ placed as the tests place it (`trainer.processes.placement()`: vLLM's worker on 
 on the others), and the follower's EngineApplier writing synthetic steps through the engine client's
 weight-update methods. Two tables:
 
-1. Apply, per density and write path, while two request streams keep generating: "update", the engine's
-   start, update and finish calls (the worker reads the patch file, checks it against the weights it holds
-   and writes; the RPC round trips); "paused", the whole window generation was paused (from the engine's
-   pause acknowledgement to its resume acknowledgement); "floor", measured in the same run as the worker
-   writes (generation paused, on the server's cores): a plain indexed copy of the same values into same-size
-   bf16 tensors. Each step is read back in the worker and checked against the expected fingerprint. Medians
-   over --repeat steps.
+1. Apply, per density and write path, while two request streams keep generating: "stage", the update
+   that has the workers read the patch file, check it against the weights they hold and plan the writes,
+   outside the pause (each worker is busy with it between two forward steps); "update", the engine's start,
+   update and finish calls inside the pause (the writes and the RPC round trips); "paused", the whole window
+   generation was paused (from the engine's pause acknowledgement to its resume acknowledgement); "floor",
+   measured in the same run as the worker writes (generation paused, on the server's cores): a plain indexed
+   copy of the same values into same-size bf16 tensors. Each step is read back in the worker and checked
+   against the expected fingerprint. Medians over --repeat steps.
 2. Throughput: --streams concurrent long generations while a step of --step-density lands every --every
    seconds, with KV_ON_UPDATE=keep, with recompute, and with no updates, in --rounds windows of --seconds
    each, the three taking turns. Generated tokens per
@@ -139,6 +140,7 @@ async def apply_table(engine, applier, cpus, state, densities, paths, repeat) ->
                         "changed": changed,
                         "share": changed / numel,
                         "raw MB": 6 * changed / 1e6,
+                        "stage ms": 1e3 * w["stage_s"],
                         "update ms": 1e3 * w["update_s"],
                         "paused ms": 1e3 * w["pause_s"],
                         "floor ms": 1e3 * floor,

@@ -12,6 +12,9 @@ weights (written by `deltasync follow` or the inference Space):
   is the fingerprint it applies to, `fingerprint` the one it leads to. Before writing anything, every worker
   reads the old values at its changed elements; the ranks' shares of how the fingerprint moves must sum to
   `fingerprint - base`, else the update is refused.
+- `kind="stage"`: the checks and the plan of a delta (the same fields), nothing written: a `delta` update of
+  the same step and file that follows it, on unchanged weights, only writes. Staging while generation runs
+  keeps the pause to the writes.
 - `kind="anchor"`: whole bf16 tensors (one file of several); with `fingerprint`, the whole state is read back
   after the write and must match.
 - `kind="verify"`: writes nothing; the weights read back must have `fingerprint`.
@@ -48,7 +51,7 @@ from deltasync.vllm import compat
 from deltasync.vllm.layout import Layout, sum_across
 
 log = init_logger(__name__)  # vLLM's logger: configured in its worker processes
-KINDS = ("delta", "anchor", "verify", "readback")
+KINDS = ("delta", "stage", "anchor", "verify", "readback")
 WRITES = ("direct", "vllm")
 
 
@@ -73,6 +76,23 @@ class DeltasyncUpdateInfo(WeightTransferUpdateInfo):
     fingerprint: str | None = None
 
 
+@dataclass
+class _Plan:
+    """A delta checked against the weights `base`, ready to write (`writes`: this rank's indexed writes)."""
+
+    step: int
+    path: str
+    base: int
+    new: int
+    changes: dict
+    writes: list
+
+    def matches(self, info: DeltasyncUpdateInfo, held: int | None) -> bool:
+        return (self.step, self.path, self.base) == (info.step, info.path, held) and info.fingerprint == (
+            format_fingerprint(self.new)
+        )
+
+
 class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInfo]):
     """Writes verified deltasync steps in place; start/finish are no-ops (nothing to stage or reload)."""
 
@@ -87,6 +107,7 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
         self.fingerprint: int | None = None  # of the whole state, as last verified or moved by a delta
         self.step: int | None = None
         self.write = "direct"
+        self.staged: _Plan | None = None  # the last staged delta, written by the delta update after it
 
     def init_transfer_engine(self, init_info: DeltasyncInitInfo) -> None:
         if self.layout is None:
@@ -144,6 +165,9 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
             raise ValueError(f"update_info of kind {info.kind!r} needs a path")
         if info.kind == "readback":
             return self._readback(Path(info.path))
+        staged, self.staged = self.staged, None
+        if info.kind == "delta" and staged is not None and staged.matches(info, self.fingerprint):
+            return self._write_delta(staged, info)
         # Every rank checks the file before any writes, and all agree: one rank's refusal stops them all
         # before the collectives below (else the others would wait in them for ever).
         try:
@@ -163,7 +187,11 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
         self._agree(None)
         if info.kind == "anchor":
             return self._write_anchor(checked, info)
-        self._write_delta(checked, info)
+        plan = self._plan_delta(checked, info)
+        if info.kind == "stage":
+            self.staged = plan
+        else:
+            self._write_delta(plan, info)
 
     def _agree(self, error: str | None) -> None:
         """Raise on every rank, with the first rank's reason, if any rank refused."""
@@ -200,7 +228,7 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
             raise ValueError(f"step {info.step}: NaN values cannot be patched through vLLM's loader")
         return changes
 
-    def _write_delta(self, changes: dict, info: DeltasyncUpdateInfo) -> None:
+    def _plan_delta(self, changes: dict, info: DeltasyncUpdateInfo) -> _Plan:
         layout = self._ready()
         writes, moved = layout.plan_patch(changes)
         base = int(str(info.base), 16)  # the weights held: checked in _check_delta
@@ -210,19 +238,23 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
                 f"step {info.step} would lead to weights {format_fingerprint(new)}, it promises "
                 f"{info.fingerprint}: refused, nothing written"
             )
+        return _Plan(info.step, str(info.path), base, new, changes, writes)
+
+    def _write_delta(self, plan: _Plan, info: DeltasyncUpdateInfo) -> None:
+        layout = self._ready()
         with torch.no_grad():
             if self.write == "vllm":
                 patches = [
                     CheckpointWeightPatch(
                         name, layout.shapes[name], torch.bfloat16, ch.values.to(self.device), ch.indices
                     )
-                    for name, ch in changes.items()
+                    for name, ch in plan.changes.items()
                 ]
                 load_checkpoint_weight_patches(self.model, patches)
             else:
-                for dst, index, values in writes:
+                for dst, index, values in plan.writes:
                     dst.index_put_(index, values)
-        self.fingerprint, self.step = new, info.step
+        self.fingerprint, self.step = plan.new, info.step
 
     def _check_anchor(self, entries: dict[str, torch.Tensor], info: DeltasyncUpdateInfo) -> dict:
         for name, values in entries.items():

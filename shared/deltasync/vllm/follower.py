@@ -235,11 +235,22 @@ class EngineApplier(Applier):
     def write_delta(
         self, changes: Mapping[str, TensorChanges], step: int, base: str, fingerprint: str
     ) -> float:
-        """Write the changes of `step`, from weights `base` to `fingerprint`; the seconds paused."""
+        """Write the changes of `step`, from weights `base` to `fingerprint`; the seconds paused. The workers
+        check and plan it while generation goes on (`stage`); the pause covers the writes."""
         path = self.tmp / f"delta-{step}.safetensors"
         save_file(raw_entries(changes), path)  # the raw encoding's entries, without the patch's metadata
         info = {"step": step, "kind": "delta", "path": str(path), "base": base, "fingerprint": fingerprint}
-        return self._write([info], step, "delta", path.stat().st_size)
+        start = time.perf_counter()
+        try:
+            self._paused([{**info, "kind": "stage"}], pause=False)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        stage_s = time.perf_counter() - start
+        pause_s = self._write([info], step, "delta", path.stat().st_size)
+        assert self.last_write is not None
+        self.last_write["stage_s"] = stage_s
+        return pause_s
 
     def read_fingerprint(self, step: int | None, expected: int) -> int:
         """What the workers read back: `expected` when they confirm it, else theirs."""

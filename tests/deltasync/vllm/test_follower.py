@@ -51,6 +51,8 @@ class FakeEngine:
                 self.active = False
                 raise WriteRefused(f"the weights read back hold {held}, step {info['step']} is x")
             return
+        if info["kind"] == "stage":  # the checks only
+            return
         entries = load_file(info["path"])
         if info["kind"] == "anchor":
             self.state |= {n: t.clone() for n, t in entries.items()}
@@ -85,21 +87,25 @@ def test_each_step_is_one_paused_update_then_a_read_back(followed):
     subscriber.sync()
     assert_bitwise_equal(engine.state, states[-1])
     assert engine.version == "2" and applier.version == "2" and not engine.paused and not engine.active
-    delta = ["pause", "start", "update delta", "finish", "resume", "start", "update verify", "finish"]
-    assert engine.calls[-len(delta) :] == delta  # a read-back does not pause generation
+    delta = ["start", "update stage", "finish", "pause", "start", "update delta", "finish", "resume"]
+    delta += ["start", "update verify", "finish"]
+    # Checked and read back while generation goes on; paused for the writes only.
+    assert engine.calls[-len(delta) :] == delta
     assert applier.readback["step"] == 2 and applier.last_write["kind"] == "delta"
     assert applier.last_write["bytes"] > 0 and applier.last_write["pause_s"] >= 0
+    assert applier.last_write["stage_s"] >= 0
 
 
-def test_refused_update_is_closed_and_generation_resumes(followed, tmp_path):
+def test_refused_update_is_closed_before_pausing(followed, tmp_path):
     states, engine, applier, subscriber = followed
     subscriber.sync(1)
     engine.refuse = "step 2 applies to weights 0000000000000000, this server holds 1234"
     engine.calls.clear()
     with pytest.raises(SyncError, match="this server holds 1234"):
         subscriber.sync()
-    # The update is closed (finish, which a worker that raised refuses as vLLM does) and generation resumes.
-    assert engine.calls == ["pause", "start", "update delta", "finish", "resume"]
+    # Refused while staging, before any pause; the update is closed (finish, which a worker that raised
+    # refuses as vLLM does).
+    assert engine.calls == ["start", "update stage", "finish"]
     assert not engine.paused and not engine.active and engine.version == "1"
     assert_bitwise_equal(engine.state, states[1])
     assert "this server holds 1234" in subscriber.last_error and not applier.stuck
