@@ -16,7 +16,9 @@ over the link per step (uploads and downloads, polls included); for ours, the pr
 minus the caller's copy, encode (change detection included), decode+apply and bytes/bandwidth, in request
 latencies (the fewest possible is about 3.5: the delta's upload 1, the head landing 0.5, a poll seeing it 1 on
 average, the delta's download 1). Subscribers poll back to back over the link (each poll costs a latency)
-and every 10 ms on the local folder, like the dense readers.
+and every 10 ms on the local folder, like the dense readers. A size-limited read (a poll, a delta) is one
+request here, as it is for folders and fsspec URLs (one ranged read); the Hub's bucket API reads no ranges,
+so there it costs a stat and a download.
 
 `--model qwen3-1.7b`: a whole Qwen3 model's shapes (all layers unless told), fp32 master weights, over the
 link only, with the subscriber in its own process: `--steps` deltas with 1 codec thread on both sides, then
