@@ -34,6 +34,7 @@ $(STAMP): pyproject.toml Makefile
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy  # the library (files: pyproject's [tool.mypy])
 
 format: setup
 	$(BIN)/ruff check --fix .
@@ -53,4 +54,4 @@ demo: setup
 	$(BIN)/python -m trainer.demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

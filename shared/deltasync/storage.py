@@ -15,6 +15,7 @@ URLs may carry credentials (`http://user:password@host/...`): `url` and every er
 
 from __future__ import annotations
 
+import builtins
 import fcntl
 import itertools
 import logging
@@ -239,7 +240,7 @@ class Storage(ABC):
         under = prefix + "/" if prefix else ""
         return sorted(p for p in found if p.startswith(under) and TMP_MARK not in p)
 
-    def delete(self, paths: list[str]) -> None:
+    def delete(self, paths: builtins.list[str]) -> None:
         """Delete the objects; absent ones are fine (GC may repeat itself)."""
         for path in paths:
             check_path(path)
@@ -247,7 +248,7 @@ class Storage(ABC):
             if paths:
                 self._delete(paths)
 
-    def delete_leftovers(self, older_than_s: float) -> list[str]:
+    def delete_leftovers(self, older_than_s: float) -> builtins.list[str]:
         """Delete what crashed writers left (temporary files, empty anchor folders) untouched for
         `older_than_s`; returns them. Only backends that write through temporary files have any."""
         return []
@@ -291,11 +292,11 @@ class Storage(ABC):
     @abstractmethod
     def _download_file(self, path: str, local: Path) -> None: ...
     @abstractmethod
-    def _sizes(self, paths: list[str]) -> dict[str, int | None]: ...
+    def _sizes(self, paths: builtins.list[str]) -> dict[str, int | None]: ...
     @abstractmethod
-    def _list(self, prefix: str) -> list[str]: ...
+    def _list(self, prefix: str) -> builtins.list[str]: ...
     @abstractmethod
-    def _delete(self, paths: list[str]) -> None: ...
+    def _delete(self, paths: builtins.list[str]) -> None: ...
 
 
 class LocalStorage(Storage):
@@ -366,11 +367,11 @@ class LocalStorage(Storage):
                     removed.append(path.relative_to(self.root).as_posix())
         anchors = self.root / "anchors"
         if anchors.is_dir() and not anchors.is_symlink():
-            for folder in anchors.iterdir():
-                if _ANCHOR_DIR.fullmatch(folder.name) and stale(folder, stat.S_IFDIR):
+            for anchor in anchors.iterdir():
+                if _ANCHOR_DIR.fullmatch(anchor.name) and stale(anchor, stat.S_IFDIR):
                     with suppress(OSError):  # not empty (or gone): not a leftover
-                        folder.rmdir()
-                        removed.append(f"anchors/{folder.name}")
+                        anchor.rmdir()
+                        removed.append(f"anchors/{anchor.name}")
         return sorted(removed)
 
     def lock(self, name: str, holder: str) -> WriterLock:

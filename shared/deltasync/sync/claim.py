@@ -78,7 +78,7 @@ class WriterClaim:
         except (ValueError, RecursionError):
             log.warning("ignoring an unreadable lease in %s", self.storage.url)
             return None
-        kinds = {"holder": str, "epoch": int, "expires_at": (int, float)}
+        kinds: dict[str, type | tuple[type, ...]] = {"holder": str, "epoch": int, "expires_at": (int, float)}
         ok = isinstance(lease, dict) and all(isinstance(lease.get(k), t) for k, t in kinds.items())
         return lease if ok and 0 <= lease["epoch"] < 1 << 62 and abs(lease["expires_at"]) < 1e12 else None
 
@@ -116,7 +116,7 @@ class WriterClaim:
         if self._lock is None:
             lease = self._lease()
             mine = lease is not None and (lease["holder"], lease["epoch"]) == (self.holder, self.epoch)
-            if not mine or lease["expires_at"] <= time.time():
+            if lease is None or not mine or lease["expires_at"] <= time.time():
                 other = lease["holder"] if lease else "a writer that removed the lease"
                 raise WriterConflict(f"{self.storage.url}: another publisher ({other}) took over")
 

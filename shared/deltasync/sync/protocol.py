@@ -255,9 +255,9 @@ class Head:
         return head
 
     def _check_chain(self) -> None:
-        first, last = self.entries[0] if self.entries else None, self.entries[-1] if self.entries else None
-        if first is None or first.kind != "anchor":
+        if not self.entries or self.entries[0].kind != "anchor":
             raise ManifestError(f"{HEAD_PATH}: the chain must start at an anchor")
+        first, last = self.entries[0], self.entries[-1]
         if (last.step, last.fingerprint) != (self.step, self.fingerprint):
             raise ManifestError(f"{HEAD_PATH}: the last entry is not the head step {self.step}")
         chain = first  # where the deltas have reached so far
@@ -300,7 +300,7 @@ def _entry(raw: object, index: int) -> Entry:
     expected_ok = first is not None and first[:2] == (kind, step) and len(files) < 100_000
     if expected_ok and kind == "delta":
         expected_ok = len(files) == 1
-    elif expected_ok:
+    elif expected_ok and first is not None:
         expected_ok = files == tuple(anchor_paths(step, len(files), first[2]))
     if not expected_ok:
         raise ManifestError(f"{what}: files {list(files)!r:.200} are not where a {kind} of step {step} lives")

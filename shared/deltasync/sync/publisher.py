@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -188,7 +188,7 @@ class Publisher:
 
     @staticmethod
     def _skipped_record(pending: _Pending) -> telemetry.TrainerRecord:
-        nothing = dict.fromkeys(("numel", "changed", "payload_bytes", "full_bytes"), 0)
+        nothing: dict[str, Any] = dict.fromkeys(("numel", "changed", "payload_bytes", "full_bytes"), 0)
         nothing |= dict.fromkeys(("encode_s", "upload_s"), 0.0)  # a skipped step measured nothing
         return telemetry.TrainerRecord(
             step=pending.step,
@@ -258,7 +258,7 @@ class Publisher:
             with self._cond:
                 # A newer state arrived while this one failed: publish that instead, folding this step in.
                 if self._cond.wait_for(lambda: self._pending is not None, seconds):
-                    newer, self._pending, old = self._pending, None, jobs[0]
+                    newer, self._pending, old = cast(_Pending, self._pending), None, jobs[0]
                     newer.skipped = [*old.skipped, self._skipped_record(old), *newer.skipped]
                     self._spare, jobs[0] = old.state, newer
 
@@ -267,10 +267,12 @@ class Publisher:
     def _publish(self, job: _Pending) -> None:
         start = time.perf_counter()
         head, old = self._head, self._published
+        assert self._run is not None  # known before the first job
         if head is None:
             self.storage.write_bytes(RUN_PATH, self._run.to_json())
         patch = data = None
         if old is not None:
+            assert head is not None  # the published state is the one the head names
             patch = make_patch(old, job.state, job.step, head.step, self._published_fp, self.config.threads)
             data = encode(patch, old, self.config.encoding, self.config.threads)
         fp = patch.fingerprint if patch else fingerprint.state_fingerprint(job.state)
@@ -279,8 +281,8 @@ class Publisher:
         with tempfile.TemporaryDirectory(prefix="deltasync-") as tmp:
             anchor_files = []
             if self._anchor_due(job.step, len(data) if data is not None else None):
-                local = isinstance(self.storage, LocalStorage)
-                encoding = anchor_encoding(self.config.anchor_encoding, local)
+                is_local = isinstance(self.storage, LocalStorage)
+                encoding = anchor_encoding(self.config.anchor_encoding, is_local)
                 anchor_files = write_anchor(
                     job.state,
                     job.step,
@@ -296,7 +298,7 @@ class Publisher:
                 self.claim.renew()
             current = self._background.submit(self._current_head)  # travels while the data uploads
             try:
-                if patch is not None:
+                if data is not None:  # a delta
                     self.storage.write_bytes(delta_path(job.step, tag), data)
                 for local, path in anchor_files:
                     self.storage.upload_file(local, path)
@@ -305,8 +307,8 @@ class Publisher:
             anchor_bytes = sum(local.stat().st_size for local, _ in anchor_files)
         now = time.time()
         entries = []
-        if patch is not None:
-            files = (delta_path(job.step, tag),)
+        if patch is not None and data is not None and head is not None:  # a delta
+            files: tuple[str, ...] = (delta_path(job.step, tag),)
             entries.append(Entry(job.step, "delta", files, len(data), fp_text, now, patch.changed, head.step))
         if anchor_files:
             files = tuple(path for _, path in anchor_files)
@@ -440,10 +442,10 @@ def _writer_of(head: bytes | None) -> str:
     if head is None:
         return "the head was removed"
     try:
-        head = Head.from_json(head)
+        parsed = Head.from_json(head)
     except ManifestError:
         return "the head is not readable"
-    return f"now step {head.step}, written by {head.writer or 'an older publisher'}"
+    return f"now step {parsed.step}, written by {parsed.writer or 'an older publisher'}"
 
 
 def _copy_into(buffer: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> None:

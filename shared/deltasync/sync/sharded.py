@@ -21,6 +21,7 @@ import pickle
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -111,6 +112,7 @@ class ShardedPublisher:
             return None
         self.full = full
         self.fingerprint = fingerprint.state_fingerprint(full)
+        assert self.publisher is not None  # the writer rank's
         return self.publisher.publish(full, info=info)
 
     def _next(self, params: list[tuple[str, torch.Tensor]], info) -> int | None:
@@ -134,10 +136,11 @@ class ShardedPublisher:
             old.reshape(-1)[found.indices] = found.values  # the copy follows the shard
         message = (changes, moved & fingerprint.MASK64)
         self.sent_bytes = 0 if self.is_writer else len(pickle.dumps(message))
-        gathered = [None] * dist.get_world_size(self.group) if self.is_writer else None
+        gathered: list[Any] | None = [None] * dist.get_world_size(self.group) if self.is_writer else None
         dist.gather_object(message, gathered, dst=self.writer_rank, group=self.group)
         if not self.is_writer:
             return None
+        assert gathered is not None and self.full is not None and self.publisher is not None  # the writer's
         for rank_changes, rank_moved in gathered:
             for name, (offset, positions, new_bits) in rank_changes.items():
                 flat = bits(self.full[name]).reshape(-1)

@@ -238,11 +238,16 @@ class Subscriber:
             after[i] = after[i + 1] + deltas[i].bytes
         # A path crosses every delta after its start: it may start no earlier than the last refused one.
         floor = max((d.step for d in deltas if self._refused(d)), default=-1)
+        starts: list[tuple[Entry | None, int]]
         starts = [(a, a.step) for a in head.anchors if floor <= a.step <= goal and not self._refused(a)]
         here = fingerprint.format_fingerprint(self.fingerprint)
-        held = self.step is not None and floor <= self.step <= goal
-        if held and any(e.step == self.step and e.fingerprint == here for e in head.entries):
-            starts.append((None, self.step))  # replay from what the target holds
+        held = self.step
+        if (
+            held is not None
+            and floor <= held <= goal
+            and any(e.step == held and e.fingerprint == here for e in head.entries)
+        ):
+            starts.append((None, held))  # replay from what the target holds
         best = None
         for start, since in starts:
             i = bisect.bisect_right(steps, since)
@@ -262,6 +267,7 @@ class Subscriber:
     # ------------------------------------------------------------------------------------------ applying
 
     def _apply(self, entry: Entry, head: Head) -> Applied:
+        assert self.run is not None  # read with the head
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="deltasync-") as tmp:
             local = [Path(tmp) / f"{i}.safetensors" for i in range(len(entry.files))]
@@ -291,6 +297,7 @@ class Subscriber:
         if patch is None:
             self.state = state
         else:
+            assert self.state is not None  # a delta applies to the state held
             apply_changes(self.state, patch.changes, self.threads)
         fp = int(entry.fingerprint, 16)  # verified above: by the anchor's content or the patch's promise
         self.last_error = None  # before the step moves: a status read must not pair the new step with it
@@ -316,6 +323,7 @@ class Subscriber:
         claimed = read_info(data).changed  # from the headers alone: decoding allocates per claimed change
         if claimed != entry.changed:
             raise PatchError(f"patch claims {claimed} changes, the head lists {entry.changed}")
+        assert self.state is not None  # a delta applies to the state held
         patch = decode(data, self.state, self.fingerprint, self.threads)
         if (patch.step, fingerprint.format_fingerprint(patch.fingerprint)) != (entry.step, entry.fingerprint):
             raise PatchError(
@@ -330,6 +338,7 @@ class Subscriber:
             return None
         try:
             if patch is None:
+                assert state is not None  # an anchor's
                 return self.applier.load(state, entry.step)
             return self.applier.patch(patch.changes, entry.step)
         except Exception as e:
@@ -359,9 +368,12 @@ class Subscriber:
     # ----------------------------------------------------------------------------------------- telemetry
 
     def _report(self, a: Applied) -> None:
-        self._write_record(telemetry.ReplicaRecord(replica=self.replica, verified=True, **asdict(a)))
+        if self.replica is not None:
+            self._write_record(telemetry.ReplicaRecord(replica=self.replica, verified=True, **asdict(a)))
 
     def _report_refused(self, entry: Entry, head: Head, error: str) -> None:
+        if self.replica is None:
+            return
         now = time.time()
         self._write_record(
             telemetry.ReplicaRecord(
@@ -380,8 +392,6 @@ class Subscriber:
         )
 
     def _write_record(self, record: telemetry.ReplicaRecord) -> None:
-        if self.replica is None:
-            return
         try:
             telemetry.write(self.storage, record)
         except TransientStorageError as e:

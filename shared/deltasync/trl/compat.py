@@ -77,9 +77,11 @@ class HookedRolloutLoop(_AsyncRolloutLoop):
 
         client_timeout = aiohttp.ClientTimeout(total=timeout)
         server = _rollout_server.get() or self.vllm_server_url
+        session = self.session
+        assert session is not None  # TRL opens it before its first request
 
         async def post() -> dict:
-            async with self.session.post(
+            async with session.post(
                 f"{server}{path}", json=payload, timeout=client_timeout, headers=dict(self.request_headers())
             ) as r:
                 r.raise_for_status()
@@ -111,7 +113,7 @@ def use_loop(worker: AsyncRolloutWorker, loop_cls: type[HookedRolloutLoop], **lo
     worker._loop_cls = loop_cls
     worker._loop_kwargs.update(loop_kwargs)
     if not isinstance(worker.stop, functools.partial):
-        worker.stop = functools.partial(_stop, worker, worker.stop)
+        worker.stop = functools.partial(_stop, worker, worker.stop)  # type: ignore[method-assign]
 
 
 def loop_kwargs(worker: AsyncRolloutWorker) -> dict[str, Any]:
@@ -143,7 +145,7 @@ def trained_tokens(trainer) -> float:
 
 def replace_flash_attn(varlen: Callable[..., torch.Tensor]) -> None:
     """Tree attention calls `packing._flash_attn().flash_attn_varlen_func` (FA3, from the Hub): `varlen`."""
-    packing._flash_attn = lambda: types.SimpleNamespace(flash_attn_varlen_func=varlen)
+    packing._flash_attn = lambda: types.SimpleNamespace(flash_attn_varlen_func=varlen)  # type: ignore[assignment]
 
 
 def skip_peak_flops() -> None:

@@ -73,6 +73,7 @@ class BucketWeightTransfer:
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
         start = time.perf_counter()
         self.init_weight_transfer()
+        assert self.publisher is not None  # opened by init_weight_transfer
         params = list(iterator)  # the live tensors: publish() copies them before it returns
         self.sent, self.shapes = params, {name: tuple(t.shape) for name, t in params}
         if self.first_step is None and self._is_published_head(params):
@@ -102,7 +103,7 @@ class BucketWeightTransfer:
         return state_fingerprint((name, t.to(torch.bfloat16)) for name, t in self.sent)
 
     def _is_published_head(self, params: list[tuple[str, torch.Tensor]]) -> bool:
-        head = self.publisher.head
+        head = self.publisher.head if self.publisher else None
         if head is None:
             return False
         state = ((name, t.to(torch.bfloat16)) for name, t in params)  # one tensor at a time
