@@ -35,6 +35,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 _EXPORTS = {
     "Publisher": ("deltasync.sync.publisher", "Publisher"),
     "PublisherConfig": ("deltasync.sync.publisher", "PublisherConfig"),
+    "ShardedPublisher": ("deltasync.sync.sharded", "ShardedPublisher"),
     "Subscriber": ("deltasync.sync.subscriber", "Subscriber"),
     "Applier": ("deltasync.sync.subscriber", "Applier"),
     "TensorsApplier": ("deltasync.sync.subscriber", "TensorsApplier"),
@@ -63,6 +64,7 @@ __all__ = [
     "__version__",
     "Publisher",
     "PublisherConfig",
+    "ShardedPublisher",
     "Subscriber",
     "Applier",
     "TensorsApplier",
@@ -97,6 +99,7 @@ if TYPE_CHECKING:
     from deltasync.sync.anchor import AnchorError
     from deltasync.sync.protocol import ManifestError
     from deltasync.sync.publisher import Publisher, PublisherConfig
+    from deltasync.sync.sharded import ShardedPublisher
     from deltasync.sync.subscriber import Applied, Applier, Subscriber, SyncError, TensorsApplier
 
 
