@@ -8,11 +8,6 @@ STAMP  := $(VENV)/.installed
 # picks PyPI's multi-GB CUDA build. Machines with a local wheel store find it there; others use PyTorch's index.
 TORCH_SOURCE ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu*),,--extra-index-url https://download.pytorch.org/whl/cpu)
 
-export VLLM_CPU_KVCACHE_SPACE ?= 1
-export HF_HUB_DISABLE_TELEMETRY ?= 1
-export TRL_EXPERIMENTAL_SILENCE ?= 1
-export TOKENIZERS_PARALLELISM ?= false
-
 .PHONY: setup test test-fast lint format bench demo clean
 
 setup: $(STAMP)
@@ -22,8 +17,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0+cpu" $(TORCH_SOURCE)
 	$(BIN)/pip install -q -e '.[system,dev]'
-	# openenv's fastmcp wants mcp<2, vllm-cpu declares mcp>=2; both run with mcp 1.x.
-	$(BIN)/pip install -q -e '.[env]' -e spaces/env
+	# openenv's fastmcp wants mcp<2, vllm-cpu declares mcp>=2; both run with mcp 1.x (hence no conflict report).
+	$(BIN)/pip install -q --no-warn-conflicts -e '.[env]' -e spaces/env
 	# torchvision/torchaudio/torchcodec from PyPI fail to import beside the CPU torch and break transformers.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	# The dashboard's browser test drives Debian's Chromium through Playwright (no browser download).

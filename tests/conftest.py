@@ -1,6 +1,7 @@
 import pytest
 from huggingface_hub import constants
 
+import trainer  # noqa: F401  (the project's environment defaults, for the processes the tests start)
 from bench import load_space_app
 from tests.fakehub import FakeHub
 

@@ -39,7 +39,7 @@ def test_starts_without_tuning_variables_and_a_signal_stops_the_whole_server(sig
     model = build_tiny_model(tmp_path / "tiny-qwen3")
     with Publisher(str(tmp_path / "root"), model=str(model)) as publisher:
         publisher.publish(load_file(model / "model.safetensors"), 0)
-    for name in [n for n in os.environ if n.startswith("VLLM_")]:  # make test exports VLLM_CPU_KVCACHE_SPACE
+    for name in [n for n in os.environ if n.startswith("VLLM_")]:  # a caller's VLLM_CPU_KVCACHE_SPACE too
         monkeypatch.delenv(name)
     port = free_port()
     env = {**os.environ, "MODEL": str(model), "SYNC_ROOT": str(tmp_path / "root"), "HOST": "127.0.0.1"}
