@@ -1,6 +1,7 @@
 """The library's CUDA paths on a GPU, each against a floor measured in the same run; the codec on the host.
 
-    python -m bench.cuda [--layers 28] [--density 0.01] [--repeat 10] [--only detect,write,publish,codec]
+    python -m bench.cuda [--layers 28] [--density 0.01] [--repeat 10]
+                         [--only detect,write,engine,publish,codec]
 
 A Qwen3-0.6B-shaped bf16 state (bench.codec.qwen3_shapes: real shapes, tied embeddings; N(0, 0.02) weights,
 norms at 1) made on the GPU, and a step that moves `--density` of its elements, at random positions, by one
@@ -12,11 +13,15 @@ from a synchronized device to a synchronized device. Parts:
   `state_fingerprint`), against one `ne` pass over the same tensors and one device-to-device copy of the
   model's bf16 bytes. "host syncs" counts the synchronizing CUDA calls of one run (torch's sync debug mode,
   one codec thread): per call, not per tensor, is the goal.
-- write: applying the step to live CUDA parameters the way the vLLM worker does (deltasync/vllm/worker.py,
-  `PatchWorkerExtension.deltasync_commit`: one `index_put_` per HF tensor into its destination view, rows
-  of vLLM's fused qkv_proj and gate_up_proj), which is all the engine pauses for; and the worker's staging
-  (a raw patch file read to the device, then `raw_changes`), outside the pause. Floor: one `index_put_` of
-  the same count into one flat buffer.
+- write: the writes themselves into live CUDA parameters laid out as vLLM holds them (one `index_put_` per
+  HF tensor into its destination view, rows of vLLM's fused qkv_proj and gate_up_proj), and a raw patch
+  file read to the device and parsed (`raw_changes`). Floor: one `index_put_` of the same count into one
+  flat buffer.
+- engine: the weight-transfer engine itself (deltasync/vllm/engine.py `DeltasyncEngine`, its `Layout`
+  learned from the model's `load_weights` by layout.py) on a CUDA stand-in model with vLLM's fused
+  parameters and tied embeddings: `update_weights` of kind "stage" (read, checks, `Layout.plan_patch`,
+  while generation runs) and of kind "delta" (what runs between pause and resume), alternating a step and
+  its reverse, each written state checked bit for bit. Floor: as for write.
 - publish: the caller's blocked time in `Publisher.publish` with CUDA parameters (bf16, and fp32 master
   weights cast to bf16 on the way), against one plain `.to("cpu", bfloat16, non_blocking=True)` of every
   tensor and one `copy_` into already pinned host buffers. The publisher writes a local folder; every call is
@@ -35,6 +40,7 @@ import os
 import statistics
 import tempfile
 import time
+import types
 import warnings
 from collections.abc import Callable
 
@@ -192,6 +198,16 @@ def vllm_views(old: State) -> dict[str, torch.Tensor]:
     return views
 
 
+def flat_writes(old: State, changes: dict[str, TensorChanges]) -> tuple[torch.Tensor, ...]:
+    """For the floor: one flat buffer of `old`, and all of `changes` as positions and values in it."""
+    offsets, at = {}, 0
+    for name, t in old.items():
+        offsets[name], at = at, at + t.numel()
+    buffer = torch.cat([bits(t) for t in old.values()]).view(torch.bfloat16)
+    positions = torch.cat([ch.indices.to(torch.int64) + offsets[n] for n, ch in changes.items()])
+    return buffer, positions, torch.cat([ch.values for ch in changes.values()])
+
+
 def write_part(old: State, new: State, repeat: int) -> None:
     from safetensors.torch import load_file, save_file
 
@@ -203,7 +219,7 @@ def write_part(old: State, new: State, repeat: int) -> None:
         save_file(patches.raw_entries(changes), path)
         device = str(next(iter(old.values())).device)
 
-        def stage() -> dict[str, TensorChanges]:  # the worker's deltasync_stage, vLLM's layout aside
+        def stage() -> dict[str, TensorChanges]:
             return patches.raw_changes(load_file(path, device=device), shapes)
 
         staged = stage()
@@ -214,7 +230,7 @@ def write_part(old: State, new: State, repeat: int) -> None:
     views = vllm_views(old)
     direct = [(views[n], ch.indices, ch.values.to(views[n].dtype)) for n, ch in staged.items()]
 
-    def commit() -> None:  # worker.py's deltasync_commit, the direct path
+    def commit() -> None:  # the writes of the engine's direct path, flat positions per view
         for view, positions, values in direct:
             view.view(-1).index_put_((positions,), values)
 
@@ -230,12 +246,7 @@ def write_part(old: State, new: State, repeat: int) -> None:
 
     boxed_s = median_s(commit_boxed, repeat)
 
-    offsets, at = {}, 0
-    for name, t in old.items():
-        offsets[name], at = at, at + t.numel()
-    buffer = torch.cat([bits(t) for t in old.values()]).view(torch.bfloat16)
-    positions = torch.cat([ch.indices + offsets[n] for n, ch in staged.items()])
-    values = torch.cat([ch.values for ch in staged.values()])
+    buffer, positions, values = flat_writes(old, staged)
     put_s = median_s(lambda: buffer.index_put_((positions,), values), repeat)
     copy_s = median_s(lambda: buffer.index_copy_(0, positions, values), repeat)
 
@@ -246,13 +257,182 @@ def write_part(old: State, new: State, repeat: int) -> None:
     table(
         ["step", "time", "vs floor", "host syncs", "goal"],
         [
-            ["**write** (worker's commit: one `index_put_` per tensor)", f"**{ms(commit_s)}**",
+            ["**write** (one `index_put_` per tensor, flat positions)", f"**{ms(commit_s)}**",
              f"**{commit_s / put_s:.1f}x**", commit_syncs, "<= 20 ms pause"],
             ["the same, (row, column) indices per 2-D view", ms(boxed_s), f"{boxed_s / put_s:.1f}x", "", ""],
             ["floor: one `index_put_` of all into one flat buffer", ms(put_s), "1.0x", "", ""],
             ["one `index_copy_` of all into one flat buffer", ms(copy_s), f"{copy_s / put_s:.1f}x", "", ""],
             ["stage (outside the pause): `load_file` to the GPU + `raw_changes`", ms(stage_s),
              f"{stage_s / put_s:.1f}x", stage_syncs, ""],
+        ],
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------- engine
+
+
+def vllm_stand_ins() -> None:
+    """Where vLLM is not installed (a GPU host that runs only this bench), stand-ins for the few vLLM names
+    engine.py imports, each doing what vLLM's does for a single-rank CUDA worker."""
+    import logging
+    import sys
+    from typing import Generic, TypeVar
+
+    try:
+        import vllm.distributed.weight_transfer.base  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        return
+
+    class WeightTransferEngine(Generic[TypeVar("I"), TypeVar("U")]):
+        """vllm.distributed.weight_transfer.base's: holds the model; `update_weights` parses the dict,
+        receives it, then synchronizes the device (vLLM's `torch.accelerator.synchronize()`)."""
+
+        def __init__(self, config, vllm_config, device, model) -> None:
+            self.config, self.vllm_config, self.device, self.model = config, vllm_config, device, model
+            self.model_config = vllm_config.model_config
+
+        def parse_update_info(self, update_dict):
+            return self.update_info_cls(**update_dict)  # type: ignore[attr-defined]
+
+        def update_weights(self, update_info: dict) -> None:
+            self.receive_weights(self.parse_update_info(update_info))  # type: ignore[attr-defined]
+            torch.cuda.synchronize()
+
+    def unused(*args, **kwargs):  # vLLM's loader path (write="vllm"), which this bench does not take
+        raise NotImplementedError
+
+    group = types.SimpleNamespace(world_size=1, cpu_group=None)  # one rank holds the whole model
+    names = {
+        "vllm": {},
+        "vllm.logger": {"init_logger": logging.getLogger},
+        "vllm.distributed": {},
+        "vllm.distributed.parallel_state": {"get_world_group": lambda: group},
+        "vllm.distributed.weight_transfer": {},
+        "vllm.distributed.weight_transfer.base": {
+            "WeightTransferEngine": WeightTransferEngine,
+            "WeightTransferInitInfo": type("WeightTransferInitInfo", (), {}),
+            "WeightTransferUpdateInfo": type("WeightTransferUpdateInfo", (), {}),
+        },
+        "vllm.model_executor": {},
+        "vllm.model_executor.model_loader": {},
+        "vllm.model_executor.model_loader.checkpoint_weight_patch": {
+            "CheckpointWeightPatch": unused,
+            "load_checkpoint_weight_patches": unused,
+        },
+        "vllm.platforms": {"current_platform": types.SimpleNamespace(is_cpu=lambda: False)},
+    }
+    for name, attrs in names.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(attrs)
+        sys.modules[name] = module
+
+
+class FusedQwen3(torch.nn.Module):
+    """A stand-in for vLLM's Qwen3 on CUDA: its parameters (vllm_views' fused qkv_proj and gate_up_proj),
+    and a `load_weights` that copies each HF tensor into its view as vLLM's stacked-parameter loader does
+    and skips the tied lm_head."""
+
+    def __init__(self, old: State) -> None:
+        super().__init__()
+        self.views = vllm_views(old)
+        views = self.views.values()
+        bases = {v.untyped_storage().data_ptr(): v if v._base is None else v._base for v in views}
+        self.params = torch.nn.ParameterList(torch.nn.Parameter(t, False) for t in bases.values())
+
+    def load_weights(self, weights) -> set[str]:
+        loaded = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight":
+                continue
+            self.views[name].copy_(tensor)  # KeyError for a name this model has not: vLLM raises too
+            loaded.add(name)
+        return loaded
+
+
+def engine_part(old: State, new: State, repeat: int) -> None:
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config
+
+    vllm_stand_ins()
+    from deltasync.codec.fingerprint import format_fingerprint
+    from deltasync.vllm.engine import DeltasyncEngine
+    from deltasync.vllm.layout import Layout
+
+    layers = sum(n.endswith("input_layernorm.weight") for n in old)
+    hidden, inter = old["model.norm.weight"].shape[0], old["model.layers.0.mlp.up_proj.weight"].shape[0]
+    hf_config = Qwen3Config(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, vocab_size=old["model.embed_tokens.weight"].shape[0],
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    model = FusedQwen3(old)
+    model_config = types.SimpleNamespace(hf_config=hf_config)
+    vllm_config = types.SimpleNamespace(model_config=model_config, parallel_config=None)
+    engine = DeltasyncEngine(None, vllm_config, torch.device("cuda"), model)
+    start = time.perf_counter()
+    engine.init_transfer_engine(engine.init_info_cls(root="bench"))
+    learn_s = time.perf_counter() - start
+    layout: Layout = engine.layout  # type: ignore[assignment]
+    fps = [format_fingerprint(state_fingerprint(s)) for s in (old, new)]
+    assert format_fingerprint(engine.fingerprint) == fps[0], "engine: weights read at start != old state"
+
+    forward, backward = diff(old, new), diff(new, old)
+    changed = sum(len(c) for c in forward.values())
+    with tempfile.TemporaryDirectory(prefix="bench-cuda-engine-") as tmp:
+        steps = []  # (update info, the state it leads to), a step and its reverse
+        for i, (changes, target) in enumerate(((forward, new), (backward, old))):
+            path = os.path.join(tmp, f"{i}.safetensors")
+            save_file(patches.raw_entries(changes), path)
+            info = {"path": path, "base": fps[i], "fingerprint": fps[1 - i]}
+            steps.append((info, target))
+        payload = os.path.getsize(steps[0][0]["path"])
+        stage_s, pause_s, stage_syncs, pause_syncs = [], [], [], []
+        for step in range(1 + repeat):  # step 0: warm-up
+            info, target = steps[step % 2]
+            staged = {**info, "step": step, "kind": "stage"}
+            delta = {**info, "step": step, "kind": "delta"}
+            if step in (1, 2):  # one of each direction, counted separately from the timed runs
+                # planned again below, untouched by the sync debug mode
+                stage_syncs.append(host_syncs(lambda s=staged: engine.update_weights(s)))
+            sync()
+            start = time.perf_counter()
+            engine.update_weights(staged)
+            stage_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            # What runs between pause and resume: vLLM's start_weight_update, update_weights, finish.
+            engine.start_weight_update()
+            engine.update_weights(delta)
+            engine.finish_weight_update()
+            pause_s.append(time.perf_counter() - start)
+            assert engine.step == step and format_fingerprint(engine.fingerprint) == fps[(step + 1) % 2]
+            assert all(torch.equal(bits(model.views[n]), bits(target[n])) for n in target), (
+                f"engine: step {step}: written weights != expected state"
+            )
+        info, target = steps[(1 + repeat) % 2]
+        engine.update_weights({**info, "step": repeat + 1, "kind": "stage"})
+        pause_syncs.append(host_syncs(lambda: engine.update_weights({**info, "step": repeat + 1})))
+        assert all(torch.equal(bits(model.views[n]), bits(target[n])) for n in target)
+
+    buffer, positions, values = flat_writes(old, forward)
+    put_s = median_s(lambda: buffer.index_put_((positions,), values), repeat)
+    stage, pause = statistics.median(stage_s[1:]), statistics.median(pause_s[1:])
+    blocks = sum(len(b) for b in layout.blocks.values())
+    print(
+        f"### The engine (deltasync/vllm/engine.py) on a CUDA stand-in of vLLM's Qwen3: {changed:,} changed "
+        f"elements (raw patch {payload / 1e6:.1f} MB), {blocks} blocks learned in {learn_s:.1f} s\n\n"
+        f"Each step and its reverse alternate; after every write the parameters equal the expected state bit "
+        f"for bit and the engine's fingerprint the promised one. Median of {repeat}.\n"
+    )
+    table(
+        ["part", "time", "vs floor", "host syncs", "goal"],
+        [
+            ["**pause**: `update_weights` kind delta (start/finish included), staged", f"**{ms(pause)}**",
+             f"**{pause / put_s:.1f}x**", pause_syncs[0], "<= 20 ms"],
+            ["stage, outside the pause: `update_weights` kind stage (read, checks, plan)", ms(stage),
+             f"{stage / put_s:.1f}x", " / ".join(map(str, stage_syncs)), ""],
+            ["floor: one `index_put_` of all into one flat buffer", ms(put_s), "1.0x", "", ""],
         ],
     )  # fmt: skip
 
@@ -346,7 +526,13 @@ def codec_part(old: State, new: State, repeat: int) -> None:
     table(["threads", "part", "time", "changed elements/s", "model MB/s (bf16)", "vs `ne` pass"], rows)
 
 
-PARTS = {"detect": detect_part, "write": write_part, "publish": publish_part, "codec": codec_part}
+PARTS = {
+    "detect": detect_part,
+    "write": write_part,
+    "engine": engine_part,
+    "publish": publish_part,
+    "codec": codec_part,
+}
 
 
 def main() -> None:

@@ -178,25 +178,36 @@ class Layout:
 
     def plan_patch(self, changes: dict[str, TensorChanges]) -> tuple[list, int]:
         """The writes a patch makes on this rank (dst, index, values) and this rank's share of how it moves
-        the fingerprint. Reads only; writes nothing."""
-        writes, moved = [], 0
+        the fingerprint. Reads only; writes nothing. Planned on the host (where the patch is read): the
+        indices and values go to each device in one copy, and the old values come back in one."""
+        found = []  # (name, block, HF positions, dst index, new values, counted in the fingerprint)
         for name, ch in changes.items():
-            flat = ch.indices.to(torch.int64).cpu()
+            flat, values = ch.indices.to(torch.int64).cpu(), ch.values.cpu()
             for b in self.blocks.get(name, []):
                 mask, index = b.locate(flat, self.shapes[name])
                 if not bool(mask.any()):
                     continue
-                device_index = tuple(i.to(b.dst.device) for i in index)
-                new = ch.values[mask.to(ch.values.device)].to(b.dst.device)
-                writes.append((b.dst, device_index, new))
-                old = b.dst[device_index]
                 counted = mask if b.owned is None else mask & _scatter_owned(b, flat, mask, index)
-                keep = counted[mask]
+                found.append((name, b, flat[mask], index, values[mask], counted[mask]))
+        writes, moved = [], 0
+        for device in {b.dst.device for _, b, *_ in found}:
+            here = [f for f in found if f[1].dst.device == device]
+            indices = (
+                torch.cat([i for f in here for i in f[3]])
+                .to(device)
+                .split([len(f[2]) for f in here for _ in f[3]])
+            )
+            values = torch.cat([f[4] for f in here]).to(device).split([len(f[2]) for f in here])
+            at, olds = 0, []
+            for (_, b, _, index, _, _), new in zip(here, values, strict=True):
+                device_index = indices[at : at + len(index)]
+                at += len(index)
+                writes.append((b.dst, device_index, new))
+                olds.append(b.dst[device_index])
+            old_bits = bits(torch.cat(olds).cpu()).split([len(f[2]) for f in here])
+            for (name, _, positions, _, new_values, keep), old in zip(here, old_bits, strict=True):
                 moved += fingerprint.delta(
-                    name,
-                    flat[mask][keep].numpy(),
-                    bits(old.cpu())[keep].numpy(),
-                    bits(new.cpu())[keep].numpy(),
+                    name, positions[keep].numpy(), old[keep].numpy(), bits(new_values)[keep].numpy()
                 )
         return writes, moved & fingerprint.MASK64
 
