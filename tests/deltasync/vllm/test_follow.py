@@ -254,9 +254,14 @@ def test_tensor_parallel_request_across_an_update(tp_run, tp_server, tp_follower
     thread.start()
     try:
         wait_for(lambda: tp_server.running() >= 1, "the request to start")
+        # Freeze the request where it is (vLLM's own pause, kept), so the update lands inside it however
+        # slowly the step is published and staged; the follower's resume lets it go on with the new weights.
+        requests.post(f"{tp_server.url}/pause?mode=keep&clear_cache=false", timeout=60).raise_for_status()
+        assert tp_server.running() >= 1, "the request finished before the pause"
         step = tp_run.step()
         tp_server.wait_applied(tp_run, "follower-tp", step)
     finally:
+        requests.post(f"{tp_server.url}/resume", timeout=60)  # done by the follower, unless it failed
         thread.join()
     response = result["response"]
     assert response.status_code == 200, response.text
