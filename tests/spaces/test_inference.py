@@ -165,9 +165,9 @@ def server(run, tmp_path_factory):
 
 class TestFollowingServer:
     def test_starts_from_the_first_anchor(self, run, server):
-        status = server.wait_for(lambda s: s["step"] == 0, "the first anchor")
+        status = server.wait_for(lambda s: s["readback"] and s["readback"]["step"] == 0, "the first anchor")
         assert status["anchor"] == 0 and status["weight_version"] == "0" and status["last_error"] is None
-        assert status["readback"]["step"] == 0 and status["readback"]["fingerprint"] == run.fingerprints[0]
+        assert status["step"] == 0 and status["readback"]["fingerprint"] == run.fingerprints[0]
 
     def test_every_step_applied_verified_and_served(self, run, server):
         outputs = {0: server.greedy()}
@@ -265,8 +265,9 @@ class TestFollowingServer:
             time.sleep(0.3)
             assert server.status()["step"] == good
             step = run.step()
-        status = server.wait_for(lambda s: s["step"] == step, "recovery from the next anchor")
-        assert status["anchor"] == step and status["last_error"] is None
+        # The step moves before the subscriber reads the anchor back: wait for the readback.
+        status = server.wait_for(lambda s: s["readback"]["step"] == step, "recovery from the next anchor")
+        assert status["step"] == status["anchor"] == step and status["last_error"] is None
         assert status["readback"]["fingerprint"] == run.fingerprints[step]
         assert status["recent"][-1]["kind"] == "anchor"
 
