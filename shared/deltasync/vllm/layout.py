@@ -45,18 +45,24 @@ class Block:
         strides = tuple(int(np.prod(shape[h + 1 :])) for h in range(len(shape)))
         return self.offset == 0 and self.size == shape and self.stride == strides and self.dst.is_contiguous()
 
-    def locate(self, flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, tuple]:
-        """Which of the HF flat positions `flat` fall in this block (a mask), and their indices into `dst`."""
-        hf_strides = torch.ones(len(shape), dtype=torch.int64)
-        for h in range(len(shape) - 2, -1, -1):
-            hf_strides[h] = hf_strides[h + 1] * shape[h + 1]
-        coords = [(flat // int(hf_strides[h])) % shape[h] for h in range(len(shape))]
-        origin = [(self.offset // int(hf_strides[h])) % shape[h] for h in range(len(shape))]
+    def locate(
+        self, flat: torch.Tensor, shape: tuple[int, ...]
+    ) -> tuple[slice | torch.Tensor, torch.Tensor, tuple]:
+        """Which of the sorted HF flat positions `flat` fall in this block (a slice where the block is a run
+        of the HF tensor, else a mask), and where they go: the tensor to index (`dst`, or its flat view)
+        and the index."""
+        if self.run:  # q/k/v, gate/up, embeddings, column-parallel shards: a slice of `flat`, no mask
+            lo = torch.searchsorted(flat, torch.tensor([self.offset, self.offset + self.dst.numel()]))
+            where = slice(int(lo[0]), int(lo[1]))
+            return where, self.dst.view(-1), (flat[where] - self.offset,)
+        hf_strides = [int(np.prod(shape[h + 1 :])) for h in range(len(shape))]
+        coords = [(flat // hf_strides[h]) % shape[h] for h in range(len(shape))]
+        origin = [(self.offset // hf_strides[h]) % shape[h] for h in range(len(shape))]
         mask = torch.ones_like(flat, dtype=torch.bool)
         mapped: dict[int, int] = {}
         for d, (n, s) in enumerate(zip(self.size, self.stride, strict=True)):
             if n > 1:
-                mapped[d] = next(h for h in range(len(shape)) if int(hf_strides[h]) == s)
+                mapped[d] = hf_strides.index(s)
         for h in range(len(shape)):
             dims = [d for d, hh in mapped.items() if hh == h]
             local = coords[h] - origin[h]
@@ -65,7 +71,17 @@ class Block:
             (coords[mapped[d]] - origin[mapped[d]])[mask] if d in mapped else torch.zeros_like(flat[mask])
             for d in range(len(self.size))
         )
-        return mask, index
+        return mask, self.dst, index
+
+    @property
+    def run(self) -> bool:
+        """Whether the block is one run of consecutive HF elements, in order, in a contiguous `dst`."""
+        expected = 1
+        for n, s in reversed(list(zip(self.size, self.stride, strict=True))):
+            if n > 1 and s != expected:
+                return False
+            expected *= n
+        return self.dst.is_contiguous()
 
 
 def _is_box(size: tuple[int, ...], stride: tuple[int, ...], shape: tuple[int, ...]) -> bool:
@@ -177,48 +193,48 @@ class Layout:
         return total & fingerprint.MASK64
 
     def plan_patch(self, changes: dict[str, TensorChanges]) -> tuple[list, int]:
-        """The writes a patch makes on this rank (dst, index, values) and this rank's share of how it moves
+        """The writes a patch makes on this rank (tensor, index, values) and this rank's share of how it moves
         the fingerprint. Reads only; writes nothing. Planned on the host (where the patch is read): the
         indices and values go to each device in one copy, and the old values come back in one."""
-        found = []  # (name, block, HF positions, dst index, new values, counted in the fingerprint)
+        found = []  # (name, tensor, dst index, HF positions, new values, counted in the fingerprint or None)
         for name, ch in changes.items():
             flat, values = ch.indices.to(torch.int64).cpu(), ch.values.cpu()
             for b in self.blocks.get(name, []):
-                mask, index = b.locate(flat, self.shapes[name])
-                if not bool(mask.any()):
+                where, dst, index = b.locate(flat, self.shapes[name])
+                positions = flat[where]
+                if not len(positions):
                     continue
-                counted = mask if b.owned is None else mask & _scatter_owned(b, flat, mask, index)
-                found.append((name, b, flat[mask], index, values[mask], counted[mask]))
+                counted = None if b.owned is None else _owned(b, index)
+                found.append((name, dst, index, positions, values[where], counted))
         writes, moved = [], 0
-        for device in {b.dst.device for _, b, *_ in found}:
-            here = [f for f in found if f[1].dst.device == device]
+        for device in {f[1].device for f in found}:
+            here = [f for f in found if f[1].device == device]
+            sizes = [len(f[3]) for f in here]
             indices = (
-                torch.cat([i for f in here for i in f[3]])
+                torch.cat([i for f in here for i in f[2]])
                 .to(device)
-                .split([len(f[2]) for f in here for _ in f[3]])
+                .split([n for f, n in zip(here, sizes, strict=True) for _ in f[2]])
             )
-            values = torch.cat([f[4] for f in here]).to(device).split([len(f[2]) for f in here])
+            values = torch.cat([f[4] for f in here]).to(device).split(sizes)
             at, olds = 0, []
-            for (_, b, _, index, _, _), new in zip(here, values, strict=True):
+            for (_, dst, index, *_), new in zip(here, values, strict=True):
                 device_index = indices[at : at + len(index)]
                 at += len(index)
-                writes.append((b.dst, device_index, new))
-                olds.append(b.dst[device_index])
-            old_bits = bits(torch.cat(olds).cpu()).split([len(f[2]) for f in here])
-            for (name, _, positions, _, new_values, keep), old in zip(here, old_bits, strict=True):
-                moved += fingerprint.delta(
-                    name, positions[keep].numpy(), old[keep].numpy(), bits(new_values)[keep].numpy()
-                )
+                writes.append((dst, device_index, new))
+                olds.append(dst[device_index])
+            old_bits = bits(torch.cat(olds).cpu()).split(sizes)
+            for (name, _, _, positions, new_values, counted), old in zip(here, old_bits, strict=True):
+                new_bits = bits(new_values)
+                if counted is not None:
+                    positions, old, new_bits = positions[counted], old[counted], new_bits[counted]
+                moved += fingerprint.delta(name, positions.numpy(), old.numpy(), new_bits.numpy())
         return writes, moved & fingerprint.MASK64
 
 
-def _scatter_owned(b: Block, flat: torch.Tensor, mask: torch.Tensor, index: tuple[torch.Tensor, ...]):
-    """`mask` narrowed to the elements this rank owns in the fingerprint."""
+def _owned(b: Block, index: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Which of the elements at `index` (into `b.dst`, or its flat view) this rank counts in fingerprints."""
     assert b.owned is not None
-    owned = b.owned.view(b.size)[index] if index else b.owned
-    out = torch.zeros_like(mask)
-    out[mask] = owned
-    return out
+    return b.owned.view(-1)[index[0]] if len(index) == 1 else b.owned.view(b.size)[index]
 
 
 def checkpoint_shapes(hf_config) -> dict[str, tuple[int, ...]]:
