@@ -20,6 +20,21 @@ def test_tensors_applier_patches_transposed_tensors(tmp_path):
         assert bitwise_equal({n: t.bfloat16() for n, t in target.items()}, states[step])
 
 
+def test_tensors_applier_patches_bf16_fp32_and_transposed_tensors_alike(tmp_path):
+    states = run_steps(tmp_path, 4)
+    embed, up, bias = states[0]  # contiguous bf16 (the codec's scatter), transposed bf16, fp32 (cast)
+    target = {
+        embed: torch.zeros(states[0][embed].shape, dtype=torch.bfloat16),
+        up: torch.zeros(states[0][up].shape[::-1], dtype=torch.bfloat16).t(),
+        bias: torch.zeros(states[0][bias].shape),
+    }
+    subscriber = Subscriber(tmp_path, TensorsApplier(target), verify_every=1)
+    for step in range(4):
+        subscriber.sync(step)
+        assert subscriber.step == step
+        assert bitwise_equal({n: t.bfloat16() for n, t in target.items()}, states[step])
+
+
 def test_a_failing_on_applied_callback_skips_no_other_step(tmp_path, caplog):
     run_steps(tmp_path, 4)
     seen, stop = [], threading.Event()
