@@ -3,7 +3,8 @@ the project's Publisher fills with a tiny Qwen3's states, and serves them throug
 
 Two engine starts: server A (the defaults: direct writes, KV_ON_UPDATE=keep) follows the run from its first
 anchor (steps, readback, a request across an update, a corrupt delta, security); server B (vLLM's loader,
-KV_ON_UPDATE=recompute) starts late, catches up from an anchor, takes a request across an update and feeds
+KV_ON_UPDATE=recompute) starts late, catches up from an anchor, answers a prompt after an update exactly as A
+does (A cached its blocks under the old weights, B never saw it), takes a request across an update and feeds
 TRL's rollout worker. The servers run on their own cores, this process on the others (`placement()`): vLLM's
 CPU engine would otherwise slow this process ~5x, and an update would land whenever that allowed.
 """
@@ -155,7 +156,7 @@ def run(pinned, tmp_path_factory) -> ServedRun:
 # ---------------------------------------------------------------------------------- server A: follows the run
 
 
-@pytest.fixture(scope="class")
+@pytest.fixture(scope="module")  # still up beside server B, as the fresh server's counterpart
 def server(run, tmp_path_factory):
     run.step()  # the first anchor: MODEL's weights
     log = tmp_path_factory.mktemp("server-a") / "server.log"
@@ -192,25 +193,6 @@ class TestFollowingServer:
         before, status, choice = request_across_an_update(run, server)
         assert status["last_write"]["kv_on_update"] == "keep"
         assert server.status()["preemptions"] == before["preemptions"]  # vLLM kept the request running
-
-    def test_no_prefix_cache_reuse_across_versions(self, run, server):
-        """A request after an update computes its prompt's KV with the new weights, even though the same
-        prompt's blocks sit in the prefix cache from the old ones: it answers exactly as one whose own
-        `cache_salt` rules out any reuse."""
-        prompt = list(range(5, 69))  # 64 tokens: whole KV blocks, which the prefix cache keeps
-
-        def ask(**extra) -> tuple:
-            body = {"prompt": prompt, "max_tokens": 8, "logprobs": 1, "return_token_ids": True, **extra}
-            response = server.complete(**body)
-            assert response.status_code == 200, response.text
-            choice, version = response.json()["choices"][0], response.headers["x-weight-version"]
-            return choice["token_ids"], choice["logprobs"]["token_logprobs"], version
-
-        ask()  # cached under the current version
-        step = run.step()
-        server.wait_for(lambda s: s["step"] == step, f"step {step}")
-        again, fresh = ask(), ask(cache_salt=f"fresh-{step}")
-        assert again == fresh and again[2] == str(step), (again, fresh)
 
     def test_trl_rollout_request_shape(self, run, server):
         # The exact body TRL 1.16's AsyncRolloutWorker._generate_one_turn posts.
@@ -298,6 +280,25 @@ class TestLateServer:
         assert status["readback"]["fingerprint"] == run.fingerprints[head]
         assert status["last_write"]["write"] == "vllm"
         assert run.replica_record("replica-b", head).verified
+
+    def test_no_prefix_cache_reuse_across_versions(self, run, server, late_server):
+        """After an update, server A answers a prompt whose blocks it cached under the old weights exactly as
+        server B, which never saw that prompt, answers it on the same weights (token ids and logprobs)."""
+        prompt = list(range(100, 164))  # 64 tokens: whole KV blocks, which the prefix cache keeps
+
+        def ask(on: Server) -> tuple:
+            body = {"prompt": prompt, "max_tokens": 8, "logprobs": 1, "return_token_ids": True}
+            response = on.complete(**body)
+            assert response.status_code == 200, response.text
+            choice, version = response.json()["choices"][0], response.headers["x-weight-version"]
+            return choice["token_ids"], choice["logprobs"]["token_logprobs"], version
+
+        ask(server)  # cached under the current weights
+        step = run.step()
+        for each in (server, late_server):
+            each.wait_for(lambda s: s["readback"] and s["readback"]["step"] == step, f"step {step}")
+        again, fresh = ask(server), ask(late_server)
+        assert again == fresh and again[2] == str(step), (again, fresh)
 
     def test_request_running_across_an_update_recomputes(self, run, late_server):
         before, status, choice = request_across_an_update(run, late_server)
