@@ -1,5 +1,6 @@
 """`python -m trainer` with two vLLM replicas following one sync root: each rollout goes to the replica with
-fewer rollouts in flight, and both apply and verify every step, ending bitwise equal to the trainer.
+fewer rollouts in flight, and both apply and verify every step, ending bitwise equal to the trainer; the
+dashboard shows a row for each.
 
 Both replicas share vLLM's cores (the trainer and the env keep theirs)."""
 
@@ -23,7 +24,7 @@ from trainer.tiny_model import default_model_dir, ensure_tiny_model
 pytestmark = pytest.mark.slow  # starts vLLM twice
 
 
-def test_trainer_with_two_replicas(tmp_path):
+def test_trainer_with_two_replicas(tmp_path, dashboard):
     model = ensure_tiny_model(default_model_dir())
     root = tmp_path / "root"
     names = ("replica-a", "replica-b")
@@ -42,3 +43,8 @@ def test_trainer_with_two_replicas(tmp_path):
         applied = records(root, telemetry.ReplicaRecord, f"{telemetry.REPLICAS_DIR}/{name}")
         assert sorted(applied) == list(range(RESUME_STEPS + 1))
         assert all(r.verified and r.error is None for r in applied.values())
+    board = dashboard.Board(str(root))
+    board.refresh()
+    rows = dashboard.replicas_frame(board.summary())
+    assert sorted(rows["replica"]) == list(names) and set(rows["step"]) == {RESUME_STEPS}, rows
+    assert set(rows["status"]) == {"ok"}, rows
