@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from deltasync.codec import fingerprint
 from deltasync.codec.bf16 import as_bf16, bits
+from deltasync.codec.fingerprint import R1
 from deltasync.codec.parallel import parallel_map, spans
 
 
@@ -64,6 +66,17 @@ def diff(
     `threads` threads (see deltasync.codec.parallel); on CUDA this syncs with the host once for all tensors
     (to size the outputs), not once per tensor.
     """
+    return diff_and_moves(old, new, threads)[0]
+
+
+def diff_and_moves(
+    old: Mapping[str, torch.Tensor],
+    new: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    threads: int | None = None,
+) -> tuple[dict[str, TensorChanges], dict[str, int]]:
+    """`diff`, and how the changes of each host tensor move the fingerprint of `old` (see
+    deltasync.codec.fingerprint; summed while comparing, when the old values are at hand). Tensors on
+    accelerators have no entry in the moves."""
     from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
 
     new = dict(new.items() if isinstance(new, Mapping) else new)
@@ -76,27 +89,29 @@ def diff(
         else:
             on_device[name] = (new_bits != old_bits, new_bits)
 
-    def compare(work: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray]:
+    def compare(work: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray, int]:
         name, lo, hi = work
         a, b = on_host[name]
-        idx, values = kernels.changed_positions(a[lo:hi], b[lo:hi])
-        return idx + lo, values
+        idx, values, moved = kernels.changed_positions(a[lo:hi], b[lo:hi], fingerprint.seed(name), R1, lo)
+        return idx + lo, values, int(moved)
 
     work = [(name, lo, hi) for name, (a, _) in on_host.items() for lo, hi in spans(a.size)]
     pieces: dict[str, list] = {}
     for (name, _, _), piece in zip(work, parallel_map(compare, work, threads), strict=True):
         pieces.setdefault(name, []).append(piece)
-    found = {}
+    found, moves = {}, {}
     for name, parts in pieces.items():
         idx = np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
         values = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
         found[name] = TensorChanges(torch.from_numpy(idx), torch.from_numpy(values).view(torch.bfloat16))
+        moves[name] = sum(p[2] for p in parts) & fingerprint.MASK64
     if on_device:  # one host sync for all tensors, to size the outputs
         counts = torch.stack([torch.count_nonzero(m) for m, _ in on_device.values()]).tolist()
         for (name, (mask, new_bits)), count in zip(on_device.items(), counts, strict=True):
             idx = torch.nonzero_static(mask, size=count).squeeze(1)
             found[name] = TensorChanges(idx, new_bits[idx].view(torch.bfloat16))
-    return {name: found[name] for name in new if len(found[name])}
+    changes = {name: found[name] for name in new if len(found[name])}
+    return changes, {name: moves[name] for name in changes if name in moves}
 
 
 def apply_changes(

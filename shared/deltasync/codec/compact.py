@@ -222,9 +222,14 @@ def _starts(counts: list[int], numel: int, present: list[bool]) -> np.ndarray:
     return starts
 
 
-def decode_chunk(data: bytes, old_bits: np.ndarray, tables: Tables) -> tuple[np.ndarray, np.ndarray]:
-    """Positions (sorted int64, within the chunk) and new patterns (uint16) of one chunk's changes."""
+def decode_chunk(
+    data: bytes, old_bits: np.ndarray, tables: Tables, seed: int = 0, offset: int = 0
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Positions (sorted int64, within the chunk) and new patterns (uint16) of one chunk's changes, and how
+    they move the fingerprint when the chunk is elements offset.. of a tensor whose fingerprint seed is
+    `seed` (deltasync.codec.fingerprint.seed): computed while the old values are at hand."""
     from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
+    from deltasync.codec.fingerprint import R1
 
     k, bounds, counts, rice, (n_words,), pos = _class_header(data, extra=1)
     if 2 * n_words > len(data) - pos:
@@ -239,7 +244,9 @@ def decode_chunk(data: bytes, old_bits: np.ndarray, tables: Tables) -> tuple[np.
     )
     if status:
         raise CompactDecodeError(kernels.ANS_ERRORS[status])
-    idx, new, status = kernels.decode_symbols(old_bits, _limits(bounds), starts, rice_all, q, r, steps, raws)
+    idx, new, moved, status = kernels.decode_symbols(
+        old_bits, _limits(bounds), starts, rice_all, q, r, steps, raws, np.uint64(seed), R1, offset
+    )
     if status:
         raise CompactDecodeError(kernels.DECODE_ERRORS[status])
-    return idx, new
+    return idx, new, int(moved)

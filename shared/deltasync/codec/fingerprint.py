@@ -33,16 +33,17 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-_R1 = (_splitmix64(np.arange(ROW, dtype=np.uint64)) >> np.uint64(32)) | np.uint64(1)  # 32-bit odd
-_R1_TORCH = torch.from_numpy(_R1.astype(np.int64))
+R1 = (_splitmix64(np.arange(ROW, dtype=np.uint64)) >> np.uint64(32)) | np.uint64(1)  # 32-bit odd
+R1_TORCH = torch.from_numpy(R1.astype(np.int64))
 
 
-def _seed(name: str) -> np.uint64:
+def seed(name: str) -> np.uint64:
+    """The seed of tensor `name`'s row weights."""
     return np.uint64(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
 
 
 def _row_weights(name: str, rows: np.ndarray) -> np.ndarray:
-    return _splitmix64(rows.astype(np.uint64) ^ _seed(name)) | np.uint64(1)
+    return _splitmix64(rows.astype(np.uint64) ^ seed(name)) | np.uint64(1)
 
 
 def _weighted_sum(name: str, rows: np.ndarray, row_sums: np.ndarray) -> int:
@@ -52,7 +53,7 @@ def _weighted_sum(name: str, rows: np.ndarray, row_sums: np.ndarray) -> int:
 
 @cache
 def _r1_on(device: torch.device) -> torch.Tensor:
-    return _R1_TORCH.to(device)
+    return R1_TORCH.to(device)
 
 
 def _row_sums(t: torch.Tensor) -> torch.Tensor:
@@ -99,7 +100,7 @@ def delta(name: str, positions: np.ndarray, old: np.ndarray, new: np.ndarray) ->
     """How F moves when tensor `name` changes from `old` to `new` bit patterns (int16) at `positions`."""
     from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
 
-    return int(kernels.fingerprint_delta(_seed(name), _R1, positions.astype(np.int64), old, new))
+    return int(kernels.fingerprint_delta(seed(name), R1, positions.astype(np.int64), old, new))
 
 
 def format_fingerprint(fp: int) -> str:

@@ -45,8 +45,9 @@ def _lowest_bit(x):
 
 
 @_jit
-def changed_positions(old_bits, new_bits):
-    """Positions (ascending) where two int16 pattern arrays differ, and the new patterns there."""
+def changed_positions(old_bits, new_bits, seed, r1, offset):
+    """Positions (ascending) where two int16 pattern arrays differ, the new patterns there, and how the
+    changes move the fingerprint (the arrays being elements offset.. of the tensor whose seed is `seed`)."""
     n = old_bits.size
     masks = np.empty((n + BLOCK - 1) // BLOCK, np.uint64)
     total = 0
@@ -61,15 +62,18 @@ def changed_positions(old_bits, new_bits):
         masks[b] = mask
         total += _popcount(mask)
     positions, values = np.empty(total, np.int64), np.empty(total, np.int16)
+    shift, row, row_weight, moved = _row_shift(r1), ~np.uint64(0), np.uint64(0), np.uint64(0)
     j = 0
     for b in range(masks.size):
         mask = masks[b]
         while mask:
-            positions[j] = b * BLOCK + _lowest_bit(mask)
-            values[j] = new_bits[positions[j]]
+            p = b * BLOCK + _lowest_bit(mask)
+            positions[j], values[j] = p, new_bits[p]
+            w, row, row_weight = _weight(seed, r1, shift, np.uint64(offset + p), row, row_weight)
+            moved += np.uint64(np.int64(new_bits[p]) - np.int64(old_bits[p])) * w
             mask &= mask - _ONE
             j += 1
-    return positions, values
+    return positions, values, moved
 
 
 @_jit
@@ -116,15 +120,32 @@ def _splitmix64(x):
     return x ^ (x >> np.uint64(31))
 
 
+@_inline
+def _row_shift(r1):
+    """log2 of the fingerprint's row length (a power of two): positions split into rows by a shift."""
+    shift = np.uint64(0)
+    while (_ONE << shift) < r1.size:
+        shift += _ONE
+    return shift
+
+
+@_inline
+def _weight(seed, r1, shift, p, row, row_weight):
+    """The weight r(t, p) of position p (uint64), and the cache of its row's weight: (weight, row, row
+    weight). Changes come in position order, so the row's splitmix64 runs once per row, not per change."""
+    if p >> shift != row:
+        row = p >> shift
+        row_weight = _splitmix64(row ^ seed) | _ONE
+    return r1[p & ((_ONE << shift) - _ONE)] * row_weight, row, row_weight
+
+
 @_jit
 def fingerprint_delta(seed, r1, positions, old, new):
     """sum((new - old) * r1[p % ROW] * (splitmix64(p // ROW ^ seed) | 1)) mod 2^64: see codec.fingerprint."""
-    row_len = np.uint64(r1.size)
-    total = np.uint64(0)
+    shift, row, row_weight, total = _row_shift(r1), ~np.uint64(0), np.uint64(0), np.uint64(0)
     for j in range(positions.size):
-        p = np.uint64(positions[j])
-        step = np.uint64(np.int64(new[j]) - np.int64(old[j]))
-        total += step * r1[p % row_len] * (_splitmix64((p // row_len) ^ seed) | _ONE)
+        w, row, row_weight = _weight(seed, r1, shift, np.uint64(positions[j]), row, row_weight)
+        total += np.uint64(np.int64(new[j]) - np.int64(old[j])) * w
     return total
 
 
@@ -301,28 +322,39 @@ def _new_pattern(old, step, raw):
     return value & 0xFFFF if -(1 << 15) <= value < 1 << 15 else -1
 
 
+@_inline
+def _pattern_step(old, pattern):
+    """new - old of the signed patterns (old int16, pattern 0..65535), as the fingerprint weighs it."""
+    return np.uint64(pattern - ((pattern & 0x8000) << 1) - np.int64(old))
+
+
 @_jit
-def decode_symbols(old_bits, limits, starts, rice, q, r, steps, raws):
+def decode_symbols(old_bits, limits, starts, rice, q, r, steps, raws, seed, r1, offset):
     """The inverse of encode_symbols (escapes already resolved: q the full quotients, raws the raw patterns
-    where steps == V_SYMBOLS). Returns ascending positions, new patterns (uint16) and a status: 0, or a key
-    of DECODE_ERRORS."""
+    where steps == V_SYMBOLS). Returns ascending positions, new patterns (uint16), how the changes move the
+    fingerprint (old_bits being elements offset.. of the tensor whose seed is `seed`) and a status: 0, or a
+    key of DECODE_ERRORS."""
     n, k = old_bits.size, q.size
     positions, new = np.empty(k, np.int64), np.empty(k, np.uint16)
+    shift, row, row_weight, moved = _row_shift(r1), ~np.uint64(0), np.uint64(0), np.uint64(0)
     ranks = np.empty(k, np.int64)
     for c in range(MAX_CLASSES):
         rank = -1
         for t in range(starts[c], starts[c + 1]):
             rank += (q[t] << rice[c]) + r[t] + 1  # q < 2^33, rice <= MAX_RICE: no overflow below n
             if rank >= n:
-                return positions, new, 1
+                return positions, new, moved, 1
             ranks[t] = rank
     if limits[0] >= 1 << 15:  # one class: ranks are positions
         for j in range(k):
-            positions[j], pattern = ranks[j], _new_pattern(old_bits[ranks[j]], steps[j], raws[j])
+            p = ranks[j]
+            positions[j], pattern = p, _new_pattern(old_bits[p], steps[j], raws[j])
             if pattern < 0:
-                return positions, new, 2
+                return positions, new, moved, 2
             new[j] = pattern
-        return positions, new, 0
+            w, row, row_weight = _weight(seed, r1, shift, np.uint64(offset + p), row, row_weight)
+            moved += _pattern_step(old_bits[p], pattern) * w
+        return positions, new, moved, 0
     pending = starts[:MAX_CLASSES].copy()  # per class, the next rank to place
     before = np.zeros(MAX_CLASSES, np.int64)  # per class, elements before the block
     source = np.empty(BLOCK, np.int64)  # the symbol index of each changed element of the block
@@ -346,16 +378,18 @@ def decode_symbols(old_bits, limits, starts, rice, q, r, steps, raws):
             pending[c] = t
         while hits:  # in position order
             bit = _lowest_bit(hits)
-            t = source[bit]
-            positions[j], pattern = start + bit, _new_pattern(old_bits[start + bit], steps[t], raws[t])
+            t, p = source[bit], start + bit
+            positions[j], pattern = p, _new_pattern(old_bits[p], steps[t], raws[t])
             if pattern < 0:
-                return positions, new, 2
+                return positions, new, moved, 2
             new[j] = pattern
+            w, row, row_weight = _weight(seed, r1, shift, np.uint64(offset + p), row, row_weight)
+            moved += _pattern_step(old_bits[p], pattern) * w
             hits &= hits - _ONE
             j += 1
     if j < k:
-        return positions, new, 1
-    return positions, new, 0
+        return positions, new, moved, 1
+    return positions, new, moved, 0
 
 
 # ----------------------------------------------------------------------------------------------- rANS
@@ -402,19 +436,20 @@ def ans_encode(starts, rice, q, r, v, freq, cum):
     """
     k = q.size
     words = np.empty(2 * k + 2, np.uint16)  # a push emits at most one word
-    at_word, x = words.size, np.int64(ANS_LOW)
+    # Unsigned state (< 2^32): its division is the loop's cost, and an unsigned one is the cheaper.
+    at_word, x = words.size, np.uint32(ANS_LOW)
     for half in range(1, -1, -1):
         for c in range(MAX_CLASSES - 1, -1, -1):
             m = half * MAX_CLASSES + c
             for t in range(starts[c + 1] - 1, starts[c] - 1, -1):
                 s = min(q[t], Q_SYMBOLS - 1) if half == 0 else min(v[t], V_SYMBOLS) - 1
-                f = freq[m, s]
-                if x >= _ANS_RENORM * f:
+                f = np.uint32(freq[m, s])
+                if np.uint64(x) >= np.uint64(_ANS_RENORM) * np.uint64(f):
                     at_word -= 1
-                    words[at_word] = x & 0xFFFF
-                    x >>= 16
-                x = ((x // f) << ANS_SCALE) + x % f + cum[m, s]
-    words[at_word - 1], words[at_word - 2] = x & 0xFFFF, x >> 16
+                    words[at_word] = x & np.uint32(0xFFFF)
+                    x >>= np.uint32(16)
+                x = ((x // f) << np.uint32(ANS_SCALE)) + x % f + np.uint32(cum[m, s])
+    words[at_word - 1], words[at_word - 2] = x & np.uint32(0xFFFF), x >> np.uint32(16)
     n_bits = 0
     for c in range(MAX_CLASSES):
         for t in range(starts[c], starts[c + 1]):

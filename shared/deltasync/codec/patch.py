@@ -37,7 +37,7 @@ from safetensors.torch import save as save_safetensors
 
 from deltasync.codec import compact, fingerprint
 from deltasync.codec.bf16 import bits
-from deltasync.codec.changes import TensorChanges, diff
+from deltasync.codec.changes import TensorChanges, diff_and_moves
 from deltasync.codec.parallel import parallel_map, spans
 
 FORMAT = "deltasync.patch"
@@ -117,11 +117,12 @@ def make_patch(
     threads: int | None = None,
 ) -> Patch:
     """The patch from bf16 state `old` to `new` (any float dtype, compared as bf16), on `threads` threads."""
-    changes = diff(old, new, threads)
+    changes, moves = diff_and_moves(old, new, threads)
     if base_fingerprint is None:
         base_fingerprint = fingerprint.state_fingerprint(old)
     numel = sum(t.numel() for t in old.values())
-    fp = fingerprint_after(base_fingerprint, old, changes, threads)
+    on_device = {n: ch for n, ch in changes.items() if n not in moves}
+    fp = fingerprint_after(base_fingerprint + sum(moves.values()), old, on_device, threads)
     return Patch(step, base_step, numel, base_fingerprint, fp, changes)
 
 
@@ -402,7 +403,7 @@ def decode(
     except Exception as e:  # safetensors raises its own error types for every kind of corruption
         raise PatchError(f"corrupt patch payload: {e}") from None
     chunks: list[ChunkStream] = []
-    decoded: list[tuple[np.ndarray, np.ndarray]] = []
+    decoded: list[tuple[np.ndarray, np.ndarray, int]] = []
     if info.encoding == "compact":
         try:
             models = compact.Models.from_json(json.loads(info.metadata.get("models", "null")) or {})
@@ -425,7 +426,9 @@ def decode(
             raise
         except (compact.CompactDecodeError, ValueError, RuntimeError, OverflowError) as e:
             raise PatchError(f"{name}: corrupt {t['mode']} data: {e}") from None
-    fp = fingerprint_after(base_fingerprint, base, changes, threads)
+    moved = base_fingerprint + sum(d[2] for d in decoded)  # the compact tensors' moves, found decoding them
+    others = {n: ch for n, ch in changes.items() if info.tensors[n]["mode"] != "compact"}
+    fp = fingerprint_after(moved, base, others, threads)
     if fp != info.fingerprint:
         raise PatchError(
             f"fingerprint mismatch: decoded state is {fingerprint.format_fingerprint(fp)}, "
@@ -467,12 +470,12 @@ def _compact_chunks(info: PatchInfo, entries: dict, base: Mapping[str, torch.Ten
 
 def _decode_chunk(
     name: str, stream: bytes, old_bits: np.ndarray, offset: int, tables: compact.Tables
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, int]:
     try:
-        idx, new = compact.decode_chunk(stream, old_bits, tables)
+        idx, new, moved = compact.decode_chunk(stream, old_bits, tables, int(fingerprint.seed(name)), offset)
     except compact.CompactDecodeError as e:
         raise PatchError(f"{name}: corrupt compact data at element {offset}: {e}") from None
-    return idx + offset, new
+    return idx + offset, new, moved
 
 
 def _checked(name: str, t: dict, old: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> TensorChanges:
