@@ -2,6 +2,7 @@
 
     build_tiny_model(path)               random weights, a small ChatML tokenizer (the inference tests')
     build_tiny_model(path, wordle=True)  random weights, the Wordle tokenizer below
+    build_tiny_model(path, moe=True)     random weights, a Qwen3-MoE: 8 experts, 2 per token
     ensure_tiny_model(path)              Wordle tokenizer and a short supervised pass on valid guesses; built
                                          once, then cached
 
@@ -31,7 +32,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 from trl.chat_template_utils import get_training_chat_template, qwen3_chat_template
 
 from trainer.task import CHAT_TEMPLATE_KWARGS, USER_PROMPT
@@ -151,13 +159,21 @@ def build_tokenizer(wordle: bool = True, seed: int = 0) -> PreTrainedTokenizerFa
     )
 
 
-def build_tiny_model(path: str | Path, seed: int = 0, tied: bool = True, wordle: bool = False) -> Path:
-    """Save a random bf16 Qwen3 (hidden 128, 2 layers, head_dim 64) and its tokenizer into `path`."""
+def build_tiny_model(
+    path: str | Path,
+    seed: int = 0,
+    tied: bool = True,
+    wordle: bool = False,
+    moe: bool = False,
+    expert_size: int = 64,
+) -> Path:
+    """Save a random bf16 Qwen3 (hidden 128, 2 layers, head_dim 64) and its tokenizer into `path`; `moe`: a
+    Qwen3-MoE whose MLPs are 8 experts of intermediate size `expert_size`, 2 routed per token."""
     path = Path(path)
     hf_tok = build_tokenizer(wordle, seed)
     hf_tok.save_pretrained(path)
     torch.manual_seed(seed)
-    cfg = Qwen3Config(
+    common = dict(
         vocab_size=len(hf_tok),
         hidden_size=128,
         intermediate_size=256,
@@ -172,7 +188,13 @@ def build_tiny_model(path: str | Path, seed: int = 0, tied: bool = True, wordle:
         pad_token_id=hf_tok.pad_token_id,
         bos_token_id=None,
     )
-    model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    if moe:
+        cfg = Qwen3MoeConfig(
+            **common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=expert_size
+        )
+        model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common)).to(torch.bfloat16)
     model.generation_config.eos_token_id = hf_tok.eos_token_id
     model.save_pretrained(path)
     return path

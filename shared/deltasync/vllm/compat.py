@@ -8,12 +8,17 @@
   the next calls. So when all ranks refuse an update alike, only the last rank raises (`reports_errors`);
   the others return, their worker still inside the update, and the caller closes it with
   `finish_weight_update` (which the last rank alone refuses: it left the update when it raised).
-- MoE layers (`w13_weight`, `w2_weight`) on CPU (`prepacked_experts`): `CPUUnquantizedExperts` replaces them
-  by a prepacked copy after loading, which in-place writes would not reach; the engine refuses such models.
+- MoE layers on CPU (`prepacked_experts`, `prepack_experts`): each layer (a module with `w13_weight`) runs
+  its experts through `quant_method.moe_kernel.fused_experts`; `CPUUnquantizedExperts` (unless it hands them
+  to zentorch: `_use_zentorch`) pads their intermediate dim and replaces `w13_weight` / `w2_weight` by
+  `vllm._custom_ops.cpu_prepack_moe_weight(weight, isa)` after loading (`deltasync.vllm.experts` learns where
+  that puts each element). No padding rule is mirrored: the loader's own views skip the padding. Any other
+  expert kernel on CPU is refused.
 - `vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`: on CPUs with oneDNN (AVX-512) or AMX,
   vLLM runs linear layers from packed copies made at load time and frees the parameters, so an in-place write
   could never reach the compute. `keep_live_cpu_weights` wraps it so that, only in a server whose
   weight-transfer backend is deltasync, 2-D linear weights stay parameters and are multiplied directly.
+  MoE experts never go through it (their own kernel and prepack: the item above).
 """
 
 from __future__ import annotations
@@ -40,12 +45,36 @@ def reports_errors(group) -> bool:
     return group is None or rank(group) == torch.distributed.get_world_size(group) - 1
 
 
-def prepacked_experts(model: torch.nn.Module) -> bool:
-    """Whether `model` has MoE layers whose experts vLLM's CPU kernel runs from a prepacked copy
-    (`fused_moe/experts/cpu_moe.py` replaces `w13_weight` / `w2_weight` by it after loading)."""
+def prepacked_experts(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, str]]:
+    """The expert weights of `model` that vLLM's CPU MoE kernel runs from its prepacked layout, each with the
+    kernel's `isa` (none off CPU). ValueError naming the layer when a MoE layer on CPU runs its experts any
+    other way: in-place writes could not follow them."""
     from vllm.platforms import current_platform
 
-    return current_platform.is_cpu() and any(hasattr(m, "w13_weight") for m in model.modules())
+    if not current_platform.is_cpu():
+        return []
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    found = []
+    for name, module in model.named_modules():
+        if not hasattr(module, "w13_weight"):
+            continue
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or experts._use_zentorch:
+            kind = "zentorch" if isinstance(experts, CPUUnquantizedExperts) else type(experts).__name__
+            raise ValueError(
+                f"{name}: MoE experts run by {kind} on CPU, which deltasync cannot write in place"
+            )
+        found += [(module.w13_weight, experts.isa), (module.w2_weight, experts.isa)]
+    return found
+
+
+def prepack_experts(weight: torch.Tensor, isa: str) -> torch.Tensor:
+    """vLLM's CPU MoE prepack of `weight` ([experts, rows, cols]): a new tensor of the same shape."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    return cpu_prepack_moe_weight(weight, isa)
 
 
 def keep_live_cpu_weights() -> None:

@@ -19,13 +19,19 @@ weights (written by `deltasync follow` or the inference Space):
   after the write and must match.
 - `kind="verify"`: writes nothing; the weights read back must have `fingerprint`.
 - `kind="readback"`: writes nothing; each rank saves the HF tensors it holds whole to
-  `path/rank-<r>.safetensors`.
+  `path/rank-<r>.safetensors`, with how each tensor is written (`Layout.paths`: direct, packed MoE experts,
+  or through vLLM's loader) as JSON in its `paths` metadata.
+
+MoE models work alike: on CPU their experts live in vLLM's prepacked layout, which the layout maps element
+by element (`deltasync.vllm.experts`); `write="vllm"` is refused for them (vLLM's loader writes the
+unpacked layout).
 
 A refused update raises before any write (a ValueError naming the cause); vLLM's route reports it.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,24 +117,26 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
 
     def init_transfer_engine(self, init_info: DeltasyncInitInfo) -> None:
         if self.layout is None:
-            if compat.prepacked_experts(self.model):
-                raise ValueError(
-                    "this model's MoE experts run from a prepacked copy on CPU, which the deltasync engine "
-                    "does not refresh yet: it cannot write them in place"
-                )
             start = time.perf_counter()
             self.group = compat.model_group()
             self.layout = Layout.learn(self.model, self.model_config.hf_config, self.group)
             self.fingerprint = self._read_fingerprint()
+            paths = list(self.layout.paths().values())
             log.info(
-                "deltasync: %d tensors (%d through vLLM's loader), weights %s, learned in %.1f s",
-                len(self.layout.shapes),
-                len(self.layout.loader),
+                "deltasync: %d tensors (%d direct, %d packed experts, %d through vLLM's loader), "
+                "weights %s, learned in %.1f s",
+                len(paths),
+                paths.count("direct"),
+                paths.count("packed"),
+                paths.count("loader"),
                 format_fingerprint(self.fingerprint),
                 time.perf_counter() - start,
             )
         if init_info.write not in WRITES:
             raise ValueError(f"init_info write {init_info.write!r} is not one of {', '.join(WRITES)}")
+        if init_info.write == "vllm" and "packed" in self._ready().paths().values():
+            # vLLM's loader writes the unpacked layout: it would scramble prepacked experts
+            raise ValueError("init_info write 'vllm' cannot reach this model's prepacked MoE experts")
         self.root, self.write = init_info.root, init_info.write
 
     def start_weight_update(self) -> None:
@@ -276,7 +284,7 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
                     loader.append((name, values.to(self.device)))
                     continue
                 for b in layout.blocks.get(name, []):
-                    b.dst.copy_(values.as_strided(b.size, b.stride, b.offset))
+                    b.write(values.as_strided(b.size, b.stride, b.offset))
             if loader:
                 self.model.load_weights(loader)  # type: ignore[operator]
         if info.fingerprint is not None:
@@ -302,9 +310,10 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
             full = torch.full(shape, float("nan"), dtype=torch.bfloat16)
             covered = 0
             for b in blocks:
-                full.as_strided(b.size, b.stride, b.offset).copy_(b.dst.cpu())
+                full.as_strided(b.size, b.stride, b.offset).copy_(b.read().cpu())
                 covered += b.dst.numel()
             if covered == full.numel():
                 tensors[name] = full
         folder.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, folder / f"rank-{compat.rank(self.group)}.safetensors")
+        metadata = {"paths": json.dumps(layout.paths())}
+        save_file(tensors, folder / f"rank-{compat.rank(self.group)}.safetensors", metadata)

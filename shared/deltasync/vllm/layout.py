@@ -6,6 +6,11 @@ the model's `load_weights` once per HF name on a probe tensor inside a `TorchFun
 call and thread) that records each `copy_` the loader would make instead of making it. A recorded copy whose
 source is a view of the probe is a `Block`: a strided box of the HF tensor and the parameter view it lands in.
 Writes then go straight to those views: O(changed elements), and every worker writes only its own part.
+
+MoE experts on CPU are the one place where a view is not where its elements live: vLLM's CPU kernel runs them
+from a prepacked copy, each expert's elements permuted (`deltasync.vllm.experts`). The loader still writes
+its view as if unpacked (its padding included), so such a block keeps that view and a `Packing` that maps
+its positions to the packed storage; its writes, read-backs and fingerprints go through that map.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM
+from transformers.core_model_loading import revert_weight_conversion
 
 from deltasync.codec import fingerprint
 from deltasync.codec.bf16 import bits
 from deltasync.codec.changes import TensorChanges
+from deltasync.vllm import compat
+from deltasync.vllm.experts import Packing
 
 LIMB_BITS = 16  # fingerprints are summed across ranks in 16-bit limbs: an int64 all-reduce never overflows
 
@@ -27,13 +35,26 @@ LIMB_BITS = 16  # fingerprints are summed across ranks in 16-bit limbs: an int64
 @dataclass
 class Block:
     """The HF elements `hf_view(size, stride, offset)` of one tensor, stored in the parameter view `dst`
-    (same shape). `owned`: which of them this rank counts in the fingerprint (None: all)."""
+    (same shape), or where `packing` moves that view's elements. `owned`: which of them this rank counts in
+    the fingerprint (None: all)."""
 
     dst: torch.Tensor
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
     owned: torch.Tensor | None = None
+    packing: Packing | None = None
+
+    def read(self) -> torch.Tensor:
+        """The block's values, in `dst`'s shape."""
+        return self.dst if self.packing is None else self.packing.read(self.dst)
+
+    def write(self, values: torch.Tensor) -> None:
+        """Overwrite all of the block's values (`values` in `dst`'s shape)."""
+        if self.packing is None:
+            self.dst.copy_(values)
+        else:
+            self.packing.write(self.dst, values)
 
     def positions(self) -> torch.Tensor:
         """HF flat positions of the block's elements, in `dst`'s element order."""
@@ -118,6 +139,10 @@ class Layout:
         """Run the loader once per HF name of `hf_config`'s architecture; `group`: the process group of the
         ranks that together hold the model (None: this rank holds all of it)."""
         device = next(model.parameters()).device
+        packings = {
+            param.untyped_storage().data_ptr(): Packing.learn(param, isa)
+            for param, isa in compat.prepacked_experts(model)
+        }
         shapes, blocks, loader = {}, {}, []
         for name, shape in checkpoint_shapes(hf_config).items():
             probe = torch.empty(shape, dtype=torch.bfloat16, device=device)
@@ -144,14 +169,25 @@ class Layout:
                     found = None
                     break
                 offset = int(src.storage_offset() - probe.storage_offset())
-                found.append(Block(dst, tuple(src.shape), tuple(src.stride()), offset))
+                packing = packings.get(dst.untyped_storage().data_ptr())
+                found.append(Block(dst, tuple(src.shape), tuple(src.stride()), offset, packing=packing))
             if found is None:
+                if any(dst.untyped_storage().data_ptr() in packings for dst, _ in recorder.copies):
+                    raise ValueError(f"{name}: the loader writes prepacked MoE experts other than by view")
                 loader.append(name)
             else:
                 blocks[name] = found
         layout = cls(shapes, blocks, loader)
         layout._own(group)
         return layout
+
+    def paths(self) -> dict[str, str]:
+        """How each tensor is written: "direct" (indexed writes into its views), "packed" (the same, through
+        the permutation of prepacked MoE experts) or "loader" (vLLM's `load_weights`, whole tensors only)."""
+        paths = {name: "loader" for name in self.loader}
+        for name, blocks in self.blocks.items():
+            paths[name] = "packed" if any(b.packing is not None for b in blocks) else "direct"
+        return paths
 
     def _own(self, group) -> None:
         """Decide which rank counts each element in fingerprints: the lowest rank holding it."""
@@ -183,9 +219,9 @@ class Layout:
         for name in names if names is not None else self.blocks:
             for b in self.blocks.get(name, []):
                 if b.owned is None and b.whole(self.shapes[name]):  # in order: the vectorized pass
-                    total += fingerprint.tensor_fingerprint(name, b.dst)
+                    total += fingerprint.tensor_fingerprint(name, b.read())
                     continue
-                positions, values = b.positions(), bits(b.dst.cpu())
+                positions, values = b.positions(), bits(b.read().cpu())
                 if b.owned is not None:
                     positions, values = positions[b.owned], values[b.owned]
                 zeros = np.zeros(values.numel(), np.int16)
@@ -205,6 +241,8 @@ class Layout:
                 if not len(positions):
                     continue
                 counted = None if b.owned is None else _owned(b, index)
+                if b.packing is not None:  # the element at `index` of `dst` lives elsewhere in the storage
+                    dst, index = b.packing.flat, (b.packing.at(dst, index),)
                 found.append((name, dst, index, positions, values[where], counted))
         writes, moved = [], 0
         for device in {f[1].device for f in found}:
@@ -238,10 +276,13 @@ def _owned(b: Block, index: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 def checkpoint_shapes(hf_config) -> dict[str, tuple[int, ...]]:
-    """The HF parameter names and shapes of this architecture (tied weights once), from a meta model."""
+    """The checkpoint's tensor names and shapes for this architecture (tied weights once), from a meta
+    model, as `save_pretrained` names them (MoE experts one tensor per expert and projection, as vLLM's
+    loader takes them, not fused as transformers holds them)."""
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(hf_config)
-    return {name: tuple(p.shape) for name, p in hf_model.named_parameters()}
+    held = dict(hf_model.named_parameters())
+    return {name: tuple(p.shape) for name, p in revert_weight_conversion(hf_model, held).items()}
 
 
 def sum_across(value: int, group) -> int:

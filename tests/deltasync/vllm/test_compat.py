@@ -34,18 +34,45 @@ def test_cpu_gemm_dispatch_is_looked_up_at_call_time():
 
 
 def test_prepacked_experts_are_recognized():
+    """CPUUnquantizedExperts prepacks both expert weights after loading with `cpu_prepack_moe_weight(w, isa)`
+    (unless zentorch runs them), and the MoE method reaches it as `moe_kernel.fused_experts`."""
     import torch
+    from vllm import _custom_ops
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     from deltasync.vllm import compat
 
     source = inspect.getsource(CPUUnquantizedExperts.process_weights_after_loading)
-    assert "cpu_prepack_moe_weight(layer.w13_weight" in source
-    assert "cpu_prepack_moe_weight(layer.w2_weight" in source
+    assert "self._use_zentorch = is_zentorch_moe_supported(layer)" in source
+    assert "cpu_prepack_moe_weight(layer.w13_weight, self.isa)" in source
+    assert "cpu_prepack_moe_weight(layer.w2_weight, self.isa)" in source
+    assert cpu_moe.cpu_prepack_moe_weight is _custom_ops.cpu_prepack_moe_weight
+    assert list(inspect.signature(_custom_ops.cpu_prepack_moe_weight).parameters) == ["weight", "isa"]
+    method = inspect.getsource(unquantized_fused_moe_method.UnquantizedFusedMoEMethod)
+    assert "self.moe_kernel.fused_experts.process_weights_after_loading(layer)" in method
+    assert {c.isa for c in [CPUUnquantizedExperts, *CPUUnquantizedExperts.__subclasses__()]} >= {"vec", "amx"}
+    weight = torch.arange(2 * 32 * 32).to(torch.bfloat16).view(2, 32, 32)
+    assert compat.prepack_experts(weight, "vec").shape == weight.shape
+
     assert not compat.prepacked_experts(torch.nn.Sequential(torch.nn.Linear(2, 2)))
-    experts = torch.nn.Module()
-    experts.w13_weight = torch.nn.Parameter(torch.zeros(2, 4, 2))
-    assert compat.prepacked_experts(torch.nn.Sequential(experts))
+    experts = object.__new__(CPUUnquantizedExperts)  # as vLLM builds it: isa from the class
+    experts._use_zentorch = False
+    layer = torch.nn.Module()
+    layer.w13_weight = torch.nn.Parameter(torch.zeros(2, 64, 32))
+    layer.w2_weight = torch.nn.Parameter(torch.zeros(2, 32, 32))
+    layer.quant_method = type("Method", (), {"moe_kernel": type("Kernel", (), {"fused_experts": experts})})()
+    assert compat.prepacked_experts(torch.nn.Sequential(layer)) == [
+        (layer.w13_weight, "vec"),
+        (layer.w2_weight, "vec"),
+    ]
+    experts._use_zentorch = True
+    with pytest.raises(ValueError, match="0: MoE experts run by zentorch on CPU"):
+        compat.prepacked_experts(torch.nn.Sequential(layer))
+    del layer.quant_method
+    with pytest.raises(ValueError, match="NoneType"):
+        compat.prepacked_experts(torch.nn.Sequential(layer))
 
 
 def test_current_config_and_its_weight_transfer_backend():
