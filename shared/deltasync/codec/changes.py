@@ -13,6 +13,8 @@ from deltasync.codec.bf16 import as_bf16, bits
 from deltasync.codec.fingerprint import R1
 from deltasync.codec.parallel import parallel_map, spans
 
+SCATTER_SPAN = 1 << 18  # changes per unit of apply_changes' work
+
 
 @dataclass(frozen=True)
 class TensorChanges:
@@ -117,16 +119,26 @@ def diff_and_moves(
 def apply_changes(
     state: Mapping[str, torch.Tensor], changes: Mapping[str, TensorChanges], threads: int | None = None
 ) -> None:
-    """Write `changes` into the bf16 tensors of `state` in place (tensors on `threads` threads)."""
+    """Write `changes` into the bf16 tensors of `state` in place, host tensors on `threads` threads (in spans
+    of their changes: one large tensor, an embedding, would otherwise hold one thread while the rest wait)."""
 
     from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
 
-    def write(name: str) -> None:
-        ch, target = changes[name], state[name]
-        if target.device.type == ch.indices.device.type == "cpu" and target.is_contiguous():
-            # no torch op: its thread pool would spin beside ours
-            kernels.scatter(bits(target).numpy(), ch.indices.numpy(), bits(ch.values).cpu().numpy())
-        else:
-            target.view(-1)[ch.indices.to(target.device)] = ch.values.to(target.device)
+    def on_host(name: str) -> bool:
+        target = state[name]
+        return target.device.type == changes[name].indices.device.type == "cpu" and target.is_contiguous()
 
-    parallel_map(write, changes, threads)
+    def write(work: tuple[str, int, int]) -> None:
+        name, lo, hi = work
+        ch = changes[name]  # no torch op: its thread pool would spin beside ours
+        kernels.scatter(
+            bits(state[name]).numpy(), ch.indices[lo:hi].numpy(), bits(ch.values[lo:hi]).cpu().numpy()
+        )
+
+    host = {name for name in changes if on_host(name)}
+    for name in changes:  # on an accelerator: torch's indexed write there
+        if name not in host:
+            target, ch = state[name], changes[name]
+            target.view(-1)[ch.indices.to(target.device)] = ch.values.to(target.device)
+    work = [(n, lo, hi) for n in changes if n in host for lo, hi in spans(len(changes[n]), SCATTER_SPAN)]
+    parallel_map(write, work, threads)

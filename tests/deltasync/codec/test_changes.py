@@ -61,3 +61,20 @@ def test_any_single_element_change_moves_the_fingerprint():
     a = torch.arange(10, dtype=torch.bfloat16)
     assert fingerprint.tensor_fingerprint("a", a) != fingerprint.tensor_fingerprint("b", a)
     assert fingerprint.tensor_fingerprint("a", a) != fingerprint.tensor_fingerprint("a", a.flip(0))
+
+
+def test_apply_changes_splits_a_tensor_across_threads_exactly(monkeypatch):
+    from deltasync.codec import changes as module
+
+    monkeypatch.setattr(module, "SCATTER_SPAN", 7)  # many spans per tensor, finishing in any order
+    rng = np.random.default_rng(0)
+    old = {
+        n: torch.from_numpy(rng.integers(-(1 << 15), 1 << 15, k, dtype=np.int16)).view(torch.bfloat16)
+        for n, k in (("a", 1000), ("b", 5), ("c", 3))
+    }
+    new = {n: t.clone() for n, t in old.items()}
+    for t in new.values():
+        bits(t)[torch.from_numpy(rng.random(t.numel()) < 0.3)] += 1
+    state = {n: t.clone() for n, t in old.items()}
+    apply_changes(state, diff(old, new), threads=3)
+    assert all(torch.equal(bits(state[n]), bits(new[n])) for n in new)
