@@ -27,7 +27,7 @@ import hashlib
 import json
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,9 +47,13 @@ ENCODINGS = ("compact", "raw")
 MAX_HEADER_BYTES = 64 << 20
 
 
-def schema_hash(state: Mapping[str, torch.Tensor]) -> str:
-    """Hash of the model's tensor names and shapes: flat positions only mean something within one schema."""
-    listing = json.dumps(sorted((name, list(t.shape)) for name, t in state.items()))
+def schema_hash(shapes: Mapping[str, Sequence[int]]) -> str:
+    """Hash of the model's tensor names and shapes: flat positions only mean something within one schema.
+
+    >>> schema_hash({"w": [2, 3]})
+    '137e2a413b77794a'
+    """
+    listing = json.dumps(sorted((name, list(shape)) for name, shape in shapes.items()))
     return hashlib.blake2b(listing.encode(), digest_size=8).hexdigest()
 
 
@@ -188,7 +192,7 @@ def encode(
         "base_step": str(patch.base_step),
         "numel": str(patch.numel),
         "changed": str(patch.changed),
-        "schema": schema_hash(old),
+        "schema": schema_hash({name: t.shape for name, t in old.items()}),
         "fingerprint": fingerprint.format_fingerprint(patch.fingerprint),
         "base_fingerprint": fingerprint.format_fingerprint(patch.base_fingerprint),
         **extra,
@@ -233,7 +237,7 @@ def raw_changes(
 ) -> dict[str, TensorChanges]:
     """Read raw entries (see `raw_entries`) as changes to tensors of `shapes`, checking everything first:
     known names, both parts, 1-D I32 indices with one BF16 value each, positions strictly increasing inside
-    the tensor. Raises PatchError naming the entry. Used by `decode` and by vLLM's worker extension."""
+    the tensor. Raises PatchError naming the entry. Used by `decode` and by the vLLM engine."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in entries.items():
         name, _, part = key.rpartition("/")
@@ -387,7 +391,7 @@ def decode(
             raise PatchError(f"{name}: patch shape {t['shape']} != base shape {list(base[name].shape)}")
         if not 0 < t["changed"] <= base[name].numel():
             raise PatchError(f"{name}: {t['changed']} changes for {base[name].numel()} elements")
-    if info.metadata.get("schema") != schema_hash(base):
+    if info.metadata.get("schema") != schema_hash({name: t.shape for name, t in base.items()}):
         raise PatchError(
             "patch was made for another model schema (tensor names or shapes differ from the base)"
         )

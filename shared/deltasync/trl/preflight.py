@@ -10,8 +10,6 @@ with status 2.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import sys
@@ -22,6 +20,7 @@ from pathlib import Path
 import requests
 import torch
 
+from deltasync.codec.patch import schema_hash
 from deltasync.storage import Storage, open_storage, redact
 from deltasync.sync.protocol import HEAD_PATH, RUN_PATH, read_head, read_run
 
@@ -39,12 +38,6 @@ def schema_of(model: torch.nn.Module) -> dict[str, list[int]]:
         for name, p in model.named_parameters()
         if p.requires_grad
     }
-
-
-def schema_hash(schema: Mapping[str, Sequence[int]]) -> str:
-    """A short digest of parameter names and shapes, for replicas to report and trainers to compare."""
-    text = json.dumps(sorted((name, list(shape)) for name, shape in schema.items()))
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 def preflight(

@@ -198,7 +198,7 @@ def test_raw_positions_out_of_range_are_rejected():
     fp = fingerprint.state_fingerprint(base)
     meta = {
         "format": patches.FORMAT, "version": patches.VERSION, "encoding": "raw", "step": "1",
-        "base_step": "0", "numel": "8", "changed": "1", "schema": patches.schema_hash(base),
+        "base_step": "0", "numel": "8", "changed": "1", "schema": patches.schema_hash({"w": [8]}),
         "fingerprint": f"{fp:016x}", "base_fingerprint": f"{fp:016x}",
     }  # fmt: skip
     for index in (8, -1):

@@ -12,8 +12,9 @@ import pytest
 import torch
 from fastapi import FastAPI
 
+from deltasync.codec.patch import schema_hash
 from deltasync.sync.publisher import Publisher
-from deltasync.trl.preflight import PROBE_PREFIX, preflight, schema_hash, schema_of
+from deltasync.trl.preflight import PROBE_PREFIX, preflight, schema_of
 from tests.helpers import REPO
 from trainer.processes import serving_in_thread
 from trainer.tiny_model import default_model_dir, ensure_tiny_model
