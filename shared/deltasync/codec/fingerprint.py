@@ -100,7 +100,7 @@ def delta(name: str, positions: np.ndarray, old: np.ndarray, new: np.ndarray) ->
     """How F moves when tensor `name` changes from `old` to `new` bit patterns (int16) at `positions`."""
     from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
 
-    return int(kernels.fingerprint_delta(seed(name), R1, positions.astype(np.int64), old, new))
+    return int(kernels.fingerprint_delta(seed(name), R1, positions.astype(np.int64, copy=False), old, new))
 
 
 def format_fingerprint(fp: int) -> str:
