@@ -23,6 +23,7 @@ import torch
 from deltasync.codec.patch import schema_hash
 from deltasync.storage import Storage, open_storage, redact
 from deltasync.sync.protocol import HEAD_PATH, RUN_PATH, read_head, read_run
+from deltasync.trl.checkpoint import checkpoint_converter
 
 log = logging.getLogger(__name__)
 TOKEN_ENV = "INFERENCE_API_TOKEN"
@@ -31,13 +32,16 @@ PROBE_PREFIX = "preflight-"
 
 
 def schema_of(model: torch.nn.Module) -> dict[str, list[int]]:
-    """The parameters TRL's AsyncGRPOTrainer sends to a weight transfer (trainable ones, under their HF names;
-    tied weights once) and their shapes: what the sync root's run.json records."""
-    return {
-        name.removeprefix("module.").replace("_checkpoint_wrapped_module.", ""): list(p.shape)
+    """The tensors a BucketWeightTransfer publishes for `model` and their shapes: what the sync root's
+    run.json records. They are the parameters TRL's AsyncGRPOTrainer sends (trainable ones, tied weights
+    once), under their checkpoint names (`deltasync.trl.checkpoint`: MoE experts one tensor per expert)."""
+    sent = [
+        (name.removeprefix("module.").replace("_checkpoint_wrapped_module.", ""), p.to("meta"))
         for name, p in model.named_parameters()
         if p.requires_grad
-    }
+    ]
+    convert = checkpoint_converter(model)
+    return {name: list(t.shape) for name, t in (convert(sent) if convert else sent)}
 
 
 def preflight(

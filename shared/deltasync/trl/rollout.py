@@ -259,13 +259,15 @@ def stamp_rollouts(
     **loop_kwargs: Any,
 ) -> RolloutCounters:
     """Make `trainer` (an AsyncGRPOTrainer built with `weight_transfer=transfer`, not trained yet) generate
-    with `VersionedRolloutLoop` and publish each step's numbers (`step_info`) with its telemetry record.
+    with `VersionedRolloutLoop` and publish each step's numbers (`step_info`) with its telemetry record, under
+    the model's checkpoint names (`BucketWeightTransfer.use_model`).
 
     replica_urls: every replica's base URL (default: TRL's vllm_server_base_url alone); model_name: the name
     the replicas serve the model under (default TRL's, the model's id). `loop_kwargs`: `max_ahead`, `seed`,
     `mask_truncated` (see `VersionedRolloutLoop`). Returns the counters of generated rollouts and tokens.
     """
     counters = RolloutCounters()
+    transfer.use_model(trainer.accelerator.unwrap_model(trainer.model))
     trainer.args.logging_steps = 1  # step_info reads TRL's metric sink, which every log() empties
     if transfer.info is None:
         transfer.info = lambda: step_info(trainer, counters)

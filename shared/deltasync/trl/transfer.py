@@ -8,7 +8,9 @@ AsyncGRPOTrainer(weight_transfer=...) calls, on the main process only:
 `send_weights` gets the LIVE trainer parameters (HF names; fp32 or bf16; CPU or CUDA; tied embeddings sent
 once, as `model.embed_tokens.weight`). It hands them to `Publisher.publish`, which copies them into a bf16
 host buffer and returns; change detection, encoding and upload run in the publisher's thread while training
-goes on.
+goes on. For a model whose parameters are not its checkpoint's tensors (MoE experts, fused in transformers),
+`use_model(model)` (called by `stamp_rollouts`) makes it publish the checkpoint's names and layout, the ones
+vLLM loads (`deltasync.trl.checkpoint`); dense models publish their parameters as handed.
 `pause`/`resume` do nothing: replicas apply steps on their own schedule, and inference never waits for the
 trainer.
 """
@@ -26,6 +28,7 @@ import torch
 from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
 from deltasync.storage import Storage
 from deltasync.sync.publisher import Publisher, PublisherConfig
+from deltasync.trl.checkpoint import Converter, Pairs, checkpoint_converter
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +60,12 @@ class BucketWeightTransfer:
         self.sent: list[
             tuple[str, torch.Tensor]
         ] = []  # the last sync's tensors (live: the trainer's weights)
-        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}  # published names and shapes
+        self.to_checkpoint: Converter | None = None
+
+    def use_model(self, model: torch.nn.Module) -> None:
+        """Publish `model`'s parameters under its checkpoint's names and layout (see the module docstring)."""
+        self.to_checkpoint = checkpoint_converter(model)
 
     def init_weight_transfer(self) -> None:
         if self.publisher is None:
@@ -74,8 +82,9 @@ class BucketWeightTransfer:
         start = time.perf_counter()
         self.init_weight_transfer()
         assert self.publisher is not None  # opened by init_weight_transfer
-        params = list(iterator)  # the live tensors: publish() copies them before it returns
-        self.sent, self.shapes = params, {name: tuple(t.shape) for name, t in params}
+        self.sent = list(iterator)  # the live tensors: publish() copies them before it returns
+        params = self._checkpoint(self.sent)
+        self.shapes = {name: tuple(t.shape) for name, t in params}
         if self.first_step is None and self._is_published_head(params):
             # Restarted on a run whose head holds exactly these weights: the cold sync has nothing to add,
             # and training continues the step numbering from the head.
@@ -100,7 +109,10 @@ class BucketWeightTransfer:
     @torch.no_grad()
     def fingerprint_now(self) -> int:
         """Fingerprint of the trainer's weights as bf16, recomputed from them (one pass over the model)."""
-        return state_fingerprint((name, t.to(torch.bfloat16)) for name, t in self.sent)
+        return state_fingerprint((name, t.to(torch.bfloat16)) for name, t in self._checkpoint(self.sent))
+
+    def _checkpoint(self, params: Pairs) -> Pairs:
+        return self.to_checkpoint(params) if self.to_checkpoint else params
 
     def _is_published_head(self, params: list[tuple[str, torch.Tensor]]) -> bool:
         head = self.publisher.head if self.publisher else None

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
+import torch
 from accelerate import PartialState
 from datasets import Dataset
 from fastapi import FastAPI, Request
@@ -267,7 +268,12 @@ def test_stamp_rollouts_wires_the_worker_and_the_transfer(tokenizer, tmp_path):
         num_generations=2,
         vllm_server_url="http://a",
     )
-    trainer = SimpleNamespace(args=SimpleNamespace(logging_steps=10), rollout_worker=worker)
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(logging_steps=10),
+        rollout_worker=worker,
+        model=torch.nn.Linear(2, 2),
+        accelerator=SimpleNamespace(unwrap_model=lambda model: model),
+    )
     told = []
     transfer = BucketWeightTransfer(tmp_path / "root", on_first_step=told.append)
     stamp_rollouts(
@@ -280,3 +286,4 @@ def test_stamp_rollouts_wires_the_worker_and_the_transfer(tokenizer, tmp_path):
     transfer.on_first_step(7)  # the cold sync published step 7: TRL's model version 1
     assert kwargs["version_base"] == 7 and told == [7]
     assert transfer.info is not None
+    assert transfer.to_checkpoint is None  # told the model: its parameters are its checkpoint's tensors

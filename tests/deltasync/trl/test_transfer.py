@@ -2,13 +2,16 @@
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from deltasync import telemetry
 from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
 from deltasync.sync.publisher import PublisherConfig
 from deltasync.sync.subscriber import Subscriber
+from deltasync.trl.preflight import schema_of
 from deltasync.trl.transfer import BucketWeightTransfer
+from trainer.tiny_model import build_tiny_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -79,6 +82,36 @@ def test_every_sync_is_published_exactly(tmp_path, device, tied, dtype):
     assert records[0].kind == "anchor" and [r.kind for r in records[1:]] == ["delta", "delta"]
     assert [r.info["reward_mean"] for r in records] == [0.5, 0.75, 1.0]
     assert all(r.blocked_s > 0 for r in records)
+
+
+def test_moe_experts_are_published_under_checkpoint_names(tmp_path):
+    # transformers holds each layer's experts fused (mlp.experts.gate_up_proj); the checkpoint, vLLM's loader
+    # and the sync root hold one tensor per expert and projection.
+    folder = build_tiny_model(tmp_path / "moe", moe=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in dict(model.named_parameters())
+    transfer = BucketWeightTransfer(tmp_path / "root")
+    transfer.use_model(model)
+    sync(transfer, model)
+    transfer.publisher.flush()
+    optimizer_step(model)
+    sync(transfer, model)
+    transfer.destroy()
+
+    model.save_pretrained(tmp_path / "saved")
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    state = published_state(tmp_path / "root")
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in state
+    assert {n: list(t.shape) for n, t in state.items()} == schema_of(model)
+    assert state.keys() == saved.keys()
+    assert all(torch.equal(state[n], saved[n].to(torch.bfloat16)) for n in state)
+    assert format_fingerprint(transfer.fingerprint_now()) == transfer.publisher.head.fingerprint
+
+
+def test_dense_models_are_published_as_handed(tmp_path):
+    transfer = BucketWeightTransfer(tmp_path / "root")
+    transfer.use_model(small_qwen3(True, torch.float32, "cpu"))
+    assert transfer.to_checkpoint is None  # no conversion, no copy
 
 
 def test_send_weights_copies_the_live_tensors(tmp_path):
