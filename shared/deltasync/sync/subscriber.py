@@ -7,6 +7,11 @@ shadow of the state (HF names and layout), verifies the fingerprint, and only th
 verification (or is not the size the head lists) is never retried; the subscriber waits on the last good
 step until a path around it (a newer anchor) appears. It trusts fingerprints, not step numbers: a target
 whose state is not the one the head names for its step is reloaded from an anchor.
+
+While it holds the head step, each poll also asks for the delta the same writer would publish next (one
+request beside the head's, in parallel): a delta that lands before its head is then already here when the
+head names it, which saves the delta's round trip. Prefetched bytes are used only for the file the head
+names, at the size it lists, and verified like any download.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,6 +42,8 @@ from deltasync.sync.protocol import (
     Head,
     ManifestError,
     RunInfo,
+    delta_path,
+    parse_data_path,
     read_manifest,
     read_run,
 )
@@ -105,6 +113,11 @@ class TensorsApplier(Applier):
         return fingerprint.state_fingerprint((n, self.tensors[n].to(torch.bfloat16)) for n in self.names)
 
 
+def _missing(read: Future[bytes]) -> bool:
+    """Whether a finished read found nothing (or failed): worth asking again at the next poll."""
+    return read.done() and read.exception() is not None
+
+
 def _bf16_flat(t: torch.Tensor) -> bool:
     return t.dtype == torch.bfloat16 and t.is_contiguous()
 
@@ -142,6 +155,7 @@ class Subscriber:
         backoff_s: float = 0.5,
         verify_every: int = 10,
         threads: int | None = None,
+        prefetch: bool = True,
     ):
         if replica is not None and not telemetry.REPLICA_ID.fullmatch(replica):
             raise ValueError(f"replica id {replica!r} must match {telemetry.REPLICA_ID.pattern}")
@@ -149,6 +163,8 @@ class Subscriber:
         self.applier, self.replica = applier, replica
         self.retries, self.backoff_s, self.verify_every = retries, backoff_s, verify_every
         self.threads = threads  # codec threads; None: every core this process may run on
+        self.prefetch = prefetch
+        self._ahead: tuple[str, Future[bytes]] | None = None  # the next delta's path and its read
         self.run: RunInfo | None = None
         self.head: Head | None = None
         self._head_data: bytes | None = None  # what `head` was parsed from: an unchanged poll parses nothing
@@ -204,6 +220,7 @@ class Subscriber:
 
     def _sync(self, target: int | None, applied: list[Applied]) -> None:
         for attempt in range(2):  # a second plan when the head moved under us (GC removed a file)
+            self._fetch_ahead()
             head = self._read_head()
             goal = head.step if target is None else target
             here = fingerprint.format_fingerprint(self.fingerprint)
@@ -282,7 +299,9 @@ class Subscriber:
             local = [Path(tmp) / f"{i}.safetensors" for i in range(len(entry.files))]
             try:
                 if entry.kind == "delta":  # one read, no stat: the head gives its size
-                    data = self._retry(lambda: self.storage.read_bytes(entry.files[0], entry.bytes))
+                    data = self._prefetched(entry) or self._retry(
+                        lambda: self.storage.read_bytes(entry.files[0], entry.bytes)
+                    )
                     size = len(data)
                 else:
                     for path, dest in zip(entry.files, local, strict=True):  # each at most the entry's size
@@ -327,6 +346,39 @@ class Subscriber:
         self.history.append(applied)
         self._report(applied)
         return applied
+
+    def _fetch_ahead(self) -> None:
+        """Start reading the delta that would follow the head step, in the background, if this subscriber
+        is at the head and that read is not already under way or done."""
+        head, run = self.head, self.run
+        if not self.prefetch or head is None or run is None or self.step != head.step:
+            return
+        parsed = parse_data_path(head.entries[-1].files[0])  # the head's writer names its next step alike
+        path = delta_path(head.step + 1, parsed[2] if parsed else "")
+        if self._ahead is not None and self._ahead[0] == path and not _missing(self._ahead[1]):
+            return
+        limit = 6 * run.numel + 512 * len(run.schema) + (1 << 20)  # a raw patch of every element, at most
+        future: Future[bytes] = Future()
+
+        def read() -> None:
+            try:
+                future.set_result(self.storage.read_bytes(path, limit))
+            except BaseException as e:  # the normal read after the head names it reports what went wrong
+                future.set_exception(e)
+
+        threading.Thread(target=read, name="deltasync-prefetch", daemon=True).start()
+        self._ahead = (path, future)
+
+    def _prefetched(self, entry: Entry) -> bytes | None:
+        """The prefetched bytes of `entry`'s single file if they are its listed size; else None."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or entry.files != (ahead[0],):
+            return None
+        try:
+            data = ahead[1].result()
+        except Exception:
+            return None
+        return data if len(data) == entry.bytes else None
 
     def _decode(self, data: bytes, entry: Entry) -> Patch:
         claimed = read_info(data).changed  # from the headers alone: decoding allocates per claimed change

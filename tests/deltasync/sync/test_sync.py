@@ -174,6 +174,83 @@ def test_corrupt_delta_is_refused_and_recovered_from_the_next_anchor(tmp_path):
     assert bitwise_equal(bf16(target), states[6]) and subscriber.last_error is None
 
 
+class Recording(LocalStorage):
+    """A folder that records each path it reads; `tamper(path, data)` may change what a read returns."""
+
+    def __init__(self, root, tamper=lambda path, data: data):
+        super().__init__(root)
+        self.reads: list[str] = []
+        self.read_done = threading.Event()
+        self.tamper = tamper
+
+    def _read_bytes(self, path, limit):
+        data = self.tamper(path, super()._read_bytes(path, limit))
+        self.reads.append(path)
+        self.read_done.set()
+        return data
+
+
+def delta_before_its_head(root) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """Steps 0-2 published with step 2's delta stored but the head still at step 1, as between a writer's
+    data upload and its head write. Returns step 2's head and state."""
+    params = make_params()
+    with Publisher(root, model="tiny") as publisher:
+        for step in range(3):
+            if step:
+                train_step(params, step)
+            publisher.publish(params, step=step)
+            publisher.flush()
+            if step == 1:
+                head_1 = (root / protocol.HEAD_PATH).read_bytes()
+    head_2 = (root / protocol.HEAD_PATH).read_bytes()
+    (root / protocol.HEAD_PATH).write_bytes(head_1)
+    return head_2, bf16(params)
+
+
+def wait_for_a_read_of(storage: Recording, path: str) -> None:
+    while path not in storage.reads:
+        assert storage.read_done.wait(10), f"nothing read {path}"
+        storage.read_done.clear()
+
+
+def test_a_delta_stored_before_its_head_is_read_once(tmp_path):
+    head_2, state_2 = delta_before_its_head(tmp_path)
+    storage = Recording(tmp_path)
+    target = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    subscriber = Subscriber(storage, TensorsApplier(target))
+    assert [a.step for a in subscriber.sync()] == [0, 1]
+    assert subscriber.sync() == []  # at the head: this poll also asks for step 2's delta
+    delta = str(delta_file(tmp_path, 2).relative_to(tmp_path))
+    wait_for_a_read_of(storage, delta)
+    (tmp_path / protocol.HEAD_PATH).write_bytes(head_2)
+    assert [a.step for a in subscriber.sync()] == [2]
+    assert storage.reads.count(delta) == 1
+    assert bitwise_equal(bf16(target), state_2)
+
+
+def test_prefetched_bytes_that_are_not_the_listed_file_are_read_again(tmp_path):
+    head_2, state_2 = delta_before_its_head(tmp_path)
+    delta = str(delta_file(tmp_path, 2).relative_to(tmp_path))
+    truncated = []  # the first read of the delta returns part of it, as a half-uploaded object would
+
+    def tamper(path, data):
+        if path == delta and not truncated:
+            truncated.append(path)
+            return data[:-100]
+        return data
+
+    storage = Recording(tmp_path, tamper)
+    target = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    subscriber = Subscriber(storage, TensorsApplier(target))
+    subscriber.sync()
+    subscriber.sync()
+    wait_for_a_read_of(storage, delta)
+    (tmp_path / protocol.HEAD_PATH).write_bytes(head_2)
+    assert [a.step for a in subscriber.sync()] == [2]
+    assert storage.reads.count(delta) == 2 and subscriber.last_error is None
+    assert bitwise_equal(bf16(target), state_2)
+
+
 def test_missing_delta_is_an_error_not_a_warning(tmp_path):
     run_steps(tmp_path, 4)
     delta_file(tmp_path, 2).unlink()
