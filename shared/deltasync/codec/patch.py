@@ -12,6 +12,9 @@ Layout (every patch is a valid safetensors file; the header's `__metadata__` hol
     models            (compact only) JSON of the pooled categorical tables, see deltasync.codec.compact
     dense             (compact only) JSON {name: changed} for the tensors stored dense
     chunk             (compact only) elements per independently coded chunk of a tensor
+    windows           (optional) JSON {name: [start, length]}: the entry of `name` covers only flat elements
+                      [start, start + length) of the tensor (one rank's shard, see deltasync.sync.sharded);
+                      its positions, chunk grid and dense values are relative to that window
 
 Entries, per changed tensor `name` (HF checkpoint names), by mode:
     raw      `name/indices` I32 flat positions (strictly increasing) and `name/values` BF16 new values:
@@ -28,7 +31,7 @@ import json
 import math
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -37,7 +40,7 @@ from safetensors.torch import save as save_safetensors
 
 from deltasync.codec import compact, fingerprint
 from deltasync.codec.bf16 import bits
-from deltasync.codec.changes import TensorChanges, diff_and_moves
+from deltasync.codec.changes import TensorChanges, diff, diff_and_moves
 from deltasync.codec.parallel import parallel_map, spans
 
 FORMAT = "deltasync.patch"
@@ -130,6 +133,26 @@ def make_patch(
     return Patch(step, base_step, numel, base_fingerprint, fp, changes)
 
 
+def window_changes(
+    old: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    windows: Mapping[str, tuple[int, int]],
+    threads: int | None = None,
+) -> tuple[dict[str, TensorChanges], int]:
+    """The changes from bf16 `old` to `new`, where a tensor with a window (start, length) holds only those
+    flat elements of the whole tensor (a tensor without one is whole): positions count from the window's
+    start, and the fingerprint's move (the second result, mod 2^64) uses the whole tensor's positions."""
+    changes = diff(old, new, threads)
+    moved = 0
+    for name, ch in changes.items():
+        idx = ch.indices.cpu().numpy()
+        before = bits(old[name]).reshape(-1).cpu().numpy()[idx]
+        moved += fingerprint.delta(
+            name, idx + windows.get(name, (0, 0))[0], before, bits(ch.values).cpu().numpy()
+        )
+    return changes, moved & fingerprint.MASK64
+
+
 # ----------------------------------------------------------------------------------------------- encode
 
 
@@ -139,11 +162,28 @@ def encode(
     encoding: str = "compact",
     threads: int | None = None,
     chunk: int = compact.CHUNK,
+    windows: Mapping[str, tuple[int, int]] | None = None,
+    shapes: Mapping[str, Sequence[int]] | None = None,
 ) -> bytes:
     """Serialize `patch`, made against bf16 state `old`, as safetensors bytes. The compact encoding codes
-    chunks of `chunk` elements on `threads` threads; the bytes do not depend on `threads`."""
+    chunks of `chunk` elements on `threads` threads; the bytes do not depend on `threads`.
+
+    With `windows` ({name: (start, length)}), `old[name]` holds only those elements of the tensor and the
+    patch's positions in it count from `start`; `shapes` (every tensor's whole shape) then gives the schema.
+    """
     if encoding not in ENCODINGS:
         raise ValueError(f"unknown encoding {encoding!r}; choose from {', '.join(ENCODINGS)}")
+    schema = {name: list(t.shape) for name, t in old.items()}
+    if windows:
+        if shapes is None:
+            raise ValueError("a patch over windows needs every tensor's whole shape")
+        schema = {name: list(shape) for name, shape in shapes.items()}
+        for name, (start, length) in windows.items():
+            if old[name].numel() != length or not 0 <= start <= start + length <= math.prod(schema[name]):
+                raise ValueError(
+                    f"{name}: window ({start}, {length}) does not fit {old[name].numel()} values"
+                )
+        old = {name: t.reshape(-1) if name in windows else t for name, t in old.items()}
     entries: dict[str, torch.Tensor] = {}
     extra: dict[str, str] = {}
     if encoding == "raw":
@@ -184,6 +224,9 @@ def encode(
         extra["models"] = json.dumps(models.to_json(), separators=(",", ":"))
         extra["dense"] = json.dumps(dense_changed, separators=(",", ":"))
         extra["chunk"] = str(chunk)
+    used = {name: list(w) for name in patch.changes if (w := (windows or {}).get(name)) is not None}
+    if used:
+        extra["windows"] = json.dumps(used, separators=(",", ":"))
     metadata = {
         "format": FORMAT,
         "version": VERSION,
@@ -192,7 +235,7 @@ def encode(
         "base_step": str(patch.base_step),
         "numel": str(patch.numel),
         "changed": str(patch.changed),
-        "schema": schema_hash({name: t.shape for name, t in old.items()}),
+        "schema": schema_hash(schema),
         "fingerprint": fingerprint.format_fingerprint(patch.fingerprint),
         "base_fingerprint": fingerprint.format_fingerprint(patch.base_fingerprint),
         **extra,
@@ -264,11 +307,10 @@ def raw_changes(
     return changes
 
 
-def _check_positions(name: str, idx: torch.Tensor, numel: int) -> None:
-    if idx.numel() and (idx[0] < 0 or idx[-1] >= numel or (idx[1:] <= idx[:-1]).any()):
-        raise PatchError(
-            f"{name}: positions must increase strictly and lie inside the tensor ({numel} elements)"
-        )
+def _check_positions(name: str, idx: torch.Tensor, numel: int, start: int = 0) -> None:
+    if idx.numel() and (idx[0] < start or idx[-1] >= start + numel or (idx[1:] <= idx[:-1]).any()):
+        where = f"the tensor ({numel} elements)" if not start else f"its window [{start}, {start + numel})"
+        raise PatchError(f"{name}: positions must increase strictly and lie inside {where}")
 
 
 # ----------------------------------------------------------------------------------------------- decode
@@ -288,6 +330,7 @@ class PatchInfo:
     tensors: dict[str, dict]
     metadata: dict[str, str]
     payload_bytes: int
+    windows: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (start, length), see encode
 
 
 def read_info(data: bytes) -> PatchInfo:
@@ -324,6 +367,7 @@ def read_info(data: bytes) -> PatchInfo:
             metadata=meta,
             payload_bytes=len(data),
         )
+        info.windows = _windows(meta, tensors)
     except PatchError:
         raise
     except (KeyError, ValueError, TypeError, AttributeError) as e:
@@ -331,6 +375,25 @@ def read_info(data: bytes) -> PatchInfo:
     if sum(t["changed"] for t in info.tensors.values()) != info.changed:
         raise PatchError(f"per-tensor changed counts do not add up to {info.changed}")
     return info
+
+
+def _windows(meta: dict, tensors: dict[str, dict]) -> dict[str, tuple[int, int]]:
+    """The metadata's windows, each [start >= 0, length >= 1] of a tensor the patch changes."""
+    try:
+        raw = json.loads(meta.get("windows", "{}"))
+    except RecursionError:
+        raise PatchError("windows: nested too deeply") from None
+    if not isinstance(raw, dict):
+        raise PatchError(f"windows must be a JSON object, got {raw!r:.80}")
+    windows = {}
+    for name, w in raw.items():
+        if name not in tensors:
+            raise PatchError(f"window for {name!r:.80}, which the patch does not change")
+        ints = isinstance(w, list) and len(w) == 2 and all(type(v) is int for v in w)
+        if not ints or w[0] < 0 or w[1] < 1:
+            raise PatchError(f"{name}: window {w!r:.80} is not [start >= 0, length >= 1]")
+        windows[name] = (w[0], w[1])
+    return windows
 
 
 def _tensor_list(meta: dict, header: dict, body: bytes) -> dict[str, dict]:
@@ -384,13 +447,26 @@ def decode(
     numel = sum(t.numel() for t in base.values())
     if info.numel != numel:
         raise PatchError(f"patch is for a model of {info.numel} elements, base has {numel}")
-    for name, t in info.tensors.items():
+    for name in info.tensors:
         if name not in base:
             raise PatchError(f"patch names unknown tensor {name!r}")
-        if t["mode"] == "dense" and t["shape"] != list(base[name].shape):
-            raise PatchError(f"{name}: patch shape {t['shape']} != base shape {list(base[name].shape)}")
-        if not 0 < t["changed"] <= base[name].numel():
-            raise PatchError(f"{name}: {t['changed']} changes for {base[name].numel()} elements")
+    for name, (start, length) in info.windows.items():
+        if start + length > base[name].numel():
+            raise PatchError(
+                f"{name}: window [{start}, {start + length}) is outside its {base[name].numel()} elements"
+            )
+    # What each entry covers: the whole tensor, or the flat window it names.
+    local = {
+        name: base[name].reshape(-1)[info.windows[name][0] : sum(info.windows[name])]
+        if name in info.windows
+        else base[name]
+        for name in info.tensors
+    }
+    for name, t in info.tensors.items():
+        if t["mode"] == "dense" and t["shape"] != list(local[name].shape):
+            raise PatchError(f"{name}: patch shape {t['shape']} != base shape {list(local[name].shape)}")
+        if not 0 < t["changed"] <= local[name].numel():
+            raise PatchError(f"{name}: {t['changed']} changes for {local[name].numel()} elements")
     if info.metadata.get("schema") != schema_hash({name: t.shape for name, t in base.items()}):
         raise PatchError(
             "patch was made for another model schema (tensor names or shapes differ from the base)"
@@ -413,7 +489,7 @@ def decode(
             models = compact.Models.from_json(json.loads(info.metadata.get("models", "null")) or {})
         except (json.JSONDecodeError, compact.CompactDecodeError) as e:
             raise PatchError(f"bad compact models: {e}") from None
-        chunks = _compact_chunks(info, entries, base)
+        chunks = _compact_chunks(info, entries, local)
         tables = models.tables()
         decoded = parallel_map(lambda work: _decode_chunk(*work, tables), chunks, threads)
     changes = {}
@@ -423,9 +499,15 @@ def decode(
                 parts = [d for (n, *_), d in zip(chunks, decoded, strict=True) if n == name]
                 idx = torch.from_numpy(np.concatenate([p[0] for p in parts]))
                 new_bits = torch.from_numpy(np.concatenate([p[1] for p in parts]).view(np.int16))
-                changes[name] = _checked(name, t, base[name], idx, new_bits.view(torch.bfloat16))
+                start = info.windows.get(name, (0, 0))[0]
+                changes[name] = _checked(name, t, local[name], idx, new_bits.view(torch.bfloat16), start)
             else:
-                changes[name] = _decode_tensor(name, t, entries, base[name])
+                ch = _decode_tensor(name, t, entries, local[name])
+                changes[name] = (
+                    TensorChanges(ch.indices + info.windows[name][0], ch.values)
+                    if name in info.windows
+                    else ch
+                )
         except PatchError:
             raise
         except (compact.CompactDecodeError, ValueError, RuntimeError, OverflowError) as e:
@@ -441,11 +523,52 @@ def decode(
     return Patch(info.step, info.base_step, numel, base_fingerprint, fp, changes)
 
 
+def decode_parts(
+    parts: Sequence[bytes],
+    base: Mapping[str, torch.Tensor],
+    base_fingerprint: int | None = None,
+    threads: int | None = None,
+) -> Patch:
+    """Decode and verify one step stored as several patches over disjoint parts of the model (one per rank:
+    see deltasync.sync.sharded), as one Patch. Part i applies to `base` with the fingerprint part i - 1
+    reached, so the last part's fingerprint is the step's. Raises PatchError naming the part if any is wrong.
+    """
+    if base_fingerprint is None:
+        base_fingerprint = fingerprint.state_fingerprint(base)
+    decoded: list[Patch] = []
+    for i, data in enumerate(parts):
+        try:
+            part = decode(data, base, decoded[-1].fingerprint if decoded else base_fingerprint, threads)
+        except PatchError as e:
+            raise PatchError(f"part {i + 1} of {len(parts)}: {e}") from None
+        if decoded and (part.step, part.base_step) != (decoded[0].step, decoded[0].base_step):
+            raise PatchError(f"part {i + 1} is step {part.step}, part 1 is step {decoded[0].step}")
+        decoded.append(part)
+    if not decoded:
+        raise PatchError("a step of no parts")
+    changes: dict[str, TensorChanges] = {}
+    for name in dict.fromkeys(n for p in decoded for n in p.changes):
+        pieces = [p.changes[name] for p in decoded if name in p.changes]
+        if len(pieces) == 1:
+            changes[name] = pieces[0]
+            continue
+        idx, values = torch.cat([c.indices for c in pieces]), torch.cat([c.values for c in pieces])
+        if (idx[1:] < idx[:-1]).any():  # parts listed out of position order
+            idx, order = torch.sort(idx, stable=True)
+            values = values[order]
+        if (idx[1:] == idx[:-1]).any():
+            raise PatchError(f"{name}: parts change the same element")
+        changes[name] = TensorChanges(idx, values)
+    first, last = decoded[0], decoded[-1]
+    return Patch(first.step, first.base_step, first.numel, first.base_fingerprint, last.fingerprint, changes)
+
+
 ChunkStream = tuple[str, bytes, np.ndarray, int]  # (tensor name, chunk stream, old bits, offset)
 
 
-def _compact_chunks(info: PatchInfo, entries: dict, base: Mapping[str, torch.Tensor]) -> list[ChunkStream]:
-    """(name, chunk stream, old bits, offset) of every chunk of the compact tensors of a patch."""
+def _compact_chunks(info: PatchInfo, entries: dict, local: Mapping[str, torch.Tensor]) -> list[ChunkStream]:
+    """(name, chunk stream, old bits, offset) of every chunk of the compact tensors of a patch; `local` holds
+    what each entry covers, and offsets count from the tensor's start."""
     try:
         chunk = int(info.metadata["chunk"])
     except (KeyError, ValueError):
@@ -463,12 +586,12 @@ def _compact_chunks(info: PatchInfo, entries: dict, base: Mapping[str, torch.Ten
             streams = compact.split_chunks(stream.numpy().tobytes())
         except compact.CompactDecodeError as e:
             raise PatchError(f"{name}: corrupt compact data: {e}") from None
-        old_bits = bits(base[name]).cpu().numpy()
+        old_bits = bits(local[name]).cpu().numpy()
         needed = -(-old_bits.size // chunk)
         if len(streams) != needed:  # (before listing the spans: `chunk` comes from the patch)
             raise PatchError(f"{name}: {len(streams)} chunks, {old_bits.size} elements need {needed}")
-        pieces = spans(old_bits.size, chunk)
-        out += [(name, s, old_bits[lo:hi], lo) for s, (lo, hi) in zip(streams, pieces, strict=True)]
+        pieces, start = spans(old_bits.size, chunk), info.windows.get(name, (0, 0))[0]
+        out += [(name, s, old_bits[lo:hi], start + lo) for s, (lo, hi) in zip(streams, pieces, strict=True)]
     return out
 
 
@@ -482,10 +605,12 @@ def _decode_chunk(
     return idx + offset, new, moved
 
 
-def _checked(name: str, t: dict, old: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> TensorChanges:
+def _checked(
+    name: str, t: dict, old: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, start: int = 0
+) -> TensorChanges:
     if idx.numel() != t["changed"]:
         raise ValueError(f"{idx.numel()} changes decoded, metadata says {t['changed']}")
-    _check_positions(name, idx, old.numel())
+    _check_positions(name, idx, old.numel(), start)
     return TensorChanges(idx.to(old.device), values.to(old.device))
 
 

@@ -239,3 +239,128 @@ def test_class_counts_claiming_more_changes_than_elements_are_refused_before_dec
     header = compact._varints([4, 10, 20, 30, 400, 400, 400, 0, 0, 0, 0, 0, 0])  # 1200 claims, 0 words
     with pytest.raises(compact.CompactDecodeError, match="classes claim 1200 changes among 1000 elements"):
         compact.decode_chunk(header, np.zeros(numel, np.uint16), models.tables())
+
+
+CUTS = [0, 11, 500, 1073]  # windows cross the 7-element chunk grid; "b" ends inside part 2
+
+
+def window_parts(old: dict, new: dict, cuts: list[int], encoding: str = "compact", chunk: int = 7):
+    """The step from `old` to `new` as one patch per part, part i holding flat elements [cuts[i], cuts[i+1])
+    of "w" and "b" (capped at each tensor's size), and tensor "n" whole in part 0: as sharded ranks write it.
+    `cuts` may also list (lo, hi) pairs, one per part."""
+    shapes = {n: list(t.shape) for n, t in old.items()}
+    numel = sum(t.numel() for t in old.values())
+    fp, parts = fingerprint.state_fingerprint(old), []
+    pairs = cuts if isinstance(cuts[0], tuple) else list(zip(cuts, cuts[1:], strict=False))
+    for i, (lo, hi) in enumerate(pairs):
+        windows = {n: (lo, min(hi, old[n].numel()) - lo) for n in ("w", "b") if lo < old[n].numel()}
+        part_old = {n: old[n].reshape(-1)[s : s + k] for n, (s, k) in windows.items()}
+        part_new = {n: new[n].reshape(-1)[s : s + k] for n, (s, k) in windows.items()}
+        if i == 0:
+            part_old["n"], part_new["n"] = old["n"], new["n"]
+        changes, moved = patches.window_changes(part_old, part_new, windows)
+        patch = patches.Patch(2, 1, numel, fp, (fp + moved) & fingerprint.MASK64, changes)
+        parts.append(patches.encode(patch, part_old, encoding, chunk=chunk, windows=windows, shapes=shapes))
+        fp = patch.fingerprint
+    return parts
+
+
+@pytest.fixture(scope="module")
+def windowed():
+    rng = np.random.default_rng(6)
+    old = random_state(rng, {"w": (37, 29), "b": (29,), "n": (13,)})
+    new = step_state(rng, old, 0.3)
+    new["b"] = old["b"] + 1.0  # every element: stored dense
+    return old, new
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_parts_over_windows_at_odd_offsets_round_trip_bitwise(windowed, encoding):
+    old, new = windowed
+    parts = window_parts(old, new, CUTS, encoding)
+    infos = [patches.read_info(p) for p in parts]
+    assert infos[1].windows == {"w": (11, 489), "b": (11, 18)} and infos[2].windows == {"w": (500, 573)}
+    assert "n" in infos[0].tensors and "n" not in infos[0].windows
+    if encoding == "compact":
+        assert infos[1].tensors["b"]["mode"] == "dense"
+    step = patches.decode_parts(parts, old)
+    assert step.fingerprint == fingerprint.state_fingerprint(new) == infos[-1].fingerprint
+    result = {n: t.clone() for n, t in old.items()}
+    apply_changes(result, step.changes)
+    assert_bitwise_equal(result, new)
+    assert_bitwise_equal(old, windowed[0])  # decoding wrote nothing
+
+
+def test_a_patch_without_windows_has_no_windows_field(case):
+    _, _, data = case
+    for blob in data.values():
+        assert "windows" not in patches.read_info(blob).metadata
+
+
+def with_metadata(data: bytes, **changes: str) -> bytes:
+    from safetensors.torch import load, save
+
+    return save(load(data), metadata={**patches.read_info(data).metadata, **changes})
+
+
+@pytest.mark.parametrize(
+    "window, match",
+    [
+        ("[11,1063]", "outside"),  # past the end of the tensor
+        ("[12,489]", "fingerprint|positions"),  # shifted: decodes elsewhere, refused
+        ("[-1,489]", "not \\[start"),
+        ("[11,0]", "not \\[start"),
+        ("[11.0,489]", "not \\[start"),
+        ("[true,489]", "not \\[start"),
+        ('["11",489]', "not \\[start"),
+        ("[11]", "not \\[start"),
+        ('{"start":11}', "not \\[start"),
+        ("[1e400,489]", "not \\[start"),
+        ("[11,99999999999999999999999999999]", "outside"),
+        ("[99999999999999999999999999999,1]", "outside"),
+    ],
+)
+def test_hostile_windows_are_refused(windowed, window, match):
+    """A window changed in the part's metadata (that of "w"; "b" keeps its own)."""
+    assert_window_refused(windowed, f'{{"w":{window},"b":[11,18]}}', match)
+
+
+@pytest.mark.parametrize(
+    "windows, match",
+    [
+        ('{"w":[11,489],"b":[11,18],"n":[0,13]}', "does not change"),
+        ("[[11,489]]", "JSON object"),
+        ("not json", "bad patch metadata"),
+        ("[" * 100_000, "windows"),
+        ('{"b":[11,18]}', "chunks"),  # "w" read as the whole tensor: refused
+    ],
+)
+def test_hostile_window_lists_are_refused(windowed, windows, match):
+    assert_window_refused(windowed, windows, match)
+
+
+def assert_window_refused(windowed, windows: str, match: str) -> None:
+    old, new = windowed
+    parts = window_parts(old, new, CUTS)
+    bad = with_metadata(parts[1], windows=windows)
+    with pytest.raises(patches.PatchError, match=match):
+        patches.decode(bad, old, patches.read_info(parts[1]).base_fingerprint)
+    with pytest.raises(patches.PatchError, match="part 2 of 3"):
+        patches.decode_parts([parts[0], bad, parts[2]], old)
+    assert_bitwise_equal(old, windowed[0])
+
+
+def test_parts_that_overlap_or_skip_a_part_are_refused(windowed):
+    old, new = windowed
+    parts = window_parts(old, new, CUTS, "raw")
+    with pytest.raises(patches.PatchError, match="part 1 of 2: .*applies to state"):
+        patches.decode_parts(parts[1:], old)  # part 1 missing: the chain does not start at the base
+    with pytest.raises(patches.PatchError, match="part 2 of 3: .*applies to state"):
+        patches.decode_parts([parts[0], parts[2], parts[1]], old)
+    with pytest.raises(patches.PatchError, match="no parts"):
+        patches.decode_parts([], old)
+    backwards = window_parts(old, new, [(500, 1073), (0, 500)], "raw")  # parts listed out of order: merged
+    assert patches.decode_parts(backwards, old).fingerprint == fingerprint.state_fingerprint(new)
+    overlapping = window_parts(old, new, [(0, 500), (11, 1073)], "raw")  # each verifies, together they clash
+    with pytest.raises(patches.PatchError, match="same element"):
+        patches.decode_parts(overlapping, old)
