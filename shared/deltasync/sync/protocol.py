@@ -3,6 +3,7 @@
     run.json                                          the model: id and parameter schema (names, shapes; bf16)
     anchors/step-00000000-e1-1a2b3c4d/model*.safetensors  complete bf16 states (HF names; sharded)
     deltas/step-00000001-e1-1a2b3c4d.safetensors      patches (codec.patch) from the previous published step
+    deltas/step-00000002-e1-1a2b3c4d/part-00001-of-00002.safetensors  a step in parts, one per rank (sharded)
     heads/latest.json                                 the newest step and every file a reader may use
     telemetry/...                                     deltasync.telemetry
     writer.lock                                       who publishes (deltasync.sync.claim: lock or lease)
@@ -37,7 +38,7 @@ MAX_MANIFEST_BYTES = 16 << 20
 MAX_INT = (1 << 63) - 1  # steps, sizes, counts, dims: anything larger is corrupt
 _TAG = r"(?:-(e\d{1,19}-[0-9a-f]{8}))?"
 _DATA_FILE = re.compile(
-    rf"deltas/step-(\d{{8,}}){_TAG}\.safetensors"
+    rf"deltas/step-(\d{{8,}}){_TAG}(?:\.safetensors|/part-(\d{{5}})-of-(\d{{5}})\.safetensors)"
     rf"|anchors/step-(\d{{8,}}){_TAG}/model(?:-\d{{5}}-of-(\d{{5}}))?\.safetensors"
 )
 
@@ -53,6 +54,18 @@ def _stem(step: int, tag: str) -> str:
 def delta_path(step: int, tag: str = "") -> str:
     """Where the writer tagged `tag` puts its delta of `step` ("" : an untagged, older name)."""
     return f"deltas/{_stem(step, tag)}.safetensors"
+
+
+def delta_paths(step: int, parts: int, tag: str = "") -> list[str]:
+    """Where the writer tagged `tag` puts its delta of `step` stored in `parts` parts (one per rank of a
+    sharded publisher, see deltasync.sync.sharded), in order: one part is the single delta file."""
+    if parts == 1:
+        return [delta_path(step, tag)]
+    return [_part_path(step, tag, i, parts) for i in range(1, parts + 1)]
+
+
+def _part_path(step: int, tag: str, part: int, parts: int) -> str:
+    return f"deltas/{_stem(step, tag)}/part-{part:05d}-of-{parts:05d}.safetensors"
 
 
 def anchor_dir(step: int, tag: str = "") -> str:
@@ -73,10 +86,14 @@ def parse_data_path(path: str) -> tuple[str, int, str, int] | None:
     if match is None:
         return None
     if match[1] is not None:
-        kind, step, tag, shards = "delta", int(match[1]), match[2] or "", 1
-        canonical = delta_path(step, tag)
+        kind, step, tag, shards = "delta", int(match[1]), match[2] or "", int(match[4] or 1)
+        part = int(match[3] or 1)
+        if match[3] is None:
+            canonical = delta_path(step, tag)
+        else:  # part i of n > 1 (one part is the single file)
+            canonical = _part_path(step, tag, part, shards) if 1 <= part <= shards > 1 else ""
     else:
-        kind, step, tag, shards = "anchor", int(match[3]), match[4] or "", int(match[5] or 1)
+        kind, step, tag, shards = "anchor", int(match[5]), match[6] or "", int(match[7] or 1)
         canonical = f"{anchor_dir(step, tag)}/{path.rsplit('/', 1)[1]}"
     return (kind, step, tag, shards) if path == canonical and step <= MAX_INT else None
 
@@ -192,8 +209,8 @@ class Entry:
 
     step: int
     kind: str  # "anchor" | "delta"
-    files: tuple[str, ...]
-    bytes: int
+    files: tuple[str, ...]  # a delta's parts or an anchor's shards, in order
+    bytes: int  # all its files together
     fingerprint: str  # of the full bf16 state at `step` (deltasync.codec.fingerprint.format_fingerprint)
     published_at: float
     changed: int = 0  # deltas: elements changed since base_step
@@ -295,13 +312,13 @@ def _entry(raw: object, index: int) -> Entry:
             check_path(path)
         except ValueError as e:
             raise ManifestError(f"{what}: {e}") from None
-    # Where a writer (tagged or not) puts the files of this step: one delta, or every shard of one anchor.
+    # Where a writer (tagged or not) puts the files of this step: every part of one delta (one file unless a
+    # sharded publisher wrote it), or every shard of one anchor.
     first = parse_data_path(files[0]) if files and isinstance(files[0], str) else None
     expected_ok = first is not None and first[:2] == (kind, step) and len(files) < 100_000
-    if expected_ok and kind == "delta":
-        expected_ok = len(files) == 1
-    elif expected_ok and first is not None:
-        expected_ok = files == tuple(anchor_paths(step, len(files), first[2]))
+    if expected_ok and first is not None:
+        where = delta_paths if kind == "delta" else anchor_paths
+        expected_ok = files == tuple(where(step, len(files), first[2]))
     if not expected_ok:
         raise ManifestError(f"{what}: files {list(files)!r:.200} are not where a {kind} of step {step} lives")
     return Entry(

@@ -46,6 +46,7 @@ from deltasync.sync.protocol import (
     RunInfo,
     check_step,
     delta_path,
+    parse_data_path,
     read_manifest,
     read_run,
 )
@@ -67,13 +68,26 @@ class PublisherConfig:
     lease_s: float = LEASE_S  # object stores: a writer's lease lasts this long unless renewed (every quarter)
 
 
+@dataclass(frozen=True)
+class StoredDelta:
+    """A delta already in the sync root under this publisher's tag: the parts that the ranks of a sharded
+    publisher encoded and uploaded (see deltasync.sync.sharded)."""
+
+    files: tuple[str, ...]  # protocol.delta_paths of the step, in order
+    bytes: int  # all parts together
+    changed: int
+    fingerprint: int  # of the state after the step
+    encode_s: float = 0.0  # the slowest part's
+
+
 @dataclass
 class _Pending:
-    state: dict[str, torch.Tensor]
+    state: dict[str, torch.Tensor]  # a stored delta's: the anchor to write, or empty
     step: int
     info: dict[str, float]
     blocked_s: float
     skipped: list[telemetry.TrainerRecord] = field(default_factory=list)  # steps this one replaced
+    stored: StoredDelta | None = None
 
 
 class Publisher:
@@ -94,6 +108,7 @@ class Publisher:
         self._head: Head | None = None
         self._published: dict[str, torch.Tensor] | None = None  # the state the head names, bf16 on the host
         self._published_fp = 0
+        self._stored = False  # publish_stored() was called: the ranks, not this publisher, hold the state
         self._head_bytes: set[bytes | None] = {None}  # what the head may be now: what we wrote (or none)
         # Head reads that travel while the data uploads, and lease checks beside read-backs.
         self._background = futures.ThreadPoolExecutor(1, thread_name_prefix="deltasync-publisher-check")
@@ -118,25 +133,71 @@ class Publisher:
 
         `info` (the trainer's numbers for this step: rewards, staleness) goes into its telemetry record.
         """
+        if self._stored:
+            raise ValueError("publish(): this publisher publishes stored deltas; it holds no state to diff")
+        return self._hand_over(params, step, info, None, "publish()")
+
+    def publish_stored(
+        self,
+        delta: StoredDelta,
+        step: int,
+        anchor: Params | None = None,
+        info: Mapping[str, float] | None = None,
+    ) -> int:
+        """Publish `step` as `delta`, whose files are already stored, from the last published step, with an
+        anchor of the whole state `anchor` (which `delta.fingerprint` must be) when given; returns the step.
+        Waits for the previous step's head first (a stored delta applies to exactly that step: never folded
+        into another), then blocks only for the anchor's copy. After it, `publish()` is refused."""
+        tags = {parsed[2] if (parsed := parse_data_path(f)) else None for f in delta.files}
+        if tags != {self.claim.tag}:
+            raise ValueError(f"publish_stored(): {delta.files[0]!r:.200} is not a delta file of this writer")
+        self.flush()
+        if self._head is None:
+            raise ValueError("publish_stored(): no published step for the delta to start from")
+        step = self._hand_over(anchor or {}, step, info, delta, "publish_stored()")
+        self._stored = True
+        return step
+
+    def anchor_due(self, step: int, delta_bytes: int | None) -> bool:
+        """Whether `step` also goes out as an anchor, beside a delta of `delta_bytes` (None: no delta), given
+        the head as last written (see `flush`)."""
+        head = self._head
+        if head is None or delta_bytes is None:
+            return True
+        last = head.anchors[-1]
+        chain = sum(e.bytes for e in head.deltas if e.step > last.step) + delta_bytes
+        return step - last.step >= self.config.anchor_every or chain > last.bytes
+
+    def _hand_over(
+        self,
+        params: Params,
+        step: int | None,
+        info: Mapping[str, float] | None,
+        stored: StoredDelta | None,
+        where: str,
+    ) -> int:
         start = time.perf_counter()
         params = dict(params.items() if isinstance(params, Mapping) else params)
-        require_floats(params, "publish()")
+        require_floats(params, where)
         problem = telemetry.info_problem(info or {})
         if problem:  # else every dashboard would skip the step's record
-            raise ValueError(f"publish(): info {problem}")
+            raise ValueError(f"{where}: info {problem}")
         with self._cond:
             self._raise_if_failed()
-            step = check_step(self.last_step + 1 if step is None else step, "publish()")
+            step = check_step(self.last_step + 1 if step is None else step, where)
             if step <= self.last_step:
                 raise ValueError(f"step {step} is not after the last published step {self.last_step}")
             pending = self._pending
             if pending is not None:  # the worker has not taken it yet: overwrite it (coalesce)
                 buffer, skipped = pending.state, [*pending.skipped, self._skipped_record(pending)]
+            elif stored is not None and not params:
+                buffer, skipped = {}, []
             else:
                 buffer, skipped = self._spare or self._allocate(params), []
                 self._spare = None
-            _copy_into(buffer, params)
-            self._pending = _Pending(buffer, step, dict(info or {}), 0.0, skipped)
+            if params:
+                _copy_into(buffer, params)
+            self._pending = _Pending(buffer, step, dict(info or {}), 0.0, skipped, stored)
             self.last_step = step
             self._pending.blocked_s = time.perf_counter() - start
             self._cond.notify_all()
@@ -271,16 +332,21 @@ class Publisher:
         if head is None:
             self.storage.write_bytes(RUN_PATH, self._run.to_json())
         patch = data = None
-        if old is not None:
+        delta = job.stored  # (files, bytes, changed) of the step's delta, if it has one
+        if delta is None and old is not None:
             assert head is not None  # the published state is the one the head names
             patch = make_patch(old, job.state, job.step, head.step, self._published_fp, self.config.threads)
             data = encode(patch, old, self.config.encoding, self.config.threads)
-        fp = patch.fingerprint if patch else fingerprint.state_fingerprint(job.state)
+            delta = StoredDelta(
+                (delta_path(job.step, self.claim.tag),), len(data), patch.changed, patch.fingerprint
+            )
+        fp = delta.fingerprint if delta else fingerprint.state_fingerprint(job.state)
         fp_text = fingerprint.format_fingerprint(fp)
         tag = self.claim.tag  # files only this claim writes: a fenced writer can never overwrite them
         with tempfile.TemporaryDirectory(prefix="deltasync-") as tmp:
             anchor_files = []
-            if self._anchor_due(job.step, len(data) if data is not None else None):
+            due = bool(job.state) if job.stored else self.anchor_due(job.step, delta.bytes if delta else None)
+            if due:
                 is_local = isinstance(self.storage, LocalStorage)
                 encoding = anchor_encoding(self.config.anchor_encoding, is_local)
                 anchor_files = write_anchor(
@@ -293,12 +359,12 @@ class Publisher:
                     self.config.threads,
                     tag,
                 )
-            encode_s = time.perf_counter() - start
+            encode_s = time.perf_counter() - start + (job.stored.encode_s if job.stored else 0.0)
             if self.claim.renew_due():
                 self.claim.renew()
             current = self._background.submit(self._current_head)  # travels while the data uploads
             try:
-                if data is not None:  # a delta
+                if data is not None:  # a delta this publisher encoded
                     self.storage.write_bytes(delta_path(job.step, tag), data)
                 for local, path in anchor_files:
                     self.storage.upload_file(local, path)
@@ -307,9 +373,10 @@ class Publisher:
             anchor_bytes = sum(local.stat().st_size for local, _ in anchor_files)
         now = time.time()
         entries = []
-        if patch is not None and data is not None and head is not None:  # a delta
-            files: tuple[str, ...] = (delta_path(job.step, tag),)
-            entries.append(Entry(job.step, "delta", files, len(data), fp_text, now, patch.changed, head.step))
+        if delta is not None and head is not None:
+            entries.append(
+                Entry(job.step, "delta", delta.files, delta.bytes, fp_text, now, delta.changed, head.step)
+            )
         if anchor_files:
             files = tuple(path for _, path in anchor_files)
             entries.append(Entry(job.step, "anchor", files, anchor_bytes, fp_text, now))
@@ -318,15 +385,18 @@ class Publisher:
         upload_s = time.perf_counter() - start - encode_s
         with self._cond:
             self._head, self._published_fp = new_head, fp
-            self._spare = self._spare or old
-            self._published = job.state
+            if job.stored is None:
+                self._spare = self._spare or old
+                self._published = job.state
+            else:  # the ranks hold the state: keep no copy of it
+                self._published = self._spare = None
         record = telemetry.TrainerRecord(
             step=job.step,
             kind="anchor" if anchor_files else "delta",
             published_at=now,
             numel=self._run.numel,
-            changed=patch.changed if patch else self._run.numel,
-            payload_bytes=len(data) if data is not None else anchor_bytes,
+            changed=delta.changed if delta else self._run.numel,
+            payload_bytes=delta.bytes if delta else anchor_bytes,
             full_bytes=2 * self._run.numel,
             encode_s=encode_s,
             upload_s=upload_s,
@@ -388,14 +458,6 @@ class Publisher:
             return read_manifest(self.storage, HEAD_PATH)
         except FileNotFoundError:
             return None
-
-    def _anchor_due(self, step: int, delta_bytes: int | None) -> bool:
-        head = self._head
-        if head is None or delta_bytes is None:
-            return True
-        last = head.anchors[-1]
-        chain = sum(e.bytes for e in head.deltas if e.step > last.step) + delta_bytes
-        return step - last.step >= self.config.anchor_every or chain > last.bytes
 
     def _retained(self, head: Head | None, new: list[Entry], step: int, fp: str) -> Head:
         """The head after `new`: the newest `keep_anchors` anchors and the deltas after the oldest of them."""

@@ -2,11 +2,17 @@
 without gathering the weights at every step.
 
 Every rank keeps a bf16 copy of its own shards, finds the elements of its shards that changed since the last
-step, and sends only those (global flat positions and new bf16 bits) with its part of the fingerprint's move
-to the writer rank: the fingerprint is linear mod 2^64 (see deltasync.codec.fingerprint), so the parts add.
-The writer rank keeps a bf16 copy of the whole model, writes every rank's changes into it, and hands it to
-its Publisher, which encodes and uploads the step and then writes the head. The first step gathers the full
-weights once: the run's first anchor needs them.
+step, and encodes them as its own part of the step: a patch over windows (deltasync.codec.patch), each shard
+one window [start, start + length) of its flat tensor. The fingerprint is linear mod 2^64 (see
+deltasync.codec.fingerprint), so the parts' moves add: the ranks exchange one int each, part r is a patch
+from the step's base plus the moves of parts < r, and the last part reaches the step's fingerprint. Every
+rank uploads its part to `protocol.delta_paths(step, world, tag)[rank]` under the writer's tag; the writer
+rank, once every part is stored, writes the head naming them (Publisher.publish_stored: its fencing,
+acknowledgement, retention and telemetry). What crosses ranks per step is a few small objects per rank.
+
+The full weights are gathered (`full_tensor()`, collective) only for anchors: the run's first published
+state, and each step at which the writer's Publisher finds an anchor due (`anchor_every`, or once the deltas
+since the last anchor outweigh it).
 
     publisher = ShardedPublisher(root, model="my-model")      # on every rank
     ... after each optimizer step, on every rank:
@@ -23,20 +29,16 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from deltasync.codec import fingerprint
-from deltasync.codec.bf16 import bits
-from deltasync.codec.changes import diff
-from deltasync.storage import Storage
-from deltasync.sync.publisher import Publisher, PublisherConfig
-
-# name -> (offset of the rank's part in the flat tensor, positions in the part, new bf16 bits as int16) of
-# the elements a rank saw change; positions as int32 where the part allows (4 bytes less per change)
-Changes = dict[str, tuple[int, np.ndarray, np.ndarray]]
+from deltasync.codec.changes import apply_changes
+from deltasync.codec.patch import Patch, encode, window_changes
+from deltasync.storage import Storage, open_storage, retry
+from deltasync.sync.protocol import delta_paths
+from deltasync.sync.publisher import Publisher, PublisherConfig, StoredDelta
 
 
 def local_shard(param: torch.Tensor, rank: int) -> tuple[torch.Tensor, int] | None:
@@ -57,11 +59,13 @@ def local_shard(param: torch.Tensor, rank: int) -> tuple[torch.Tensor, int] | No
 
 
 class ShardedPublisher:
-    """One step publisher over all ranks of `group` (default: the whole world); `publish` and `close` are
-    collective. Only `writer_rank` touches the sync root.
+    """One step publisher over all ranks of `group` (default: the whole world); the constructor, `publish`
+    and `close` are collective. Every rank writes its part of each step to the root; `writer_rank` also
+    claims the root and writes run.json, anchors and the head.
 
-    After each `publish`: `sent_bytes` (what this rank sent to the writer for the step) and `blocked_s` (how
-    long the call held this rank)."""
+    After each `publish`: `sent_bytes` (what this rank sent to other ranks for the step: pickled objects,
+    and its shards when an anchor was gathered), `blocked_s` (how long the call held this rank) and
+    `gathered` (whether the step gathered the full weights for an anchor)."""
 
     def __init__(
         self,
@@ -72,24 +76,38 @@ class ShardedPublisher:
         writer_rank: int = 0,
     ):
         self.group, self.writer_rank = group, writer_rank
-        self.rank = dist.get_rank(group)
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self._src = writer_rank if group is None else dist.get_global_rank(group, writer_rank)
         self.is_writer = self.rank == writer_rank
-        self.publisher = Publisher(root, model=model, config=config) if self.is_writer else None
-        self.shards: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (bf16 copy of the local part, offset)
-        self.full: dict[str, torch.Tensor] | None = None  # the writer's bf16 copy of the whole model
-        self.fingerprint: int | None = None  # of the full bf16 state after the last step, from the parts
+        self.config = config or PublisherConfig()
+        self.publisher: Publisher | None = None
         self.sent_bytes = 0
         self.blocked_s = 0.0
+        self.gathered = False
+        tag, error = None, None
+        try:
+            if self.is_writer:
+                self.publisher = Publisher(root, model=model, config=self.config)
+                tag = self.publisher.claim.tag
+        except Exception as e:  # the other ranks must not wait for a writer that is gone
+            error = e
+        self.tag: str = self._from_writer(tag, error)  # every part carries the writer's tag
+        if self.publisher is not None:
+            self.storage = self.publisher.storage
+        else:
+            self.storage = root if isinstance(root, Storage) else open_storage(root)
+        self.shards: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (bf16 copy of the local part, offset)
+        self.shapes: dict[str, list[int]] = {}  # every tensor's whole shape
+        self.step: int | None = None  # the last published step
+        self.fingerprint: int | None = None  # of the full bf16 state at `step`, from the parts
 
     @torch.no_grad()
     def publish(self, params: Iterable[tuple[str, torch.Tensor]], info: Mapping[str, float] | None = None):
-        """Publish the state after this step; returns the step on the writer rank, None on the others."""
+        """Publish the state after this step; returns the step on every rank."""
         start = time.perf_counter()
+        self.sent_bytes, self.gathered = 0, False
         params = list(params)
-        if self.full is None and not self.shards:
-            step = self._first(params, info)
-        else:
-            step = self._next(params, info)
+        step = self._first(params, info) if self.fingerprint is None else self._next(params, info)
         self.blocked_s = time.perf_counter() - start
         return step
 
@@ -98,52 +116,126 @@ class ShardedPublisher:
             self.publisher.close()
         dist.barrier(group=self.group)
 
-    def _first(self, params: list[tuple[str, torch.Tensor]], info) -> int | None:
-        full = {}
-        for name, p in params:  # collective per parameter: every rank takes part
-            whole = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-            if self.is_writer:
-                full[name] = whole.to(torch.bfloat16).cpu().clone()
+    # ------------------------------------------------------------------------------------------ steps
+
+    def _first(self, params: list[tuple[str, torch.Tensor]], info) -> int:
+        """The run's first state goes to the writer's Publisher whole (an anchor, or a delta from the state
+        a resumed root holds)."""
+        for name, p in params:
+            self.shapes[name] = list(p.shape)
             part = local_shard(p, self.rank)
             if part is not None:
-                self.shards[name] = (part[0].to(torch.bfloat16).cpu().clone(), part[1])
-        self.sent_bytes = 0
-        if not self.is_writer:
-            return None
-        self.full = full
-        self.fingerprint = fingerprint.state_fingerprint(full)
-        assert self.publisher is not None  # the writer rank's
-        return self.publisher.publish(full, info=info)
+                self.shards[name] = (part[0].to(torch.bfloat16).cpu().clone().reshape(-1), part[1])
+        full = self._gather(params)
+        result, error = None, None
+        if self.publisher is not None:
+            assert full is not None  # the writer's
+            try:
+                result = (self.publisher.publish(full, info=info), fingerprint.state_fingerprint(full))
+            except Exception as e:
+                error = e
+        self.step, self.fingerprint = self._from_writer(result, error)
+        return self.step
 
-    def _next(self, params: list[tuple[str, torch.Tensor]], info) -> int | None:
-        changes: Changes = {}
-        moved = 0
+    def _next(self, params: list[tuple[str, torch.Tensor]], info) -> int:
+        assert self.step is not None and self.fingerprint is not None  # set by _first
+        start = time.perf_counter()
+        old, new, windows = {}, {}, {}
         for name, p in params:
             part = local_shard(p, self.rank)
             if part is None:
                 continue
-            old, offset = self.shards[name]
-            new = part[0].to(torch.bfloat16).cpu()
-            found = diff({name: old}, {name: new}).get(name)
-            if found is None:
-                continue
-            local_idx = found.indices.numpy()
-            old_bits = bits(old).reshape(-1).numpy()[local_idx]
-            new_bits = bits(found.values).numpy()
-            moved += fingerprint.delta(name, local_idx + offset, old_bits, new_bits)
-            narrow = local_idx.astype(np.int32) if old.numel() < 1 << 31 else local_idx
-            changes[name] = (offset, narrow, new_bits)
-            old.reshape(-1)[found.indices] = found.values  # the copy follows the shard
-        message = (changes, moved & fingerprint.MASK64)
-        self.sent_bytes = 0 if self.is_writer else len(pickle.dumps(message))
-        gathered: list[Any] | None = [None] * dist.get_world_size(self.group) if self.is_writer else None
-        dist.gather_object(message, gathered, dst=self.writer_rank, group=self.group)
+            copy, offset = self.shards[name]
+            old[name], new[name] = copy, part[0].reshape(-1)
+            if copy.numel() != math.prod(self.shapes[name]):
+                windows[name] = (offset, copy.numel())
+        changes, moved = window_changes(old, new, windows, self.config.threads)
+        moves = self._all_gather(moved)
+        base = (self.fingerprint + sum(moves[: self.rank])) & fingerprint.MASK64
+        fp = (self.fingerprint + sum(moves)) & fingerprint.MASK64
+        step = self.step + 1
+        numel = sum(math.prod(shape) for shape in self.shapes.values())
+        patch = Patch(step, self.step, numel, base, (base + moved) & fingerprint.MASK64, changes)
+        path = delta_paths(step, self.world, self.tag)[self.rank]
+        stored, failure = None, None
+        try:
+            data = encode(
+                patch,
+                {n: old[n] for n in changes},
+                self.config.encoding,
+                self.config.threads,
+                windows={n: w for n, w in windows.items() if n in changes},
+                shapes=self.shapes,
+            )
+            retry(lambda: self.storage.write_bytes(path, data), self.config.retry_s, attempts=6)
+            stored = (path, len(data), patch.changed, time.perf_counter() - start)
+        except Exception as e:
+            failure = f"rank {self.rank}: {type(e).__name__}: {e}"
+        parts = self._to_writer((stored, failure))
+        due, error = False, None
+        if self.publisher is not None:
+            assert parts is not None  # the writer's
+            try:
+                failed = [e for _, e in parts if e]
+                if failed:
+                    raise RuntimeError(f"a part of step {step} was not stored: {failed[0]}")
+                self.publisher.flush()  # the head of the previous step: the anchor rule reads it
+                due = self.publisher.anchor_due(step, sum(s[1] for s, _ in parts))
+            except Exception as e:
+                error = e
+        full = self._gather(params) if self._from_writer(due, error) else None
+        error = None
+        if self.publisher is not None:
+            assert parts is not None  # the writer's
+            stored_parts = [s for s, _ in parts]
+            files, sizes, changed, seconds = (list(column) for column in zip(*stored_parts, strict=True))
+            try:
+                delta = StoredDelta(tuple(files), sum(sizes), sum(changed), fp, max(seconds))
+                self.publisher.publish_stored(delta, step, full, info)
+            except Exception as e:
+                error = e
+        self._from_writer(None, error)  # handed to the writer's Publisher, which writes the head
+        apply_changes(old, changes)  # the copies follow the shards
+        self.step, self.fingerprint = step, fp
+        return step
+
+    # ---------------------------------------------------------------------------------- collectives
+
+    def _gather(self, params: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
+        """The full bf16 weights on the writer rank (None on the others): collective per parameter."""
+        full, self.gathered = {}, True
+        for name, p in params:
+            if isinstance(p, DTensor):
+                whole = p.full_tensor()
+                self.sent_bytes += p.to_local().numel() * p.element_size() * (self.world - 1)
+            else:
+                whole = p.detach()
+            if self.is_writer:
+                full[name] = whole.to(torch.bfloat16).cpu()
+        return full if self.is_writer else None
+
+    def _all_gather(self, value: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, value, group=self.group)
+        self.sent_bytes += len(pickle.dumps(value)) * (self.world - 1)
+        return out
+
+    def _to_writer(self, value: Any) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.world if self.is_writer else None
+        dist.gather_object(value, out, dst=self._src, group=self.group)
         if not self.is_writer:
-            return None
-        assert gathered is not None and self.full is not None and self.publisher is not None  # the writer's
-        for rank_changes, rank_moved in gathered:
-            for name, (offset, positions, new_bits) in rank_changes.items():
-                flat = bits(self.full[name]).reshape(-1)
-                flat[torch.from_numpy(positions.astype(np.int64) + offset)] = torch.from_numpy(new_bits)
-            self.fingerprint = (self.fingerprint + rank_moved) & fingerprint.MASK64
-        return self.publisher.publish(self.full, info=info)
+            self.sent_bytes += len(pickle.dumps(value))
+        return out
+
+    def _from_writer(self, value: Any, error: BaseException | None) -> Any:
+        """The writer's `value` on every rank; if the writer failed (`error`), every rank raises."""
+        box = [(value, f"{type(error).__name__}: {error}" if error else None)]
+        dist.broadcast_object_list(box, src=self._src, group=self.group)
+        if self.is_writer:
+            self.sent_bytes += len(pickle.dumps(box[0])) * (self.world - 1)
+        value, problem = box[0]
+        if error is not None:
+            raise error
+        if problem is not None:
+            raise RuntimeError(f"sharded publishing: the writer rank failed: {problem}")
+        return value

@@ -33,7 +33,7 @@ import torch
 from deltasync import telemetry
 from deltasync.codec import fingerprint
 from deltasync.codec.changes import TensorChanges, apply_changes
-from deltasync.codec.patch import Patch, PatchError, decode, read_info
+from deltasync.codec.patch import Patch, PatchError, decode, decode_parts, read_info
 from deltasync.storage import Storage, TransientStorageError, open_storage, retry
 from deltasync.sync.anchor import read_anchor
 from deltasync.sync.protocol import (
@@ -298,11 +298,12 @@ class Subscriber:
         with tempfile.TemporaryDirectory(prefix="deltasync-") as tmp:
             local = [Path(tmp) / f"{i}.safetensors" for i in range(len(entry.files))]
             try:
-                if entry.kind == "delta":  # one read, no stat: the head gives its size
-                    data = self._prefetched(entry) or self._retry(
-                        lambda: self.storage.read_bytes(entry.files[0], entry.bytes)
-                    )
-                    size = len(data)
+                if entry.kind == "delta":  # a read per part, no stat: each at most what the size leaves
+                    parts = [data] if (data := self._prefetched(entry)) else []
+                    for path in entry.files[len(parts) :]:
+                        left = entry.bytes - sum(map(len, parts))
+                        parts.append(self._retry(lambda p=path, n=left: self.storage.read_bytes(p, n)))
+                    size = sum(map(len, parts))
                 else:
                     for path, dest in zip(entry.files, local, strict=True):  # each at most the entry's size
                         self._retry(lambda p=path, d=dest: self.storage.download_file(p, d, entry.bytes))
@@ -315,7 +316,7 @@ class Subscriber:
                     patch = None
                     state = read_anchor(local, self.run, entry.step, entry.fingerprint, self.threads)
                 else:
-                    state, patch = None, self._decode(data, entry)
+                    state, patch = None, self._decode(parts, entry)
             except ValueError as e:  # PatchError, AnchorError, TooLargeError, a size mismatch: not this file
                 self._bad.update((f, entry.bytes) for f in entry.files)
                 self._refusal = _bounded(f"{entry.kind} of step {entry.step}: {e}")
@@ -353,6 +354,8 @@ class Subscriber:
         head, run = self.head, self.run
         if not self.prefetch or head is None or run is None or self.step != head.step:
             return
+        if head.deltas and len(head.deltas[-1].files) > 1:  # a sharded writer: its next step comes in parts
+            return
         parsed = parse_data_path(head.entries[-1].files[0])  # the head's writer names its next step alike
         path = delta_path(head.step + 1, parsed[2] if parsed else "")
         if self._ahead is not None and self._ahead[0] == path and not _missing(self._ahead[1]):
@@ -380,12 +383,17 @@ class Subscriber:
             return None
         return data if len(data) == entry.bytes else None
 
-    def _decode(self, data: bytes, entry: Entry) -> Patch:
-        claimed = read_info(data).changed  # from the headers alone: decoding allocates per claimed change
+    def _decode(self, parts: list[bytes], entry: Entry) -> Patch:
+        """One patch, or a step stored in parts (one per rank of a sharded publisher): decoded, verified and
+        merged into one set of changes before anything is written."""
+        claimed = sum(read_info(d).changed for d in parts)  # headers alone: decoding allocates per change
         if claimed != entry.changed:
             raise PatchError(f"patch claims {claimed} changes, the head lists {entry.changed}")
         assert self.state is not None  # a delta applies to the state held
-        patch = decode(data, self.state, self.fingerprint, self.threads)
+        if len(parts) == 1:
+            patch = decode(parts[0], self.state, self.fingerprint, self.threads)
+        else:
+            patch = decode_parts(parts, self.state, self.fingerprint, self.threads)
         if (patch.step, fingerprint.format_fingerprint(patch.fingerprint)) != (entry.step, entry.fingerprint):
             raise PatchError(
                 f"patch is step {patch.step}, the head names step {entry.step} with another state"

@@ -1,10 +1,12 @@
 """ShardedPublisher under `torch.distributed.run --nproc_per_node 2`: a small FSDP2 training loop on the CPU
-(gloo), each rank diffing its own shards; a subscriber of the root ends bitwise equal to the full model.
+(gloo), each rank diffing and encoding its own shards into its own part of each step; a subscriber of the
+root ends bitwise equal to the full model.
 
 TRL's async trainer does not run FSDP on the CPU, so the loop is bench/fsdp.py's own. Its rank 0 writes the
 final full weights (gathered once, for this check) beside the fingerprint the ranks' parts added up to.
 """
 
+import math
 import subprocess
 import sys
 
@@ -12,14 +14,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
-from deltasync.sync.protocol import read_head
+from deltasync.codec.patch import read_info
+from deltasync.sync.protocol import delta_paths, parse_data_path, read_head
 from deltasync.sync.subscriber import Subscriber
 from tests.helpers import REPO, assert_bitwise_equal
 
 STEPS = 3
 
 
-def test_fsdp_ranks_publish_one_chain_a_subscriber_follows_bitwise(tmp_path):
+def test_fsdp_ranks_publish_their_own_parts_a_subscriber_follows_bitwise(tmp_path):
     root, final = tmp_path / "root", tmp_path / "final.safetensors"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     argv += ["-m", "bench.fsdp", "--steps", str(STEPS), "--layers", "2", "--width", "256", "--lr", "1e-3"]
@@ -37,5 +40,16 @@ def test_fsdp_ranks_publish_one_chain_a_subscriber_follows_bitwise(tmp_path):
     assert reader.step == head.step == STEPS
     assert_bitwise_equal(reader.state, expected)
     assert head.fingerprint == parts_fingerprint == format_fingerprint(state_fingerprint(expected))
-    assert "delta" in {e.kind for e in head.entries}  # steps went out as patches (an anchor is due once a
-    # chain of them outweighs one: on this small model, possibly at the last step)
+
+    # Each delta step is 2 part files, part r holding exactly rank r's rows of every tensor it changes.
+    deltas = head.deltas
+    assert deltas, "no step went out as a delta"
+    for entry in deltas:
+        tag = parse_data_path(entry.files[0])[2]
+        assert entry.files == tuple(delta_paths(entry.step, 2, tag)), entry.files
+        for rank, path in enumerate(entry.files):
+            info = read_info((root / path).read_bytes())
+            assert info.tensors and set(info.windows) == set(info.tensors)
+            for name, window in info.windows.items():
+                numel = math.prod(expected[name].shape)
+                assert window == (rank * numel // 2, numel // 2), (path, name, window)
