@@ -28,8 +28,9 @@ memory left beside the weights, at most room for 4 sequences of --max-model-len 
 SIGTERM and SIGINT stop the server and vLLM's engine processes.
 
 Public routes: /health, /version, /v1/models, /v1/completions, /v1/chat/completions, /inference/v1/generate
-(vLLM's token-in/token-out API: its choices carry exact `weight_versions` spans), GET /weights (sync status)
-and the Gradio page at /. vLLM's other routes (admin, dev, scaling, metrics, docs) answer 404. Completions
+(vLLM's token-in/token-out API: its choices carry exact `weight_versions` spans), GET /weights (sync status,
+with `write_paths`: how many tensors each write path takes, and which ones go other than directly) and the
+Gradio page at /. vLLM's other routes (admin, dev, scaling, metrics, docs) answer 404. Completions
 carry `x-weight-version` (the version when the request arrived) and `x-weight-version-end` (when the response
 started; for a non-streamed response, when it was complete): the versions that produced it lie in between.
 Each generation request is salted with the weight version current when it arrives (vLLM's `cache_salt`), so no
@@ -70,7 +71,14 @@ from deltasync.asgi import BodyLimit
 from deltasync.settings import from_env
 from deltasync.sync.subscriber import Subscriber
 from deltasync.vllm import compat
-from deltasync.vllm.follower import AsyncEngine, EngineApplier, KvPolicy, WritePath, log_applied
+from deltasync.vllm.follower import (
+    AsyncEngine,
+    EngineApplier,
+    KvPolicy,
+    WritePath,
+    log_applied,
+    path_summary,
+)
 
 log = logging.getLogger("deltasync.inference")
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
@@ -140,6 +148,8 @@ def sync_status(cfg: Settings, subscriber: Subscriber, applier: EngineApplier, i
         "last_error": subscriber.last_error,
         "readback": applier.readback,
         "last_write": applier.last_write,
+        # how the workers write each tensor: in place ("direct", MoE experts "packed") or by vLLM's loader
+        "write_paths": path_summary(applier.paths),
         "requests_in_flight": in_flight.count,
         "preemptions": preemptions(),
         "recent": [{**asdict(a), "lag_s": a.lag_s} for a in recent],

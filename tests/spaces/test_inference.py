@@ -169,6 +169,9 @@ class TestFollowingServer:
         status = server.wait_for(lambda s: s["readback"] and s["readback"]["step"] == 0, "the first anchor")
         assert status["anchor"] == 0 and status["weight_version"] == "0" and status["last_error"] is None
         assert status["step"] == 0 and status["readback"]["fingerprint"] == run.fingerprints[0]
+        # a dense model: every tensor written in place, straight into vLLM's parameter views
+        direct = {"direct": len(run.states[0]), "packed": 0, "loader": 0}
+        assert status["write_paths"] == {"counts": direct, "other": {}}
 
     def test_every_step_applied_verified_and_served(self, run, server):
         outputs = {0: server.greedy()}

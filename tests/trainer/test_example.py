@@ -1,43 +1,56 @@
 """examples/grpo_bucket.py, a TRL script with a task of its own, trains 3 steps on the CPU against a vLLM
-replica following its sync root; the replica ends bitwise equal to the trainer's weights.
+replica following its sync root; the replica ends bitwise equal to the trainer's weights. Once with the
+tiny dense Qwen3 against the inference Space, once with a tiny Qwen3-MoE against stock vLLM followed by
+`deltasync follow` (transformers trains its experts fused; the sync root and vLLM hold one tensor per expert).
 
 The trainer's final weights are read from the checkpoint the script saves at its last step (TRL's own
 --save_strategy), independently of the publisher's running fingerprint.
 """
 
+import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from deltasync import telemetry
 from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
 from deltasync.storage import open_storage
 from deltasync.sync.protocol import read_head, read_run
-from tests.helpers import REPO
+from tests.deltasync.vllm.test_follow import following, stock_server
+from tests.deltasync.vllm.test_moe import ENV, EXPERT_SIZE, FLAGS
+from tests.helpers import REPO, assert_bitwise_equal, wait_for
 from tests.trainer.test_train_e2e import PLACEMENT, replica, wait_for_replica
 from trainer.processes import log_tail, start_process
-from trainer.tiny_model import default_model_dir, ensure_tiny_model
+from trainer.tiny_model import build_tiny_model, default_model_dir, ensure_tiny_model
 
 pytestmark = pytest.mark.slow  # starts vLLM
 
 STEPS = 3
 
 
+def run_example(model: Path, root: Path, url: str, out: Path) -> None:
+    """examples/grpo_bucket.py for STEPS steps on the CPU, saving the model at the last one."""
+    argv = [sys.executable, str(REPO / "examples" / "grpo_bucket.py"), "--model_name_or_path", str(model)]
+    argv += ["--sync_root", str(root), "--inference_url", url, "--output_dir", str(out)]
+    argv += ["--max_steps", str(STEPS), "--save_strategy", "steps", "--save_steps", str(STEPS)]
+    argv += ["--use_cpu", "--bf16", "false", "--gradient_checkpointing", "false", "--token_budget", "0"]
+    argv += ["--num_generations", "4", "--per_device_train_batch_size", "8", "--num_prompts", "64"]
+    argv += ["--max_completion_length", "16", "--learning_rate", "1e-4", "--seed", "1"]
+    argv += ["--report_to", "none"]
+    log = out.parent / f"{out.name}.log"
+    proc = start_process(argv, log, cwd=REPO, cpus=PLACEMENT.others)
+    assert proc.wait(timeout=900) == 0, log_tail(log, 5000)
+
+
 def test_example_script_trains_against_a_replica(tmp_path):
     model = ensure_tiny_model(default_model_dir())
     root, out = tmp_path / "root", tmp_path / "out"
     with replica(tmp_path, root, model) as url:
-        argv = [sys.executable, str(REPO / "examples" / "grpo_bucket.py"), "--model_name_or_path", str(model)]
-        argv += ["--sync_root", str(root), "--inference_url", url, "--output_dir", str(out)]
-        argv += ["--max_steps", str(STEPS), "--save_strategy", "steps", "--save_steps", str(STEPS)]
-        argv += ["--use_cpu", "--bf16", "false", "--gradient_checkpointing", "false", "--token_budget", "0"]
-        argv += ["--num_generations", "4", "--per_device_train_batch_size", "8", "--num_prompts", "64"]
-        argv += ["--max_completion_length", "16", "--learning_rate", "1e-4", "--seed", "1"]
-        argv += ["--report_to", "none"]
-        log = tmp_path / "example.log"
-        proc = start_process(argv, log, cwd=REPO, cpus=PLACEMENT.others)
-        assert proc.wait(timeout=900) == 0, log_tail(log, 5000)
+        run_example(model, root, url, out)
         storage = open_storage(root)
         head = read_head(storage)
         assert head.step == STEPS  # the cold sync is step 0
@@ -49,3 +62,30 @@ def test_example_script_trains_against_a_replica(tmp_path):
     # The replica's weights, read back from vLLM's memory, are bitwise the trainer's bf16 weights.
     trainer_fingerprint = format_fingerprint(state_fingerprint(state))
     assert status["readback"]["fingerprint"] == head.fingerprint == trainer_fingerprint
+
+
+def test_example_script_trains_a_moe_model_against_a_follower(tmp_path):
+    model = build_tiny_model(tmp_path / "tiny-moe", wordle=True, moe=True, expert_size=EXPERT_SIZE)
+    root, out, name = tmp_path / "root", tmp_path / "out", "follower-moe-example"
+    with (
+        stock_server(model, tmp_path, *FLAGS, env=ENV) as server,
+        following(root, server, tmp_path / "follower.log", name) as follower_log,
+    ):
+        run_example(model, root, server.url, out)
+        head = read_head(open_storage(root))
+        assert head.step == STEPS  # the cold sync is step 0
+        record = root / telemetry.REPLICAS_DIR / name / f"step-{STEPS:08d}.json"
+        wait_for(record.exists, f"the follower's record of step {STEPS}; log {follower_log}", 180)
+        held = server.readback()  # the HF tensors vLLM's worker holds, read back through the engine
+    assert telemetry.from_json(telemetry.ReplicaRecord, record.read_bytes()).verified
+
+    trained = load_file(out / f"checkpoint-{STEPS}" / "model.safetensors")  # save_pretrained's names
+    assert "model.layers.1.mlp.experts.7.gate_proj.weight" in trained
+    state = {n: t.to(torch.bfloat16) for n, t in trained.items()}
+    assert_bitwise_equal(held, state)
+    assert head.fingerprint == format_fingerprint(state_fingerprint(state))
+    # The follower says how each tensor is written: the experts through vLLM's prepacked layout.
+    line = next(line for line in follower_log.read_text().splitlines() if "tensors written in place" in line)
+    summary = json.loads(line.split("tensors written in place: ")[1])
+    experts = sum(".experts." in n for n in state)  # 2 layers x 8 experts x 3 projections
+    assert summary["counts"] == {"direct": len(state) - experts, "packed": experts, "loader": 0}

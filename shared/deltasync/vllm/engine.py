@@ -21,6 +21,8 @@ weights (written by `deltasync follow` or the inference Space):
 - `kind="readback"`: writes nothing; each rank saves the HF tensors it holds whole to
   `path/rank-<r>.safetensors`, with how each tensor is written (`Layout.paths`: direct, packed MoE experts,
   or through vLLM's loader) as JSON in its `paths` metadata.
+- `kind="paths"`: writes nothing; each rank saves how each tensor it holds is written (`Layout.paths`) as
+  JSON to `path/rank-<r>.json`.
 
 MoE models work alike: on CPU their experts live in vLLM's prepacked layout, which the layout maps element
 by element (`deltasync.vllm.experts`); `write="vllm"` is refused for them (vLLM's loader writes the
@@ -57,7 +59,7 @@ from deltasync.vllm import compat
 from deltasync.vllm.layout import Layout, sum_across
 
 log = init_logger(__name__)  # vLLM's logger: configured in its worker processes
-KINDS = ("delta", "stage", "anchor", "verify", "readback")
+KINDS = ("delta", "stage", "anchor", "verify", "readback", "paths")
 WRITES = ("direct", "vllm")
 
 
@@ -173,6 +175,11 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
             raise ValueError(f"update_info of kind {info.kind!r} needs a path")
         if info.kind == "readback":
             return self._readback(Path(info.path))
+        if info.kind == "paths":
+            folder = Path(info.path)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"rank-{compat.rank(self.group)}.json").write_text(json.dumps(self._ready().paths()))
+            return None
         staged, self.staged = self.staged, None
         if info.kind == "delta" and staged is not None and staged.matches(info, self.fingerprint):
             return self._write_delta(staged, info)

@@ -42,6 +42,8 @@ SHARD_BYTES = 1 << 30  # an anchor reaches the workers in files of about this si
 HOLDS = re.compile(r"weights read back hold ([0-9a-f]{16})")
 KvPolicy = Literal["keep", "recompute"]
 WritePath = Literal["direct", "vllm"]
+PATHS = ("direct", "packed", "loader")  # how the workers write a tensor: `deltasync.vllm.layout.Layout.paths`
+NUMBER = re.compile(r"\.\d+(?=\.)")  # a layer's or an expert's number in a tensor name
 
 
 class WriteRefused(RuntimeError):
@@ -194,6 +196,8 @@ class EngineApplier(Applier):
         self.stuck = False
         self.tmp = Path(tempfile.mkdtemp(prefix="deltasync-follow-"))
         self.engine.init({"root": root, "write": write})
+        self.paths = self._read_paths()  # how the workers write each tensor (Layout.paths)
+        log.info("tensors written in place: %s", json.dumps(path_summary(self.paths)))
 
     def attach(self, subscriber: Subscriber) -> None:
         self.subscriber = subscriber
@@ -265,6 +269,18 @@ class EngineApplier(Applier):
         self.readback = {"step": step, "at": time.time(), "fingerprint": format_fingerprint(expected)}
         return expected
 
+    def _read_paths(self) -> dict[str, str]:
+        """`Layout.paths` of the workers; a tensor any rank writes other than directly counts as such."""
+        folder = self.tmp / "paths"
+        self._paused([{"step": -1, "kind": "paths", "path": str(folder)}], pause=False)  # a read
+        paths: dict[str, str] = {}
+        for file in sorted(folder.glob("rank-*.json")):
+            for name, path in json.loads(file.read_text()).items():
+                if paths.get(name, "direct") == "direct":
+                    paths[name] = path
+        shutil.rmtree(folder)
+        return paths
+
     def use_write(self, write: WritePath) -> None:
         """Switch the engine's write path (its layout is kept)."""
         self.engine.init({"root": self.root, "write": write})
@@ -331,6 +347,20 @@ class EngineApplier(Applier):
             "pause_s": pause_s,
         }
         return pause_s
+
+
+def path_summary(paths: Mapping[str, str]) -> dict:
+    """`Layout.paths` of a whole model in brief: how many tensors take each path, and under `other` the
+    tensors written other than directly, by path, with layer and expert numbers as `*` (an MoE model has
+    thousands of expert tensors)."""
+    other: dict[str, list[str]] = {}
+    for name, path in paths.items():
+        if path != "direct":
+            pattern = NUMBER.sub(".*", name)
+            if pattern not in other.setdefault(path, []):
+                other[path].append(pattern)
+    counts = {path: sum(p == path for p in paths.values()) for path in PATHS}
+    return {"counts": counts, "other": other}
 
 
 def log_applied(a: Applied) -> None:

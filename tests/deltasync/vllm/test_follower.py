@@ -1,6 +1,9 @@
 """The follower's side of vLLM's weight-update protocol, against a stand-in engine that keeps the weights in a
 dict (no vLLM): the order of the calls, what a refusal leaves behind, and the read-back answer."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -8,16 +11,18 @@ from safetensors.torch import load_file
 from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
 from deltasync.codec.patch import raw_changes
 from deltasync.sync.subscriber import Subscriber, SyncError
-from deltasync.vllm.follower import EngineApplier, WriteRefused
+from deltasync.vllm.follower import EngineApplier, WriteRefused, path_summary
 from tests.helpers import SHAPES, assert_bitwise_equal, run_steps
 
 
 class FakeEngine:
     """vLLM's protocol as the workers keep it: an update only between start and finish; a refusal (from
-    `refuse`) ends the update; `verify` answers as the deltasync engine does."""
+    `refuse`) ends the update; `verify` and `paths` answer as the deltasync engine does (`paths`: what each
+    rank reports)."""
 
-    def __init__(self):
+    def __init__(self, paths: list[dict[str, str]] | None = None):
         self.state: dict[str, torch.Tensor] = {}
+        self.paths = paths or [{}]
         self.calls: list[str] = []
         self.active = self.paused = False
         self.version: str | None = None
@@ -52,6 +57,11 @@ class FakeEngine:
                 raise WriteRefused(f"the weights read back hold {held}, step {info['step']} is x")
             return
         if info["kind"] == "stage":  # the checks only
+            return
+        if info["kind"] == "paths":
+            Path(info["path"]).mkdir(parents=True)
+            for rank, paths in enumerate(self.paths):
+                (Path(info["path"]) / f"rank-{rank}.json").write_text(json.dumps(paths))
             return
         entries = load_file(info["path"])
         if info["kind"] == "anchor":
@@ -118,3 +128,28 @@ def test_read_back_reports_what_the_workers_hold(followed):
     engine.state[name].view(-1)[0] += 1
     assert applier.fingerprint() == state_fingerprint(engine.state) != subscriber.fingerprint
     assert not engine.active
+
+
+def test_reports_how_each_tensor_is_written(tmp_path):
+    expert = "model.layers.{}.mlp.experts.{}.down_proj.weight"
+    ranks = [
+        {"model.embed_tokens.weight": "direct", expert.format(0, 7): "packed", expert.format(1, 0): "packed"},
+        {"model.embed_tokens.weight": "loader", expert.format(0, 7): "direct", expert.format(1, 0): "packed"},
+    ]
+    engine = FakeEngine(paths=ranks)
+    applier = EngineApplier(engine, str(tmp_path / "root"))
+    # A tensor any rank writes other than directly is reported as such; read while generation goes on.
+    assert applier.paths == {
+        "model.embed_tokens.weight": "loader",
+        expert.format(0, 7): "packed",
+        expert.format(1, 0): "packed",
+    }
+    assert engine.calls == ["init", "start", "update paths", "finish"] and not list(applier.tmp.iterdir())
+    assert path_summary(applier.paths) == {
+        "counts": {"direct": 0, "packed": 2, "loader": 1},
+        "other": {
+            "loader": ["model.embed_tokens.weight"],
+            "packed": ["model.layers.*.mlp.experts.*.down_proj.weight"],
+        },
+    }
+    applier.close()

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from deltasync.codec.bf16 import bits
 from deltasync.vllm import compat
 from deltasync.vllm.experts import Packing, PackingError
+from deltasync.vllm.follower import path_summary
 from tests.deltasync.vllm.test_follow import following, stock_server
 from tests.helpers import ServedRun, assert_bitwise_equal
 from trainer.tiny_model import build_tiny_model
@@ -112,6 +113,9 @@ def test_follows_three_steps_writing_the_experts_bitwise(run, server, follower, 
     with safe_open(tmp_path / "rank-0.safetensors", "pt") as held:
         paths = json.loads(held.metadata()["paths"])
     assert paths == {name: "packed" if ".experts." in name else "direct" for name in run.states[step]}
+    # ... which the follower reports too (layer and expert numbers as `*`)
+    line = next(line for line in follower.read_text().splitlines() if "tensors written in place" in line)
+    assert json.loads(line.split("tensors written in place: ")[1]) == path_summary(paths)
     for s in range(step + 1):
         record = run.replica_record(REPLICA, s)
         assert record.verified and record.error is None
