@@ -188,3 +188,37 @@ def delta_file(root, step: int) -> Path:
     """The delta of `step` in the folder `root`, whichever writer's tag its name carries (exactly one)."""
     (path,) = Path(root).glob(f"deltas/step-{step:08d}*.safetensors")
     return path
+
+
+def window_parts(
+    old: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    spans: list[tuple[int, int]],
+    step: int = 2,
+    base_step: int = 1,
+    encoding: str = "compact",
+    chunk: int = 7,
+    whole: tuple[str, ...] = (),
+) -> list[bytes]:
+    """The step from bf16 `old` to `new` as one patch per span, as the ranks of a sharded publisher write
+    it: part i holds flat elements [lo, hi) of spans[i] of every tensor (capped at its size), but the tensors
+    in `whole`, which part 0 holds whole."""
+    from deltasync.codec import fingerprint
+    from deltasync.codec import patch as patches
+
+    shapes = {n: list(t.shape) for n, t in old.items()}
+    numel = sum(t.numel() for t in old.values())
+    fp, parts = state_fingerprint(old), []
+    for i, (lo, hi) in enumerate(spans):
+        windows = {
+            n: (lo, min(hi, t.numel()) - lo) for n, t in old.items() if n not in whole and lo < t.numel()
+        }
+        part_old = {n: old[n].reshape(-1)[s : s + k] for n, (s, k) in windows.items()}
+        part_new = {n: new[n].reshape(-1)[s : s + k] for n, (s, k) in windows.items()}
+        for n in whole if i == 0 else ():
+            part_old[n], part_new[n] = old[n], new[n]
+        changes, moved = patches.window_changes(part_old, part_new, windows)
+        patch = patches.Patch(step, base_step, numel, fp, (fp + moved) & fingerprint.MASK64, changes)
+        parts.append(patches.encode(patch, part_old, encoding, chunk=chunk, windows=windows, shapes=shapes))
+        fp = patch.fingerprint
+    return parts

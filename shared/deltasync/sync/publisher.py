@@ -407,7 +407,9 @@ class Publisher:
         try:  # the step is published: losing telemetry or leaving garbage must not undo that
             for r in [*job.skipped, record]:
                 telemetry.write(self.storage, r)
-            self.storage.delete(sorted((head.files() if head else set()) - new_head.files()))
+            # What the head no longer names, and the step's own delta when retention already dropped it
+            written = {f for e in entries for f in e.files}
+            self.storage.delete(sorted(((head.files() if head else set()) | written) - new_head.files()))
         except TransientStorageError as e:
             log.warning("step %d published, but telemetry or GC failed: %s", job.step, e)
 

@@ -10,7 +10,7 @@ from deltasync.codec import fingerprint
 from deltasync.codec import patch as patches
 from deltasync.codec.bf16 import bits
 from deltasync.codec.changes import SchemaError, apply_changes
-from tests.helpers import assert_bitwise_equal, bf16_from_bits, random_state, step_state
+from tests.helpers import assert_bitwise_equal, bf16_from_bits, random_state, step_state, window_parts
 
 ENCODINGS = patches.ENCODINGS
 
@@ -241,28 +241,11 @@ def test_class_counts_claiming_more_changes_than_elements_are_refused_before_dec
         compact.decode_chunk(header, np.zeros(numel, np.uint16), models.tables())
 
 
-CUTS = [0, 11, 500, 1073]  # windows cross the 7-element chunk grid; "b" ends inside part 2
+CUTS = [(0, 11), (11, 500), (500, 1073)]  # windows cross the 7-element chunk grid; "b" ends inside part 2
 
 
-def window_parts(old: dict, new: dict, cuts: list[int], encoding: str = "compact", chunk: int = 7):
-    """The step from `old` to `new` as one patch per part, part i holding flat elements [cuts[i], cuts[i+1])
-    of "w" and "b" (capped at each tensor's size), and tensor "n" whole in part 0: as sharded ranks write it.
-    `cuts` may also list (lo, hi) pairs, one per part."""
-    shapes = {n: list(t.shape) for n, t in old.items()}
-    numel = sum(t.numel() for t in old.values())
-    fp, parts = fingerprint.state_fingerprint(old), []
-    pairs = cuts if isinstance(cuts[0], tuple) else list(zip(cuts, cuts[1:], strict=False))
-    for i, (lo, hi) in enumerate(pairs):
-        windows = {n: (lo, min(hi, old[n].numel()) - lo) for n in ("w", "b") if lo < old[n].numel()}
-        part_old = {n: old[n].reshape(-1)[s : s + k] for n, (s, k) in windows.items()}
-        part_new = {n: new[n].reshape(-1)[s : s + k] for n, (s, k) in windows.items()}
-        if i == 0:
-            part_old["n"], part_new["n"] = old["n"], new["n"]
-        changes, moved = patches.window_changes(part_old, part_new, windows)
-        patch = patches.Patch(2, 1, numel, fp, (fp + moved) & fingerprint.MASK64, changes)
-        parts.append(patches.encode(patch, part_old, encoding, chunk=chunk, windows=windows, shapes=shapes))
-        fp = patch.fingerprint
-    return parts
+def parts_of(old: dict, new: dict, spans=CUTS, encoding: str = "compact") -> list[bytes]:
+    return window_parts(old, new, spans, encoding=encoding, whole=("n",))
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +260,7 @@ def windowed():
 @pytest.mark.parametrize("encoding", ENCODINGS)
 def test_parts_over_windows_at_odd_offsets_round_trip_bitwise(windowed, encoding):
     old, new = windowed
-    parts = window_parts(old, new, CUTS, encoding)
+    parts = parts_of(old, new, encoding=encoding)
     infos = [patches.read_info(p) for p in parts]
     assert infos[1].windows == {"w": (11, 489), "b": (11, 18)} and infos[2].windows == {"w": (500, 573)}
     assert "n" in infos[0].tensors and "n" not in infos[0].windows
@@ -341,7 +324,7 @@ def test_hostile_window_lists_are_refused(windowed, windows, match):
 
 def assert_window_refused(windowed, windows: str, match: str) -> None:
     old, new = windowed
-    parts = window_parts(old, new, CUTS)
+    parts = parts_of(old, new)
     bad = with_metadata(parts[1], windows=windows)
     with pytest.raises(patches.PatchError, match=match):
         patches.decode(bad, old, patches.read_info(parts[1]).base_fingerprint)
@@ -352,15 +335,15 @@ def assert_window_refused(windowed, windows: str, match: str) -> None:
 
 def test_parts_that_overlap_or_skip_a_part_are_refused(windowed):
     old, new = windowed
-    parts = window_parts(old, new, CUTS, "raw")
+    parts = parts_of(old, new, encoding="raw")
     with pytest.raises(patches.PatchError, match="part 1 of 2: .*applies to state"):
         patches.decode_parts(parts[1:], old)  # part 1 missing: the chain does not start at the base
     with pytest.raises(patches.PatchError, match="part 2 of 3: .*applies to state"):
         patches.decode_parts([parts[0], parts[2], parts[1]], old)
     with pytest.raises(patches.PatchError, match="no parts"):
         patches.decode_parts([], old)
-    backwards = window_parts(old, new, [(500, 1073), (0, 500)], "raw")  # parts listed out of order: merged
+    backwards = parts_of(old, new, [(500, 1073), (0, 500)], "raw")  # parts listed out of order: merged
     assert patches.decode_parts(backwards, old).fingerprint == fingerprint.state_fingerprint(new)
-    overlapping = window_parts(old, new, [(0, 500), (11, 1073)], "raw")  # each verifies, together they clash
+    overlapping = parts_of(old, new, [(0, 500), (11, 1073)], "raw")  # each verifies, together they clash
     with pytest.raises(patches.PatchError, match="same element"):
         patches.decode_parts(overlapping, old)

@@ -6,20 +6,32 @@ TRL's async trainer does not run FSDP on the CPU, so the loop is bench/fsdp.py's
 final full weights (gathered once, for this check) beside the fingerprint the ranks' parts added up to.
 """
 
+import json
 import math
 import subprocess
 import sys
 
+import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
 from deltasync.codec.patch import read_info
-from deltasync.sync.protocol import delta_paths, parse_data_path, read_head
-from deltasync.sync.subscriber import Subscriber
-from tests.helpers import REPO, assert_bitwise_equal
+from deltasync.storage import LocalStorage
+from deltasync.sync.protocol import HEAD_PATH, Head, ManifestError, delta_paths, parse_data_path, read_head
+from deltasync.sync.publisher import Publisher, PublisherConfig, StoredDelta
+from deltasync.sync.subscriber import Subscriber, SyncError
+from tests.helpers import (
+    REPO,
+    assert_bitwise_equal,
+    bf16,
+    make_params,
+    train_step,
+    window_parts,
+)
 
 STEPS = 3
+SPANS = [(0, 6000), (6000, 1 << 20)]  # two ranks' windows of every tensor (lm.bias lies in the first)
 
 
 def test_fsdp_ranks_publish_their_own_parts_a_subscriber_follows_bitwise(tmp_path):
@@ -53,3 +65,93 @@ def test_fsdp_ranks_publish_their_own_parts_a_subscriber_follows_bitwise(tmp_pat
             for name, window in info.windows.items():
                 numel = math.prod(expected[name].shape)
                 assert window == (rank * numel // 2, numel // 2), (path, name, window)
+
+
+def publish_in_parts(publisher: Publisher, steps: int) -> list[dict]:
+    """Step 0 published whole, then each step stored as 2 parts under the publisher's tag and published
+    with publish_stored (an anchor beside it when one is due), as ShardedPublisher's ranks do; returns the
+    bf16 state of every step."""
+    params = make_params()
+    states = [bf16(params)]
+    publisher.publish(params, step=0)
+    for step in range(1, steps):
+        train_step(params, step, density=0.05)
+        states.append(bf16(params))
+        parts = window_parts(states[-2], states[-1], SPANS, step=step, base_step=step - 1)
+        paths = delta_paths(step, 2, publisher.claim.tag)
+        for path, data in zip(paths, parts, strict=True):
+            publisher.storage.write_bytes(path, data)
+        infos = [read_info(data) for data in parts]
+        changed = sum(i.changed for i in infos)
+        delta = StoredDelta(tuple(paths), sum(map(len, parts)), changed, infos[-1].fingerprint)
+        publisher.flush()
+        anchor = params if publisher.anchor_due(step, delta.bytes) else None
+        publisher.publish_stored(delta, step, anchor, info={"reward_mean": 0.5})
+    publisher.flush()
+    return states
+
+
+def test_steps_stored_in_parts_are_followed_and_collected(tmp_path):
+    with Publisher(tmp_path, "tiny", PublisherConfig(anchor_every=4, keep_anchors=1)) as publisher:
+        states = publish_in_parts(publisher, 10)
+        with pytest.raises(ValueError, match="holds no state"):
+            publisher.publish(make_params(), step=10)
+        foreign = StoredDelta(tuple(delta_paths(10, 2, "e9-00000000")), 10, 1, 0)
+        with pytest.raises(ValueError, match="not a delta file of this writer"):
+            publisher.publish_stored(foreign, 10)
+    storage = LocalStorage(tmp_path)
+    head = read_head(storage)
+    assert [a.step for a in head.anchors] == [8] and [d.step for d in head.deltas] == [9]
+    assert all(len(d.files) == 2 for d in head.deltas)
+    assert set(storage.list("deltas") + storage.list("anchors")) == head.files()  # GC took the rest
+    assert len(storage.list("telemetry/trainer")) == 10
+    reader = Subscriber(tmp_path)
+    assert [a.kind for a in reader.sync()] == ["anchor", "delta"]
+    assert_bitwise_equal(reader.state, states[-1])
+    assert reader.fingerprint == state_fingerprint(states[-1])
+
+
+def test_a_step_with_a_bad_part_is_refused_whole(tmp_path):
+    with Publisher(tmp_path, "tiny") as publisher:
+        states = publish_in_parts(publisher, 3)
+    reader = Subscriber(tmp_path)
+    reader.sync(1)
+    part = read_head(reader.storage).deltas[-1].files[1]
+    data = (tmp_path / part).read_bytes()
+    promised = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]["fingerprint"]
+    wrong = f"{int(promised, 16) ^ 1:016x}"
+    (tmp_path / part).write_bytes(data.replace(promised.encode(), wrong.encode()))
+    with pytest.raises(SyncError, match="part 2 of 2: fingerprint mismatch"):
+        reader.sync()
+    assert reader.step == 1
+    assert_bitwise_equal(reader.state, states[1])
+    assert {f for f, _ in reader._bad} == set(read_head(reader.storage).deltas[-1].files)
+
+
+@pytest.mark.parametrize(
+    "path, parsed",
+    [
+        ("deltas/step-00000003-e1-1a2b3c4d/part-00002-of-00002.safetensors", ("delta", 3, "e1-1a2b3c4d", 2)),
+        ("deltas/step-00000003/part-00001-of-00002.safetensors", ("delta", 3, "", 2)),
+        ("deltas/step-00000003-e1-1a2b3c4d/part-00003-of-00002.safetensors", None),
+        ("deltas/step-00000003-e1-1a2b3c4d/part-00000-of-00002.safetensors", None),
+        ("deltas/step-00000003-e1-1a2b3c4d/part-00001-of-00001.safetensors", None),  # one part: one file
+        ("deltas/step-00000003-e1-1a2b3c4d/part-1-of-2.safetensors", None),
+        ("deltas/step-00000003-e1-1a2b3c4d/part-00001-of-00002.safetensors/x", None),
+    ],
+)
+def test_part_names(path, parsed):
+    assert parse_data_path(path) == parsed
+
+
+def test_a_head_lists_every_part_of_a_step_in_order(tmp_path):
+    with Publisher(tmp_path, "tiny") as publisher:
+        publish_in_parts(publisher, 2)
+    raw = json.loads((tmp_path / HEAD_PATH).read_bytes())
+    entry = raw["entries"][-1]
+    first, second = entry["files"]
+    other_tag = second.replace(parse_data_path(second)[2], "e9-00000000")
+    for files in ([second, first], [first], [first, first], [first, other_tag], [first, second, second]):
+        entry["files"] = files
+        with pytest.raises(ManifestError, match="are not where a delta of step 1 lives"):
+            Head.from_json(json.dumps(raw).encode())
