@@ -10,10 +10,12 @@ root that vLLM replicas follow (examples/grpo_bucket.py is a whole script):
     trainer.train()
 
 - `BucketWeightTransfer` (transfer.py): TRL's `weight_transfer=` protocol; each sync becomes the next step of
-  the root, encoded and uploaded in the background.
+  the root, encoded and uploaded in the background, under the checkpoint's tensor names (checkpoint.py: MoE
+  experts, fused in transformers, one tensor per expert as vLLM loads them).
 - `stamp_rollouts` (rollout.py): TRL's rollout worker stamps each rollout with the weight version of the
   replica that served it, spreads rollouts over several replicas, holds generation close to training
-  (`max_ahead`, see `rollouts_ahead`), and each step's telemetry record gets its rewards and staleness.
+  (`max_ahead`, see `rollouts_ahead`), and each step's telemetry record gets its rewards and staleness; it
+  tells the transfer the trainer's model (`BucketWeightTransfer.use_model`).
 - `preflight` / `check_or_exit` (preflight.py): the root, the replicas and the environment answer and hold the
   same model, before anything is published.
 - `apply_cpu_shims` (cpu.py): what TRL's async trainer needs to run on a CPU.
