@@ -10,8 +10,9 @@ whose state is not the one the head names for its step is reloaded from an ancho
 
 While it holds the head step, each poll also asks for the delta the same writer would publish next (one
 request beside the head's, in parallel): a delta that lands before its head is then already here when the
-head names it, which saves the delta's round trip. Prefetched bytes are used only for the file the head
-names, at the size it lists, and verified like any download.
+head names it, which saves the delta's round trip, and it is decoded while the head is awaited. Prefetched
+bytes and their decoding are used only for the file the head names, at the size it lists, from the state
+they were decoded against, and checked against the head's entry like any download.
 """
 
 from __future__ import annotations
@@ -113,7 +114,17 @@ class TensorsApplier(Applier):
         return fingerprint.state_fingerprint((n, self.tensors[n].to(torch.bfloat16)) for n in self.names)
 
 
-def _missing(read: Future[bytes]) -> bool:
+@dataclass(frozen=True)
+class Ahead:
+    """A delta read before its head: its bytes, and their decoding against `state` at fingerprint `base`."""
+
+    data: bytes
+    patch: Patch | None
+    state: dict[str, torch.Tensor] | None
+    base: int
+
+
+def _missing(read: Future[Ahead]) -> bool:
     """Whether a finished read found nothing (or failed): worth asking again at the next poll."""
     return read.done() and read.exception() is not None
 
@@ -164,7 +175,7 @@ class Subscriber:
         self.retries, self.backoff_s, self.verify_every = retries, backoff_s, verify_every
         self.threads = threads  # codec threads; None: every core this process may run on
         self.prefetch = prefetch
-        self._ahead: tuple[str, Future[bytes]] | None = None  # the next delta's path and its read
+        self._ahead: tuple[str, Future[Ahead]] | None = None  # the next delta's path and its read
         self.run: RunInfo | None = None
         self.head: Head | None = None
         self._head_data: bytes | None = None  # what `head` was parsed from: an unchanged poll parses nothing
@@ -298,8 +309,9 @@ class Subscriber:
         with tempfile.TemporaryDirectory(prefix="deltasync-") as tmp:
             local = [Path(tmp) / f"{i}.safetensors" for i in range(len(entry.files))]
             try:
+                decoded = None  # a delta decoded while its head was awaited
                 if entry.kind == "delta":  # a read per part, no stat: each at most what the size leaves
-                    parts = [data] if (data := self._prefetched(entry)) else []
+                    parts, decoded = self._prefetched(entry)
                     for path in entry.files[len(parts) :]:
                         left = entry.bytes - sum(map(len, parts))
                         parts.append(self._retry(lambda p=path, n=left: self.storage.read_bytes(p, n)))
@@ -316,7 +328,7 @@ class Subscriber:
                     patch = None
                     state = read_anchor(local, self.run, entry.step, entry.fingerprint, self.threads)
                 else:
-                    state, patch = None, self._decode(parts, entry)
+                    state, patch = None, self._decode(parts, entry, decoded)
             except ValueError as e:  # PatchError, AnchorError, TooLargeError, a size mismatch: not this file
                 self._bad.update((f, entry.bytes) for f in entry.files)
                 self._refusal = _bounded(f"{entry.kind} of step {entry.step}: {e}")
@@ -361,36 +373,60 @@ class Subscriber:
         if self._ahead is not None and self._ahead[0] == path and not _missing(self._ahead[1]):
             return
         limit = 6 * run.numel + 512 * len(run.schema) + (1 << 20)  # a raw patch of every element, at most
-        future: Future[bytes] = Future()
+        # Decoding allocates per claimed change: ahead of the head, only as many as recent steps changed.
+        most = 2 * max((d.changed for d in head.deltas), default=0)
+        state, base = self.state, self.fingerprint
+        future: Future[Ahead] = Future()
 
         def read() -> None:
             try:
-                future.set_result(self.storage.read_bytes(path, limit))
+                data = self.storage.read_bytes(path, limit)
             except BaseException as e:  # the normal read after the head names it reports what went wrong
                 future.set_exception(e)
+                return
+            future.set_result(Ahead(data, self._decode_ahead(data, state, base, most), state, base))
 
         threading.Thread(target=read, name="deltasync-prefetch", daemon=True).start()
         self._ahead = (path, future)
 
-    def _prefetched(self, entry: Entry) -> bytes | None:
-        """The prefetched bytes of `entry`'s single file if they are its listed size; else None."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None or entry.files != (ahead[0],):
-            return None
+    def _decode_ahead(
+        self, data: bytes, state: dict[str, torch.Tensor] | None, base: int, most: int
+    ) -> Patch | None:
+        """`data` decoded against `state` before any head names it, or None; errors are left to the
+        decoding once a head names the file."""
         try:
-            data = ahead[1].result()
+            if state is None or not 0 < read_info(data).changed <= most:
+                return None
+            return decode(data, state, base, self.threads)
         except Exception:
             return None
-        return data if len(data) == entry.bytes else None
 
-    def _decode(self, parts: list[bytes], entry: Entry) -> Patch:
-        """One patch, or a step stored in parts (one per rank of a sharded publisher): decoded, verified and
-        merged into one set of changes before anything is written."""
+    def _prefetched(self, entry: Entry) -> tuple[list[bytes], Patch | None]:
+        """The prefetched bytes of `entry`'s single file if they are its listed size (else none), and their
+        decoding if it was made from the state held now."""
+        pending, self._ahead = self._ahead, None
+        if pending is None or entry.files != (pending[0],):
+            return [], None
+        try:
+            ahead = pending[1].result()
+        except Exception:
+            return [], None
+        if len(ahead.data) != entry.bytes:
+            return [], None
+        same_base = ahead.state is self.state and ahead.base == self.fingerprint
+        return [ahead.data], ahead.patch if same_base else None
+
+    def _decode(self, parts: list[bytes], entry: Entry, decoded: Patch | None = None) -> Patch:
+        """One patch, or a step stored in parts (one per rank of a sharded publisher): decoded (unless
+        `decoded` already holds `parts` decoded from the state held), verified and merged into one set of
+        changes before anything is written."""
         claimed = sum(read_info(d).changed for d in parts)  # headers alone: decoding allocates per change
         if claimed != entry.changed:
             raise PatchError(f"patch claims {claimed} changes, the head lists {entry.changed}")
         assert self.state is not None  # a delta applies to the state held
-        if len(parts) == 1:
+        if decoded is not None:
+            patch = decoded
+        elif len(parts) == 1:
             patch = decode(parts[0], self.state, self.fingerprint, self.threads)
         else:
             patch = decode_parts(parts, self.state, self.fingerprint, self.threads)

@@ -15,8 +15,10 @@ import torch
 
 from deltasync import telemetry
 from deltasync.codec.fingerprint import state_fingerprint
+from deltasync.codec.patch import decode
 from deltasync.storage import LocalStorage, Storage, open_storage
 from deltasync.sync import protocol
+from deltasync.sync import subscriber as subscriber_module
 from deltasync.sync.gc import collect_garbage
 from deltasync.sync.publisher import Publisher, PublisherConfig
 from deltasync.sync.subscriber import Subscriber, SyncError, TensorsApplier
@@ -225,6 +227,28 @@ def test_a_delta_stored_before_its_head_is_read_once(tmp_path):
     (tmp_path / protocol.HEAD_PATH).write_bytes(head_2)
     assert [a.step for a in subscriber.sync()] == [2]
     assert storage.reads.count(delta) == 1
+    assert bitwise_equal(bf16(target), state_2)
+
+
+def test_a_delta_stored_before_its_head_is_decoded_while_the_head_is_awaited(tmp_path, monkeypatch):
+    head_2, state_2 = delta_before_its_head(tmp_path)
+    decoded_on = []  # the thread of each decoding
+
+    def recording_decode(*args):
+        decoded_on.append(threading.current_thread().name)
+        return decode(*args)
+
+    monkeypatch.setattr(subscriber_module, "decode", recording_decode)
+    storage = Recording(tmp_path)
+    target = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    subscriber = Subscriber(storage, TensorsApplier(target))
+    subscriber.sync()
+    decoded_on.clear()
+    subscriber.sync()
+    wait_for_a_read_of(storage, str(delta_file(tmp_path, 2).relative_to(tmp_path)))
+    (tmp_path / protocol.HEAD_PATH).write_bytes(head_2)
+    assert [a.step for a in subscriber.sync()] == [2]
+    assert decoded_on == ["deltasync-prefetch"]  # once, before the head named it
     assert bitwise_equal(bf16(target), state_2)
 
 
