@@ -4,10 +4,12 @@
 
 A stack of linear layers, each `fully_shard`ed (parameters are DTensors, each rank holds half the rows),
 trains with AdamW on random data. After every optimizer step all ranks publish through ShardedPublisher
-(each diffs and encodes its own shards and uploads its part; rank 0 writes the head), and, in the same run,
-gather the full weights the way TRL's weight sync does (`full_tensor()` per parameter). Per step and rank:
-bytes sent to other ranks and time blocked, for both. The first step (the run's anchor) and steps at which
-an anchor was due (marked "a": they gather the full weights by design) are left out of the medians.
+(each copies its shards; its background thread diffs and encodes them and uploads its part; rank 0 writes
+the head), and, in the same run, gather the full weights the way TRL's weight sync does (`full_tensor()` per
+parameter). Per step and rank: bytes sent to other ranks and time blocked, for both, and the time the
+publisher's background thread took (waited for here before the gather, so the two do not share the cores).
+The first step (the run's anchor) and steps at which an anchor was due (marked "a": they gather the full
+weights by design) are left out of the medians.
 
 --check FILE: rank 0 also writes the final full bf16 state to FILE (safetensors) for a test to compare.
 """
@@ -76,9 +78,13 @@ def main() -> None:
                 optimizer.zero_grad()
             dist.barrier()
             publisher.publish(model.named_parameters())
-            sharded = (publisher.blocked_s, publisher.sent_bytes, publisher.gathered)
+            blocked = publisher.blocked_s
+            publisher.flush()
+            record = publisher.records[-1]
             dist.barrier()
-            rows.append((step, *sharded, *full_gather(model)))
+            rows.append(
+                (step, blocked, record.sent_bytes, record.gathered, record.seconds, *full_gather(model))
+            )
         if a.check:
             state = {n: p.full_tensor().to(torch.bfloat16) for n, p in model.named_parameters()}
         publisher.close()
@@ -88,20 +94,20 @@ def main() -> None:
             save_file(state, a.check, metadata={"fingerprint": f"{publisher.fingerprint:016x}"})
     numel = sum(p.numel() for p in model.parameters())
     report = [f"rank {rank} of {world}: {numel / 1e6:.1f}M parameters, fp32 shards, {a.steps} steps"]
-    report.append(" step  sharded: sent B  blocked s   full gather: sent B  blocked s")
-    for step, s_time, s_bytes, gathered, f_time, f_bytes in rows:
+    report.append(" step  sharded: sent B  blocked s  background s   full gather: sent B  blocked s")
+    for step, s_time, s_bytes, gathered, b_time, f_time, f_bytes in rows:
         mark = "a" if gathered else " "
-        report.append(f"{step:4d}{mark}  {s_bytes:15,d}  {s_time:9.3f}   {f_bytes:19,d}  {f_time:9.3f}")
-    later = [r[:3] + r[4:] for r in rows if not r[3]]
-    if later:
-        s_time = statistics.median(r[1] for r in later)
-        s_bytes = statistics.median(r[2] for r in later)
-        f_time = statistics.median(r[3] for r in later)
-        f_bytes = statistics.median(r[4] for r in later)
-        ratio = f"bytes x{f_bytes / s_bytes:.0f}, " if s_bytes else ""
         report.append(
-            f"median of {len(later)} delta steps: sharded {s_bytes:,.0f} B in {s_time:.3f} s; "
-            f"full gather {f_bytes:,.0f} B in {f_time:.3f} s; {ratio}time x{f_time / max(s_time, 1e-9):.2f}"
+            f"{step:4d}{mark}  {s_bytes:15,d}  {s_time:9.3f}  {b_time:12.3f}   {f_bytes:19,d}  {f_time:9.3f}"
+        )
+    later = [r for r in rows if not r[3]]
+    if later:
+        medians = [statistics.median(r[i] for r in later) for i in (1, 2, 4, 5, 6)]
+        blocked, sent, background, gather_s, gather_b = medians
+        report.append(
+            f"median of {len(later)} delta steps: sharded {sent:,.0f} B, blocked {blocked:.3f} s (background "
+            f"{background:.3f} s); full gather {gather_b:,.0f} B in {gather_s:.3f} s; "
+            f"bytes x{gather_b / max(sent, 1):.0f}, blocked x{gather_s / max(blocked, 1e-9):.1f} less"
         )
     for r in range(world):  # one rank's table at a time
         if r == rank:

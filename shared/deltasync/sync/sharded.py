@@ -1,18 +1,21 @@
 """Publishing a model whose weights are sharded over ranks (FSDP2: DTensor parameters sharded on dim 0)
 without gathering the weights at every step.
 
-Every rank keeps a bf16 copy of its own shards, finds the elements of its shards that changed since the last
-step, and encodes them as its own part of the step: a patch over windows (deltasync.codec.patch), each shard
-one window [start, start + length) of its flat tensor. The fingerprint is linear mod 2^64 (see
-deltasync.codec.fingerprint), so the parts' moves add: the ranks exchange one int each, part r is a patch
-from the step's base plus the moves of parts < r, and the last part reaches the step's fingerprint. Every
-rank uploads its part to `protocol.delta_paths(step, world, tag)[rank]` under the writer's tag; the writer
-rank, once every part is stored, writes the head naming them (Publisher.publish_stored: its fencing,
-acknowledgement, retention and telemetry). What crosses ranks per step is a few small objects per rank.
+`publish()` costs each rank a bf16 host copy of its own shards; a background thread per rank then finds
+the elements that changed since the last step and encodes them as the rank's own part of the step: a patch
+over windows (deltasync.codec.patch), each shard one window [start, start + length) of its flat tensor. The
+fingerprint is linear mod 2^64 (see deltasync.codec.fingerprint), so the parts' moves add: the ranks
+exchange one int each, part r is a patch from the step's base plus the moves of parts < r, and the last part
+reaches the step's fingerprint. Every rank uploads its part to `protocol.delta_paths(step, world, tag)[rank]`
+under the writer's tag; the writer rank, once every part is stored, writes the head naming them
+(Publisher.publish_stored: its fencing, acknowledgement, retention and telemetry). What crosses ranks per
+step is a few small objects per rank, over a process group of the publisher's own, so it never interleaves
+with the training's collectives.
 
-The full weights are gathered (`full_tensor()`, collective) only for anchors: the run's first published
-state, and each step at which the writer's Publisher finds an anchor due (`anchor_every`, or once the deltas
-since the last anchor outweigh it).
+The full weights are gathered to the writer (from the ranks' bf16 copies) only for anchors: the run's first
+published state, and each step at which the writer's Publisher finds an anchor due (`anchor_every`, or once
+the deltas since the last anchor outweigh it). Every step is published (no coalescing: all ranks must
+publish the same steps): `publish()` waits while the step before the previous one is still going out.
 
     publisher = ShardedPublisher(root, model="my-model")      # on every rank
     ... after each optimizer step, on every rank:
@@ -22,10 +25,13 @@ since the last anchor outweigh it).
 
 from __future__ import annotations
 
+import logging
 import math
 import pickle
+import threading
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +40,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from deltasync.codec import fingerprint
-from deltasync.codec.changes import apply_changes
 from deltasync.codec.patch import Patch, encode, window_changes
 from deltasync.storage import Storage, open_storage, retry
 from deltasync.sync.protocol import delta_paths
 from deltasync.sync.publisher import Publisher, PublisherConfig, StoredDelta
+
+log = logging.getLogger(__name__)
 
 
 def local_shard(param: torch.Tensor, rank: int) -> tuple[torch.Tensor, int] | None:
@@ -58,14 +65,24 @@ def local_shard(param: torch.Tensor, rank: int) -> tuple[torch.Tensor, int] | No
     return local, start * (param.numel() // rows if rows else 0)
 
 
-class ShardedPublisher:
-    """One step publisher over all ranks of `group` (default: the whole world); the constructor, `publish`
-    and `close` are collective. Every rank writes its part of each step to the root; `writer_rank` also
-    claims the root and writes run.json, anchors and the head.
+@dataclass
+class StepRecord:
+    """What publishing one step cost this rank, measured by its background thread."""
 
-    After each `publish`: `sent_bytes` (what this rank sent to other ranks for the step: pickled objects,
-    and its shards when an anchor was gathered), `blocked_s` (how long the call held this rank) and
-    `gathered` (whether the step gathered the full weights for an anchor)."""
+    step: int
+    sent_bytes: int  # to other ranks: pickled objects, and its shards when an anchor was gathered
+    seconds: float  # diff, encode, upload and the exchanges with the other ranks
+    gathered: bool  # the full weights were gathered for an anchor
+
+
+class ShardedPublisher:
+    """One step publisher over the ranks of `group`; the constructor, `publish`, `flush` and `close` are
+    collective (every rank calls them, in the same order). Every rank writes its part of each step to the
+    root; `writer_rank` also claims the root and writes run.json, anchors and the head.
+
+    `group` carries only the publisher's exchanges (default: a new gloo group of the whole world, which every
+    process creates). After each `publish`, `blocked_s` says how long it held the caller; `records` lists
+    what each published step cost this rank's background thread."""
 
     def __init__(
         self,
@@ -75,15 +92,16 @@ class ShardedPublisher:
         group: dist.ProcessGroup | None = None,
         writer_rank: int = 0,
     ):
-        self.group, self.writer_rank = group, writer_rank
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self._src = writer_rank if group is None else dist.get_global_rank(group, writer_rank)
+        self.group = group if group is not None else dist.new_group(backend="gloo")
+        self.writer_rank = writer_rank
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self._src = dist.get_global_rank(self.group, writer_rank)
         self.is_writer = self.rank == writer_rank
         self.config = config or PublisherConfig()
         self.publisher: Publisher | None = None
-        self.sent_bytes = 0
         self.blocked_s = 0.0
-        self.gathered = False
+        self.records: list[StepRecord] = []
+        self._sent = 0
         tag, error = None, None
         try:
             if self.is_writer:
@@ -100,33 +118,86 @@ class ShardedPublisher:
         self.shapes: dict[str, list[int]] = {}  # every tensor's whole shape
         self.step: int | None = None  # the last published step
         self.fingerprint: int | None = None  # of the full bf16 state at `step`, from the parts
+        self._cond = threading.Condition()
+        self._queue: list[tuple[dict[str, tuple[torch.Tensor, int]], dict[str, float]]] = []
+        self._busy = self._closed = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="deltasync-sharded", daemon=True)
+        self._thread.start()
 
     @torch.no_grad()
     def publish(self, params: Iterable[tuple[str, torch.Tensor]], info: Mapping[str, float] | None = None):
-        """Publish the state after this step; returns the step on every rank."""
+        """Hand over the state after this step: a bf16 host copy of this rank's shards. Waits while an
+        earlier step is still queued behind the one going out; raises if publishing failed."""
         start = time.perf_counter()
-        self.sent_bytes, self.gathered = 0, False
-        params = list(params)
-        step = self._first(params, info) if self.fingerprint is None else self._next(params, info)
+        copies = {}
+        for name, p in params:
+            self.shapes.setdefault(name, list(p.shape))
+            part = local_shard(p, self.rank)
+            if part is not None:  # (a clone even of a bf16 host shard: the optimizer changes it in place)
+                copies[name] = (part[0].to(torch.bfloat16, copy=True).cpu().reshape(-1), part[1])
+        with self._cond:
+            self._cond.wait_for(lambda: self._error is not None or not self._queue)
+            self._raise_if_failed()
+            self._queue.append((copies, dict(info or {})))
+            self._cond.notify_all()
         self.blocked_s = time.perf_counter() - start
-        return step
+
+    def flush(self) -> None:
+        """Wait until every handed-over step is published; raises if publishing failed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._error is not None or not (self._queue or self._busy))
+            self._raise_if_failed()
 
     def close(self) -> None:
-        if self.publisher is not None:
-            self.publisher.close()
+        try:
+            self.flush()
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            self._thread.join()
+            if self.publisher is not None:
+                self.publisher.close()
         dist.barrier(group=self.group)
 
-    # ------------------------------------------------------------------------------------------ steps
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"sharded publishing failed: {self._error}") from self._error
 
-    def _first(self, params: list[tuple[str, torch.Tensor]], info) -> int:
+    # ------------------------------------------------------------------------------------ worker thread
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return
+                copies, info = self._queue.pop(0)
+                self._busy = True
+                self._cond.notify_all()
+            start, self._sent = time.perf_counter(), 0
+            try:
+                publish_step = self._first if self.fingerprint is None else self._next
+                gathered = publish_step(copies, info)
+                assert self.step is not None  # set by the step
+                record = StepRecord(self.step, self._sent, time.perf_counter() - start, gathered)
+            except BaseException as e:  # kept for the caller: publish() and flush() raise it
+                log.exception("sharded publishing failed")
+                with self._cond:
+                    self._error = e
+            with self._cond:
+                self._busy = False
+                if self._error is None:
+                    self.records.append(record)
+                self._cond.notify_all()
+            if self._error is not None:
+                return
+
+    def _first(self, copies: dict[str, tuple[torch.Tensor, int]], info: dict[str, float]) -> bool:
         """The run's first state goes to the writer's Publisher whole (an anchor, or a delta from the state
         a resumed root holds)."""
-        for name, p in params:
-            self.shapes[name] = list(p.shape)
-            part = local_shard(p, self.rank)
-            if part is not None:
-                self.shards[name] = (part[0].to(torch.bfloat16).cpu().clone().reshape(-1), part[1])
-        full = self._gather(params)
+        full = self._gather(copies)
         result, error = None, None
         if self.publisher is not None:
             assert full is not None  # the writer's
@@ -135,20 +206,19 @@ class ShardedPublisher:
             except Exception as e:
                 error = e
         self.step, self.fingerprint = self._from_writer(result, error)
-        return self.step
+        self.shards = copies
+        return True
 
-    def _next(self, params: list[tuple[str, torch.Tensor]], info) -> int:
+    def _next(self, copies: dict[str, tuple[torch.Tensor, int]], info: dict[str, float]) -> bool:
         assert self.step is not None and self.fingerprint is not None  # set by _first
         start = time.perf_counter()
-        old, new, windows = {}, {}, {}
-        for name, p in params:
-            part = local_shard(p, self.rank)
-            if part is None:
-                continue
-            copy, offset = self.shards[name]
-            old[name], new[name] = copy, part[0].reshape(-1)
-            if copy.numel() != math.prod(self.shapes[name]):
-                windows[name] = (offset, copy.numel())
+        old = {name: copy for name, (copy, _) in self.shards.items()}
+        new = {name: copy for name, (copy, _) in copies.items()}
+        windows = {
+            name: (offset, copy.numel())
+            for name, (copy, offset) in copies.items()
+            if copy.numel() != math.prod(self.shapes[name])
+        }
         changes, moved = window_changes(old, new, windows, self.config.threads)
         moves = self._all_gather(moved)
         base = (self.fingerprint + sum(moves[: self.rank])) & fingerprint.MASK64
@@ -176,55 +246,54 @@ class ShardedPublisher:
         if self.publisher is not None:
             assert parts is not None  # the writer's
             try:
-                failed = [e for _, e in parts if e]
+                failed = [f for _, f in parts if f]
                 if failed:
                     raise RuntimeError(f"a part of step {step} was not stored: {failed[0]}")
                 self.publisher.flush()  # the head of the previous step: the anchor rule reads it
                 due = self.publisher.anchor_due(step, sum(s[1] for s, _ in parts))
             except Exception as e:
                 error = e
-        full = self._gather(params) if self._from_writer(due, error) else None
+        full = self._gather(copies) if self._from_writer(due, error) else None
         error = None
         if self.publisher is not None:
             assert parts is not None  # the writer's
-            stored_parts = [s for s, _ in parts]
-            files, sizes, changed, seconds = (list(column) for column in zip(*stored_parts, strict=True))
+            files, sizes, changed, seconds = (list(c) for c in zip(*[s for s, _ in parts], strict=True))
             try:
                 delta = StoredDelta(tuple(files), sum(sizes), sum(changed), fp, max(seconds))
                 self.publisher.publish_stored(delta, step, full, info)
             except Exception as e:
                 error = e
         self._from_writer(None, error)  # handed to the writer's Publisher, which writes the head
-        apply_changes(old, changes)  # the copies follow the shards
+        self.shards = copies  # the copies of this step are the next one's base
         self.step, self.fingerprint = step, fp
-        return step
+        return full is not None
 
     # ---------------------------------------------------------------------------------- collectives
 
-    def _gather(self, params: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
-        """The full bf16 weights on the writer rank (None on the others): collective per parameter."""
-        full, self.gathered = {}, True
-        for name, p in params:
-            if isinstance(p, DTensor):
-                whole = p.full_tensor()
-                self.sent_bytes += p.to_local().numel() * p.element_size() * (self.world - 1)
-            else:
-                whole = p.detach()
-            if self.is_writer:
-                full[name] = whole.to(torch.bfloat16).cpu()
-        return full if self.is_writer else None
+    def _gather(self, copies: dict[str, tuple[torch.Tensor, int]]) -> dict[str, torch.Tensor] | None:
+        """The full bf16 weights on the writer rank (None on the others), from every rank's copies."""
+        size = sum(copy.numel() * copy.element_size() for copy, _ in copies.values())
+        parts = self._to_writer(copies, size)
+        if parts is None:
+            return None
+        full = {name: torch.empty(shape, dtype=torch.bfloat16) for name, shape in self.shapes.items()}
+        for rank_copies in parts:
+            for name, (copy, offset) in rank_copies.items():
+                full[name].view(-1)[offset : offset + copy.numel()] = copy
+        return full
 
     def _all_gather(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, value, group=self.group)
-        self.sent_bytes += len(pickle.dumps(value)) * (self.world - 1)
+        self._sent += len(pickle.dumps(value)) * (self.world - 1)
         return out
 
-    def _to_writer(self, value: Any) -> list[Any] | None:
+    def _to_writer(self, value: Any, size: int | None = None) -> list[Any] | None:
+        """Every rank's `value` on the writer rank (None on the others); `size`: its bytes, if known."""
         out: list[Any] | None = [None] * self.world if self.is_writer else None
         dist.gather_object(value, out, dst=self._src, group=self.group)
         if not self.is_writer:
-            self.sent_bytes += len(pickle.dumps(value))
+            self._sent += len(pickle.dumps(value)) if size is None else size
         return out
 
     def _from_writer(self, value: Any, error: BaseException | None) -> Any:
@@ -232,10 +301,10 @@ class ShardedPublisher:
         box = [(value, f"{type(error).__name__}: {error}" if error else None)]
         dist.broadcast_object_list(box, src=self._src, group=self.group)
         if self.is_writer:
-            self.sent_bytes += len(pickle.dumps(box[0])) * (self.world - 1)
+            self._sent += len(pickle.dumps(box[0])) * (self.world - 1)
         value, problem = box[0]
         if error is not None:
             raise error
         if problem is not None:
-            raise RuntimeError(f"sharded publishing: the writer rank failed: {problem}")
+            raise RuntimeError(f"the writer rank failed: {problem}")
         return value
