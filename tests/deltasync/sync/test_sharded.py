@@ -67,6 +67,22 @@ def test_fsdp_ranks_publish_their_own_parts_a_subscriber_follows_bitwise(tmp_pat
                 assert window == (rank * numel // 2, numel // 2), (path, name, window)
 
 
+def test_a_rank_that_cannot_store_its_part_stops_every_rank(tmp_path):
+    """Parts cannot be stored (a file where the deltas folder goes): both ranks' publishers fail at step 1,
+    with the cause, instead of one rank waiting for the other forever."""
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "deltas").write_bytes(b"not a folder")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    argv += ["-m", "bench.fsdp", "--steps", "2", "--layers", "1", "--width", "64", "--root", str(root)]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "a part of step 1 was not stored: rank 0" in output, output[-3000:]
+    assert "the writer rank failed" in output, output[-3000:]  # rank 1, told by the writer
+    assert not (root / "heads" / "latest.json").read_bytes().count(b'"kind": "delta"')
+
+
 def publish_in_parts(publisher: Publisher, steps: int) -> list[dict]:
     """Step 0 published whole, then each step stored as 2 parts under the publisher's tag and published
     with publish_stored (an anchor beside it when one is due), as ShardedPublisher's ranks do; returns the
