@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
 from deltasync.codec.patch import read_info
 from deltasync.storage import LocalStorage
+from deltasync.sync.gc import collect_garbage
 from deltasync.sync.protocol import HEAD_PATH, Head, ManifestError, delta_paths, parse_data_path, read_head
 from deltasync.sync.publisher import Publisher, PublisherConfig, StoredDelta
 from deltasync.sync.subscriber import Subscriber, SyncError
@@ -121,6 +122,10 @@ def test_steps_stored_in_parts_are_followed_and_collected(tmp_path):
     assert all(len(d.files) == 2 for d in head.deltas)
     assert set(storage.list("deltas") + storage.list("anchors")) == head.files()  # GC took the rest
     assert len(storage.list("telemetry/trainer")) == 10
+    orphan, in_progress = delta_paths(5, 2, "e0-00000000")[1], delta_paths(10, 2, publisher.claim.tag)[0]
+    for path in (orphan, in_progress):
+        storage.write_bytes(path, b"parts")
+    assert collect_garbage(storage) == [orphan]  # an upload after the head is not garbage
     reader = Subscriber(tmp_path)
     assert [a.kind for a in reader.sync()] == ["anchor", "delta"]
     assert_bitwise_equal(reader.state, states[-1])
