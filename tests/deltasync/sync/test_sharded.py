@@ -149,6 +149,28 @@ def test_a_step_with_a_bad_part_is_refused_whole(tmp_path):
     assert {f for f, _ in reader._bad} == set(read_head(reader.storage).deltas[-1].files)
 
 
+@pytest.mark.parametrize("grow", [0, 1])
+def test_parts_are_read_within_the_size_the_head_lists(tmp_path, grow):
+    """Each part is read at most up to what the entry's total leaves (a part that grew is refused unread);
+    parts whose sizes still add up to the total are refused by their content."""
+    with Publisher(tmp_path, "tiny") as publisher:
+        publish_in_parts(publisher, 3)
+    reader = Subscriber(tmp_path)
+    reader.sync(1)
+    entry = read_head(reader.storage).deltas[-1]
+    first, second = (tmp_path / f for f in entry.files)
+    if grow:
+        first.write_bytes(first.read_bytes() + b"x")
+    else:  # the sizes still add up to the total, split differently
+        moved = second.read_bytes()[:1]
+        first.write_bytes(first.read_bytes() + moved)
+        second.write_bytes(second.read_bytes()[1:])
+    problem = "more than the" if grow else "corrupt"
+    with pytest.raises(SyncError, match=f"refused delta of step 2: .*{problem}"):
+        reader.sync()
+    assert reader.step == 1
+
+
 @pytest.mark.parametrize(
     "path, parsed",
     [
