@@ -25,6 +25,7 @@ publish the same steps): `publish()` waits while the step before the previous on
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import pickle
@@ -39,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from deltasync import telemetry
 from deltasync.codec import fingerprint
 from deltasync.codec.patch import Patch, encode, window_changes
 from deltasync.storage import Storage, open_storage, retry
@@ -82,7 +84,7 @@ class ShardedPublisher:
 
     `group` carries only the publisher's exchanges (default: a new gloo group of the whole world, which every
     process creates). After each `publish`, `blocked_s` says how long it held the caller; `records` lists
-    what each published step cost this rank's background thread."""
+    what the last published steps cost this rank's background thread."""
 
     def __init__(
         self,
@@ -100,7 +102,7 @@ class ShardedPublisher:
         self.config = config or PublisherConfig()
         self.publisher: Publisher | None = None
         self.blocked_s = 0.0
-        self.records: list[StepRecord] = []
+        self.records: collections.deque[StepRecord] = collections.deque(maxlen=256)
         self._sent = 0
         tag, error = None, None
         try:
@@ -126,10 +128,16 @@ class ShardedPublisher:
         self._thread.start()
 
     @torch.no_grad()
-    def publish(self, params: Iterable[tuple[str, torch.Tensor]], info: Mapping[str, float] | None = None):
+    def publish(
+        self, params: Iterable[tuple[str, torch.Tensor]], info: Mapping[str, float] | None = None
+    ) -> None:
         """Hand over the state after this step: a bf16 host copy of this rank's shards. Waits while an
-        earlier step is still queued behind the one going out; raises if publishing failed."""
+        earlier step is still queued behind the one going out; raises if publishing failed. `info` (the
+        writer rank's is kept) goes into the step's telemetry record."""
         start = time.perf_counter()
+        problem = telemetry.info_problem(info or {})
+        if problem:  # here, on every rank, rather than from the writer's Publisher a step later
+            raise ValueError(f"publish(): info {problem}")
         copies = {}
         for name, p in params:
             self.shapes.setdefault(name, list(p.shape))
@@ -150,6 +158,7 @@ class ShardedPublisher:
             self._raise_if_failed()
 
     def close(self) -> None:
+        """Publish what is pending, stop the thread and (writer rank) let the next writer in."""
         try:
             self.flush()
         finally:
