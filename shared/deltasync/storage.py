@@ -46,7 +46,7 @@ TMP_MARK = (
 # Object stores replace a whole object atomically on put, so writing there needs no temporary key.
 OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl", "oss", "hf"}
 _HUB_MISSING = (BucketNotFoundError, EntryNotFoundError)
-_ANCHOR_DIR = re.compile(r"step-\d{8,}(-e\d+-[0-9a-f]{8})?")  # as deltasync.sync.protocol names them
+_STEP_DIR = re.compile(r"step-\d{8,}(-e\d+-[0-9a-f]{8})?")  # as deltasync.sync.protocol names them
 _CREDENTIALS = [
     # user:password@ in a URL, whatever the password holds ("/", "@", ":"): up to the last "@" before a space
     (re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)\S*@"), r"\1***@"),
@@ -249,7 +249,7 @@ class Storage(ABC):
                 self._delete(paths)
 
     def delete_leftovers(self, older_than_s: float) -> builtins.list[str]:
-        """Delete what crashed writers left (temporary files, empty anchor folders) untouched for
+        """Delete what crashed writers and GC left (temporary files, empty step folders) untouched for
         `older_than_s`; returns them. Only backends that write through temporary files have any."""
         return []
 
@@ -365,13 +365,14 @@ class LocalStorage(Storage):
                 if TMP_MARK in name and stale(path, stat.S_IFREG):
                     path.unlink(missing_ok=True)
                     removed.append(path.relative_to(self.root).as_posix())
-        anchors = self.root / "anchors"
-        if anchors.is_dir() and not anchors.is_symlink():
-            for anchor in anchors.iterdir():
-                if _ANCHOR_DIR.fullmatch(anchor.name) and stale(anchor, stat.S_IFDIR):
-                    with suppress(OSError):  # not empty (or gone): not a leftover
-                        anchor.rmdir()
-                        removed.append(f"anchors/{anchor.name}")
+        for kind in ("anchors", "deltas"):  # a step's folder: an anchor's shards, a sharded delta's parts
+            steps = self.root / kind
+            if steps.is_dir() and not steps.is_symlink():
+                for folder in steps.iterdir():
+                    if _STEP_DIR.fullmatch(folder.name) and stale(folder, stat.S_IFDIR):
+                        with suppress(OSError):  # not empty (or gone): not a leftover
+                            folder.rmdir()
+                            removed.append(f"{kind}/{folder.name}")
         return sorted(removed)
 
     def lock(self, name: str, holder: str) -> WriterLock:

@@ -231,8 +231,14 @@ def test_gc_stays_inside_the_root_and_removes_crash_leftovers(tmp_path):
     shutil.move(outside, root / "anchors")
     (root / "anchors" / "step-00000001" / "model.safetensors").unlink()
     os.utime(root / "anchors" / "step-00000001", (old, old))  # an empty anchor folder a crash left
-    assert collect_garbage(LocalStorage(root), grace_s=600) == ["anchors/step-00000001"]
-    assert not (root / "anchors" / "step-00000001").exists()
+    parts = root / "deltas" / "step-00000002-e1-1a2b3c4d"  # a sharded step's folder, its parts collected
+    parts.mkdir()
+    os.utime(parts, (old, old))
+    assert collect_garbage(LocalStorage(root), grace_s=600) == [
+        "anchors/step-00000001",
+        "deltas/step-00000002-e1-1a2b3c4d",
+    ]
+    assert not (root / "anchors" / "step-00000001").exists() and not parts.exists()
 
 
 def test_int_tensors_are_refused_not_rounded(tmp_path):
