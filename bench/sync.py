@@ -14,8 +14,9 @@ Columns: caller's blocked time per publish, and one bf16 copy of the weights (th
 the same run; end-to-end latency from the publish call to the last subscriber's verified apply; bytes moved
 over the link per step (uploads and downloads, polls included); for ours, the protocol overhead: end to end
 minus the caller's copy, encode (change detection included), decode+apply and bytes/bandwidth, in request
-latencies (the fewest possible is about 3.5: the delta's upload 1, the head landing 0.5, a poll seeing it 1 on
-average, the delta's download 1). Subscribers poll back to back over the link (each poll costs a latency)
+latencies (the fewest possible is about 2.5: the delta's upload 1, the head landing 0.5, a poll seeing it 1 on
+average; a subscriber at the head reads and decodes the next delta ahead of its head, so decode+apply is what
+is left once the head names it). Subscribers poll back to back over the link (each poll costs a latency)
 and every 10 ms on the local folder, like the dense readers. A size-limited read (a poll, a delta) is one
 request here, as it is for folders and fsspec URLs (one ranged read); the Hub's bucket API reads no ranges,
 so there it costs a stat and a download.
