@@ -368,11 +368,11 @@ class LocalStorage(Storage):
         for kind in ("anchors", "deltas"):  # a step's folder: an anchor's shards, a sharded delta's parts
             steps = self.root / kind
             if steps.is_dir() and not steps.is_symlink():
-                for folder in steps.iterdir():
-                    if _STEP_DIR.fullmatch(folder.name) and stale(folder, stat.S_IFDIR):
+                for step_dir in steps.iterdir():
+                    if _STEP_DIR.fullmatch(step_dir.name) and stale(step_dir, stat.S_IFDIR):
                         with suppress(OSError):  # not empty (or gone): not a leftover
-                            folder.rmdir()
-                            removed.append(f"{kind}/{folder.name}")
+                            step_dir.rmdir()
+                            removed.append(f"{kind}/{step_dir.name}")
         return sorted(removed)
 
     def lock(self, name: str, holder: str) -> WriterLock:
