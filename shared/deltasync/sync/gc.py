@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from deltasync.storage import Storage
-from deltasync.sync.protocol import read_head, step_of
+from deltasync.sync.protocol import STEP_DIR, read_head, step_of
 
 LEFTOVER_GRACE_S = 15 * 60.0  # a temporary file untouched this long belongs to a writer that crashed
 
@@ -11,7 +11,7 @@ LEFTOVER_GRACE_S = 15 * 60.0  # a temporary file untouched this long belongs to 
 def collect_garbage(storage: Storage, grace_s: float = LEFTOVER_GRACE_S) -> list[str]:
     """Delete the step files (deltas/, anchors/) of steps up to the head that it does not name (whichever
     writer's tag they carry: a fenced writer's files are garbage), and what crashed writers left untouched for
-    `grace_s` (temporary files, empty anchor folders); returns them. Call it as the root's writer
+    `grace_s` (temporary files, empty step folders); returns them. Call it as the root's writer
     (WriterClaim); the head is read again right before deleting, and only files named exactly as a publisher
     names them are touched."""
     head = read_head(storage)
@@ -24,4 +24,9 @@ def collect_garbage(storage: Storage, grace_s: float = LEFTOVER_GRACE_S) -> list
     named = read_head(storage).files()
     garbage = [path for path in candidates if path not in named]
     storage.delete(garbage)
-    return garbage + storage.delete_leftovers(grace_s)
+    empty = [  # an anchor's folder once its shards are gone, a sharded delta's once its parts are
+        folder
+        for kind in ("anchors", "deltas")
+        for folder in storage.delete_empty_folders(kind, grace_s, STEP_DIR.fullmatch)
+    ]
+    return garbage + sorted(storage.delete_leftovers(grace_s) + empty)

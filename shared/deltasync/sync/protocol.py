@@ -37,6 +37,7 @@ ANCHOR_FORMAT = "deltasync.anchor"
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_INT = (1 << 63) - 1  # steps, sizes, counts, dims: anything larger is corrupt
 _TAG = r"(?:-(e\d{1,19}-[0-9a-f]{8}))?"
+STEP_DIR = re.compile(rf"step-\d{{8,}}{_TAG}")  # an anchor's or a sharded delta's folder
 _DATA_FILE = re.compile(
     rf"deltas/step-(\d{{8,}}){_TAG}(?:\.safetensors|/part-(\d{{5}})-of-(\d{{5}})\.safetensors)"
     rf"|anchors/step-(\d{{8,}}){_TAG}/model(?:-\d{{5}}-of-(\d{{5}}))?\.safetensors"
