@@ -10,6 +10,7 @@ from pathlib import Path
 
 from deltasync.storage.base import (
     TMP_MARK,
+    RateLimited,
     Storage,
     TooLargeError,
     TransientStorageError,
@@ -29,6 +30,7 @@ __all__ = [
     "FsspecStorage",
     "HubBucketStorage",
     "LocalStorage",
+    "RateLimited",
     "Storage",
     "TooLargeError",
     "TransientStorageError",

@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import stat
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -44,6 +45,14 @@ _CREDENTIALS = [
 
 class TransientStorageError(Exception):
     """A storage call failed for a reason other than a missing object; the same call may succeed later."""
+
+
+class RateLimited(TransientStorageError):
+    """The server refused a request over the caller's request quota: nothing succeeds before `until`."""
+
+    def __init__(self, message: str, until: float):
+        super().__init__(message)
+        self.until = until
 
 
 class WriterConflict(RuntimeError):
@@ -230,6 +239,17 @@ class Storage(ABC):
         returns them. Only backends with real folders have any (object stores have keys only)."""
         return []
 
+    def wait_for_change(self, stop: threading.Event, poll_s: float, under: tuple[str, ...] = ("",)) -> None:
+        """Return when something under the folders `under` may have changed, or `stop` is set: at once if a
+        change came since the last return, else as soon as one comes where the backend hears of changes (a
+        change feed), else after `poll_s` seconds (or longer, where the backend's request budget says so)."""
+        stop.wait(poll_s)
+
+    @property
+    def rate_limited_until(self) -> float | None:
+        """Unix time until which the server refuses this client's requests (a quota), or None."""
+        return None
+
     def probe(self) -> None:
         """Fail fast (TransientStorageError) if the storage cannot be reached at all: for one-shot commands,
         which should not sit through a client's retries. Only remote backends with retries check anything."""
@@ -251,7 +271,7 @@ class Storage(ABC):
         Elsewhere FileNotFoundError means a race (a folder removed mid-write) or a missing local file."""
         try:
             yield
-        except TooLargeError:
+        except (TooLargeError, TransientStorageError):  # already says what and where
             raise
         except Exception as e:
             if absent_is_final and isinstance(e, FileNotFoundError):

@@ -211,7 +211,8 @@ class Subscriber:
         interval: float = 1.0,
         on_applied: Callable[[Applied], None] | None = None,
     ) -> None:
-        """Poll every `interval` seconds until `stop` is set; errors are logged and kept in `last_error`.
+        """Sync at every change the storage reports (or every `interval` seconds where it reports none) until
+        `stop` is set; errors are logged and kept in `last_error`.
         `on_applied` is called for each step applied; its errors are logged and skip nothing else."""
         while not stop.is_set():
             try:
@@ -225,7 +226,10 @@ class Subscriber:
                         on_applied(a)
                 except Exception:
                     log.exception("on_applied for step %d failed", a.step)
-            stop.wait(interval)
+            if self.last_error is None:  # on a change feed: the next head or delta, without a request
+                self.storage.wait_for_change(stop, interval, under=("heads/", "deltas/"))
+            else:  # a failure is retried, but not before a rate limit ends
+                stop.wait(max(interval, (self.storage.rate_limited_until or 0.0) - time.time()))
 
     # ------------------------------------------------------------------------------------------ planning
 
