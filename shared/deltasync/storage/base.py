@@ -77,20 +77,24 @@ def retry(
     attempts: int | None = None,
     log_as: str | None = None,
     sleep: Callable[[float], object] = time.sleep,
+    wait_out_limits: bool = True,
 ) -> T:
     """`call()`, called again after each TransientStorageError: first after `waits[0]` seconds, then twice as
-    long each time up to `waits[1]`; after `attempts` calls (None: never) the last error is raised. With
-    `log_as` each retry logs a warning; `sleep` waits (a caller may wake up early with other work)."""
+    long each time up to `waits[1]`, and never before a rate limit ends (RateLimited); after `attempts` calls
+    (None: never) the last error is raised, and at once on RateLimited unless `wait_out_limits`. With `log_as`
+    each retry logs a warning; `sleep` waits (a caller may wake up early with other work)."""
     wait = waits[0]
     for attempt in itertools.count(1):
         try:
             return call()
         except TransientStorageError as e:
-            if attempts is not None and attempt >= attempts:
+            limited = isinstance(e, RateLimited)
+            if (attempts is not None and attempt >= attempts) or (limited and not wait_out_limits):
                 raise
+            pause = max(wait, e.until - time.time()) if isinstance(e, RateLimited) else wait
             if log_as:
-                log.warning("%s failed, retrying in %.1f s: %s", log_as, wait, e)
-        sleep(wait)
+                log.warning("%s failed, retrying in %.1f s: %s", log_as, pause, e)
+        sleep(pause)
         wait = min(2 * wait, waits[1])
     raise AssertionError("unreachable")
 
@@ -244,6 +248,17 @@ class Storage(ABC):
         change came since the last return, else as soon as one comes where the backend hears of changes (a
         change feed), else after `poll_s` seconds (or longer, where the backend's request budget says so)."""
         stop.wait(poll_s)
+
+    @property
+    def follows_changes(self) -> bool:
+        """Whether `changes` can name what changed (a change feed is followed, or about to be)."""
+        return False
+
+    def changes(self, under: str) -> builtins.list[str] | None:
+        """The paths under the folder `under` created, replaced or deleted since the last call for it, where
+        the backend hears of changes (a change feed); None where it cannot say (no feed, a first call, or the
+        feed lost its place): then list."""
+        return None
 
     @property
     def rate_limited_until(self) -> float | None:

@@ -46,6 +46,7 @@ POLL_REQUESTS = 2  # what one poll costs: the head and the next delta, each one 
 STAT_TTL_S = 30.0  # a stat not confirmed by the feed is asked again after this (listings lag on the Hub)
 MEMO_BYTES = 64 << 10  # files up to this size are kept by Xet hash: reading one again costs nothing
 MEMO_FILES = 256
+LOG_ENTRIES = 100_000  # changes kept for readers that have not looked yet
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,27 @@ class _Feed:
         self.stats: dict[str, tuple[_Stat | None, float]] = {}  # key -> stat (None: absent), expiry
         self.generation = 0  # one more per change: stats asked before a change to their key are dropped
         self.touched: dict[str, int] = {}
-        self.changed: list[str] = []  # keys changed since a waiter last looked
+        self.log: list[str] = []  # keys changed, in order ("": anything may have changed)
+        self.dropped = 0  # entries trimmed from the log's front
+        self.cursors: dict[str, int] = {}  # each consumer's position in the log (counting the dropped)
         self.follower: BucketFollower | None = None
+
+    def log_change(self, key: str) -> None:
+        self.log.append(key)
+        if len(self.log) > LOG_ENTRIES:
+            half = len(self.log) // 2
+            del self.log[:half]
+            self.dropped += half
+
+    def news(self, consumer: str) -> list[str] | None:
+        """The keys changed since `consumer` last asked, or None if that is not known (a first call, or
+        the log lost its place). Call with `cond` held."""
+        at = self.cursors.get(consumer)
+        self.cursors[consumer] = self.dropped + len(self.log)
+        if at is None or at < self.dropped:
+            return None
+        news = self.log[at - self.dropped :]
+        return None if "" in news else news
 
     @property
     def live(self) -> bool:
@@ -85,7 +105,7 @@ class _Feed:
                     self.stats.pop(change.path, None)
                 self.generation += 1
                 self.touched[change.path] = self.generation
-                self.changed.append(change.path)
+                self.log_change(change.path)
             self.cond.notify_all()
 
     def on_reconcile(self) -> None:
@@ -95,7 +115,7 @@ class _Feed:
             self.generation += 1
             self.touched.clear()
             self.touched[""] = self.generation  # older asked stats are all dropped
-            self.changed.append("")
+            self.log_change("")
             self.cond.notify_all()
 
 
@@ -153,12 +173,29 @@ class HubBucketStorage(Storage):
         deadline = time.monotonic() + max(poll_s, self.poll_s)
         with feed.cond:
             while True:
-                seen, feed.changed = feed.changed, []
-                if any(k == "" or k.startswith(keys) for k in seen) or stop.is_set():
+                news = feed.news("wait")
+                if news is None or any(k.startswith(keys) for k in news) or stop.is_set():
                     return
                 if not feed.live and time.monotonic() >= deadline:
                     return  # no feed: a poll
                 feed.cond.wait(0.25)  # also checks `stop` and whether the feed went down
+
+    @property
+    def follows_changes(self) -> bool:
+        follower = self._feed.follower
+        return self.follow and (follower is None or follower.is_alive())
+
+    def changes(self, under: str) -> list[str] | None:
+        self._start_feed()
+        feed, folder = self._feed, self._key(under) + "/"
+        with feed.cond:
+            news = feed.news(f"changes {under}") if feed.live else None
+            if news is None:
+                if not feed.live:  # what it logs meanwhile may miss changes: start over once it follows
+                    feed.cursors.pop(f"changes {under}", None)
+                return None
+        keys = dict.fromkeys(k for k in news if k.startswith(folder))
+        return [k[len(self.prefix) :] for k in keys]
 
     def _start_feed(self) -> None:
         with self._lock:
@@ -318,24 +355,32 @@ class HubBucketStorage(Storage):
             self.api.create_bucket(self.bucket_id, private=True, exist_ok=True)
             self._bucket_exists = True
 
-    def _before_write(self, paths: list[str]) -> None:
+    def _batch(self, add: list[tuple[bytes | Path, str]], delete: list[str]) -> None:
+        """One batch call; what this process wrote is news to its own readers at once (the feed's event
+        comes later), and what the feed said about those paths is old: asked again when needed."""
         self._refuse_while_limited()  # else the client would sleep inside the call until the window ends
         self._create_bucket()
-        with self._feed.cond:  # what the feed said about them is about to be old: ask again
-            for p in paths:
-                self._feed.stats.pop(self._key(p), None)
+        keys = [self._key(p) for _, p in add] + [self._key(p) for p in delete]
+        try:
+            self.api.batch_bucket_files(
+                self.bucket_id, add=[(data, self._key(p)) for data, p in add] or None, delete=keys[len(add) :]
+            )
+        finally:  # also after an error: the write may have landed
+            with self._feed.cond:
+                for key in keys:
+                    self._feed.stats.pop(key, None)
+                    self._feed.touched[key] = self._feed.generation = self._feed.generation + 1
+                    self._feed.log_change(key)
+                self._feed.cond.notify_all()
 
     def _write_bytes(self, path: str, data: bytes) -> None:
-        self._before_write([path])
-        self.api.batch_bucket_files(self.bucket_id, add=[(data, self._key(path))])
+        self._batch([(data, path)], [])
 
     def _upload_file(self, local: Path, path: str) -> None:
-        self._before_write([path])
-        self.api.batch_bucket_files(self.bucket_id, add=[(local, self._key(path))])
+        self._batch([(local, path)], [])
 
     def _delete(self, paths: list[str]) -> None:
         # The batch reports paths that are already gone as failures: delete only those present.
         present = [p for p, size in self._sizes(paths).items() if size is not None]
         if present:
-            self._before_write(present)
-            self.api.batch_bucket_files(self.bucket_id, delete=[self._key(p) for p in present])
+            self._batch([], present)

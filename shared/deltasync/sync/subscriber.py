@@ -35,7 +35,7 @@ from deltasync import telemetry
 from deltasync.codec import fingerprint
 from deltasync.codec.changes import TensorChanges, apply_changes
 from deltasync.codec.patch import Patch, PatchError, decode, decode_parts, read_info
-from deltasync.storage import Storage, TransientStorageError, open_storage, retry
+from deltasync.storage import RateLimited, Storage, TransientStorageError, open_storage, retry
 from deltasync.sync.anchor import read_anchor
 from deltasync.sync.protocol import (
     HEAD_PATH,
@@ -187,6 +187,7 @@ class Subscriber:
         self.history: collections.deque[Applied] = collections.deque(maxlen=256)
         self._bad: set[tuple[str, int]] = set()  # (file, bytes) that failed verification
         self._unverified_deltas = 0
+        self.rate_limited_until: float | None = None  # when the last rate limit met ended (or ends)
 
     # ---------------------------------------------------------------------------------------------- API
 
@@ -470,7 +471,10 @@ class Subscriber:
 
     def _retry(self, call):
         try:
-            return retry(call, (self.backoff_s, float("inf")), attempts=self.retries + 1)
+            return retry(call, (self.backoff_s, float("inf")), self.retries + 1, wait_out_limits=False)
+        except RateLimited as e:  # said at once (status, telemetry); follow() waits until it ends
+            self.rate_limited_until = e.until
+            raise SyncError(str(e)) from None
         except TransientStorageError as e:
             raise SyncError(f"storage keeps failing: {e}") from None
 
@@ -478,7 +482,13 @@ class Subscriber:
 
     def _report(self, a: Applied) -> None:
         if self.replica is not None:
-            self._write_record(telemetry.ReplicaRecord(replica=self.replica, verified=True, **asdict(a)))
+            limited = self.rate_limited_until  # a rate limit held this step back
+            limited = limited if limited is not None and limited > a.published_at else None
+            self._write_record(
+                telemetry.ReplicaRecord(
+                    replica=self.replica, verified=True, rate_limited_until=limited, **asdict(a)
+                )
+            )
 
     def _report_refused(self, entry: Entry, head: Head, error: str) -> None:
         if self.replica is None:
