@@ -22,8 +22,8 @@ The Hub's terms, as huggingface_hub 2.4 meets them:
   `keepalive_s` (real seconds), a `reset` for a cursor older than the last `feed_buffer` changes, and a
   `reconnect` with the cursor once a session has lasted `feed_session_s`;
 - faults: `stale_s` (reads of a path overwritten less than that long ago see its previous entry: listings,
-  paths-info and resolve), `lose_responses(n, status)` (the next n batches land, but are answered `status`),
-  `fail_status` (every request fails: an outage).
+  paths-info and resolve; every `stale_every`th such read; not for `fresh_tokens`), `lose_responses(n,
+  status)` (the next n batches land, but are answered `status`), `fail_status` (every request fails).
 A test clock (`clock`, default `time.time`) or short windows keep tests fast; the client itself sleeps in real
 time until a 429's window ends.
 
@@ -93,6 +93,7 @@ class Change:
     bucket: str
     batch: int  # the seq of its batch's first change: one feed event per batch
     change: dict
+    wall: float = field(default_factory=time.time)  # when it landed, on the real clock
 
 
 @dataclass
@@ -113,6 +114,7 @@ class FakeHub:
 
     def __init__(self, cas_dir: Path, token: str = "hf_fake_token"):
         self.token = token
+        self.tokens = {token}  # accepted: each has its own windows (one per component, to count them apart)
         self.cas_url = f"local://{cas_dir}"
         self.endpoint = ""
         self._serving = contextlib.ExitStack()
@@ -140,6 +142,9 @@ class FakeHub:
         self.keepalive_s = 15.0
         self.changes: list[Change] = []
         self.stale_s = 0.0
+        self.stale_every = 1  # 2: every other read in the window is stale (two caches, one caught up)
+        self._stale_reads = 0
+        self.fresh_tokens: set[str] = set()
         self._lost: tuple[int, int] = (0, 500)
         self.updated_at: dict[str, float] = {}
 
@@ -147,9 +152,13 @@ class FakeHub:
         """The next `n` batch requests land, but are answered `status` (the client sees an error)."""
         self._lost = (n, status)
 
-    def counts(self, cls: str) -> list[int]:
-        """Requests of class `cls` in each window so far (all tokens), oldest first."""
-        return [w.counts[cls] for _, w in sorted(self.windows.items(), key=lambda kw: kw[0][1])]
+    def counts(self, cls: str, token: str | None = None) -> list[int]:
+        """Requests of class `cls` in each window so far (of `token`, default all), oldest first."""
+        per_window: collections.Counter[int] = collections.Counter()
+        for (bearer, index), window in self.windows.items():
+            if token is None or bearer == f"Bearer {token}":
+                per_window[index] += window.counts[cls]
+        return [per_window[i] for i in sorted(per_window)]
 
     def limited(self) -> int:
         """429 answers so far."""
@@ -179,12 +188,16 @@ class FakeHub:
             self._sizes[xet_hash] = len(self.read(xet_hash))
         return self._sizes[xet_hash]
 
-    def entry(self, bucket: str, path: str) -> dict | None:
-        """What a read of `path` sees now: its previous entry while an overwrite is within `stale_s`."""
+    def entry(self, bucket: str, path: str, request: Request) -> dict | None:
+        """What a read of `path` sees now: its previous entry while an overwrite is within `stale_s` (except
+        for the tokens in `fresh_tokens`: a writer that reads its own writes)."""
         entry = self.buckets[bucket].get(path)
         before = self.previous.get((bucket, path))
-        if entry is not None and before is not None and self.clock() < before[0] + self.stale_s:
-            return before[1]
+        fresh = (request.headers.get("authorization") or "").removeprefix("Bearer ") in self.fresh_tokens
+        if entry is not None and before is not None and self.clock() < before[0] + self.stale_s and not fresh:
+            self._stale_reads += 1
+            if self._stale_reads % self.stale_every == 0:  # behind a cache that has not caught up
+                return before[1]
         return entry
 
     def _record(self, bucket: str, changes: list[dict]) -> None:
@@ -226,7 +239,7 @@ class FakeHub:
             if self.fail_status is not None:
                 return JSONResponse({"error": "injected failure"}, status_code=self.fail_status)
             authorization = request.headers.get("authorization") or ""
-            if authorization != f"Bearer {self.token}":
+            if authorization.removeprefix("Bearer ") not in self.tokens:
                 # This message keeps the client from reading a 401 as "repository not found".
                 headers = {"X-Error-Message": "Invalid credentials in Authorization header"}
                 return JSONResponse({"error": "unauthorized"}, status_code=401, headers=headers)
@@ -326,7 +339,7 @@ class FakeHub:
         @app.post("/api/buckets/{ns}/{name}/paths-info")
         async def paths_info(ns: str, name: str, request: Request):
             self._bucket(ns, name)
-            found = [self.entry(f"{ns}/{name}", p) for p in (await request.json())["paths"]]
+            found = [self.entry(f"{ns}/{name}", p, request) for p in (await request.json())["paths"]]
             return [e for e in found if e is not None]
 
         @app.get("/api/buckets/{ns}/{name}/tree")
@@ -338,7 +351,7 @@ class FakeHub:
             for path in sorted(self._bucket(ns, name)):
                 if not path.startswith(prefix):  # a plain string prefix, as the client documents
                     continue
-                entry = self.entry(f"{ns}/{name}", path)
+                entry = self.entry(f"{ns}/{name}", path, request)
                 rest = path[len(prefix) :].lstrip("/")
                 if recursive or "/" not in rest:
                     out.append(entry)
@@ -458,7 +471,7 @@ class FakeHub:
         @app.api_route("/buckets/{ns}/{name}/resolve/{path:path}", methods=["GET", "HEAD"])
         async def resolve(ns: str, name: str, path: str, request: Request):
             self._bucket(ns, name)
-            entry = self.entry(f"{ns}/{name}", path)
+            entry = self.entry(f"{ns}/{name}", path, request)
             if entry is None:
                 return Response(status_code=404, headers={"X-Error-Code": "EntryNotFound"})
             headers = {

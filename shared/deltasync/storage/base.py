@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, TypeVar
@@ -188,6 +188,24 @@ class Storage(ABC):
         check_path(path)
         with self._failures("upload", path):
             self._upload_file(Path(local), path)
+
+    def write_many(self, files: builtins.list[tuple[str, bytes | Path]], delete: Iterable[str] = ()) -> None:
+        """Create or replace each (path, bytes or local file), then delete `delete` (absent ones are fine):
+        one request where the backend batches (a Hub bucket: one Xet upload, one batch call); not atomic."""
+        delete = list(delete)
+        for path in [p for p, _ in files] + delete:
+            check_path(path)
+        with self._failures("write", f"{len(files)} files"):
+            self._write_many(files, delete)
+
+    def _write_many(self, files: builtins.list[tuple[str, bytes | Path]], delete: builtins.list[str]) -> None:
+        for path, source in files:
+            if isinstance(source, bytes):
+                self._write_bytes(path, source)
+            else:
+                self._upload_file(Path(source), path)
+        if delete:
+            self._delete(delete)
 
     def download_file(self, path: str, local: Path, limit: int | None = None) -> None:
         """Copy the object to `local`, which appears complete or not at all; FileNotFoundError if absent,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx2
 from huggingface_hub import BucketFile, HfApi, get_session
-from huggingface_hub.errors import BucketNotFoundError, EntryNotFoundError
+from huggingface_hub.errors import BucketBatchError, BucketNotFoundError, EntryNotFoundError
 from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, parse_ratelimit_headers
 
 from deltasync.storage.base import (
@@ -356,15 +356,20 @@ class HubBucketStorage(Storage):
             self._bucket_exists = True
 
     def _batch(self, add: list[tuple[bytes | Path, str]], delete: list[str]) -> None:
-        """One batch call; what this process wrote is news to its own readers at once (the feed's event
-        comes later), and what the feed said about those paths is old: asked again when needed."""
+        """One batch call (deleting what is already gone is no failure). What this process wrote is news to
+        its own readers at once (the feed's event comes later); what the feed said of those paths is old."""
         self._refuse_while_limited()  # else the client would sleep inside the call until the window ends
         self._create_bucket()
         keys = [self._key(p) for _, p in add] + [self._key(p) for p in delete]
         try:
             self.api.batch_bucket_files(
-                self.bucket_id, add=[(data, self._key(p)) for data, p in add] or None, delete=keys[len(add) :]
+                self.bucket_id,
+                add=[(data, self._key(p)) for data, p in add] or None,
+                delete=keys[len(add) :] or None,
             )
+        except BucketBatchError as e:
+            if {f.get("path") for f in e.failures} - set(keys[len(add) :]):  # an add failed
+                raise
         finally:  # also after an error: the write may have landed
             with self._feed.cond:
                 for key in keys:
@@ -372,6 +377,9 @@ class HubBucketStorage(Storage):
                     self._feed.touched[key] = self._feed.generation = self._feed.generation + 1
                     self._feed.log_change(key)
                 self._feed.cond.notify_all()
+
+    def _write_many(self, files: list[tuple[str, bytes | Path]], delete: list[str]) -> None:
+        self._batch([(source, path) for path, source in files], delete)
 
     def _write_bytes(self, path: str, data: bytes) -> None:
         self._batch([(data, path)], [])

@@ -120,6 +120,25 @@ class WriterClaim:
                 other = lease["holder"] if lease else "a writer that removed the lease"
                 raise WriterConflict(f"{self.storage.url}: another publisher ({other}) took over")
 
+    def renewal(self) -> tuple[str, bytes, float] | None:
+        """(path, content, when) of the lease that extends this claim, for the caller to write with its next
+        request and then confirm with `renewed(when)`: the current lease was checked to be this claim's.
+        None when nothing is due, or when the lease lapsed: then it was taken again here, with its read-back
+        (WriterConflict if another writer has it)."""
+        if not self.renew_due():
+            return None
+        if time.time() >= self._renewed_at + self.lease_s:
+            self.renew()
+            return None
+        self._check_lease("took over")
+        now = time.time()
+        lease = {"holder": self.holder, "epoch": self.epoch, "expires_at": now + self.lease_s}
+        return WRITER_PATH, json.dumps(lease).encode(), now
+
+    def renewed(self, when: float) -> None:
+        """The lease from `renewal()` (made at `when`) was written."""
+        self._renewed_at = when
+
     def renew(self, taking: bool = False) -> None:
         """Extend the lease (a lock needs nothing); WriterConflict if another writer took it over. A lease
         that lapsed (a long step) but is still ours is taken again like a new claim: written, read back."""

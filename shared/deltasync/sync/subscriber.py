@@ -252,7 +252,8 @@ class Subscriber:
                     raise SyncError(f"{e}, though the head names it") from None
 
     def _read_head(self) -> Head:
-        """The head: one bounded read per poll, parsed only when its bytes changed."""
+        """The head: one bounded read per poll, parsed only when its bytes changed; never one older (by writer
+        epoch, then step) than the newest seen, so a replica never goes backwards."""
         try:
             data = self._retry(lambda: read_manifest(self.storage, HEAD_PATH))
             head = self.head if data == self._head_data and self.head else Head.from_json(data)
@@ -262,6 +263,8 @@ class Subscriber:
             raise SyncError(f"no run in {self.storage.url} yet") from None
         except ManifestError as e:
             raise SyncError(f"refused the head of {self.storage.url}: {e}") from None
+        if self.head is not None and (head.epoch, head.step) < (self.head.epoch, self.head.step):
+            return self.head  # older than one seen: a stale read, or a fenced writer's late write
         self.head, self._head_data = head, data
         return head
 
