@@ -42,7 +42,7 @@ from deltasync.storage.compat import BucketFileChange, BucketFollower
 _HUB_MISSING = (BucketNotFoundError, EntryNotFoundError)
 WINDOW_S = 300.0  # the Hub's quota window
 POLL_BUDGET = 1000  # resolver calls per window a poller may spend without the feed (free tier: 5,000)
-POLL_REQUESTS = 2  # what one poll costs: the head and the next delta, each one resolver GET
+POLL_REQUESTS = 3  # what one poll costs: the head, the lease and the next delta, each one resolver GET
 STAT_TTL_S = 30.0  # a stat not confirmed by the feed is asked again after this (listings lag on the Hub)
 MEMO_BYTES = 64 << 10  # files up to this size are kept by Xet hash: reading one again costs nothing
 MEMO_FILES = 256

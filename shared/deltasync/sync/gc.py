@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from deltasync.storage import Storage
-from deltasync.sync.protocol import STEP_DIR, read_head, step_of
+from deltasync.sync.protocol import STEP_DIR, epoch_of_head, read_head, step_of
 
 LEFTOVER_GRACE_S = 15 * 60.0  # a temporary file untouched this long belongs to a writer that crashed
 
@@ -21,8 +21,11 @@ def collect_garbage(storage: Storage, grace_s: float = LEFTOVER_GRACE_S) -> list
         for path in storage.list("deltas") + storage.list("anchors")
         if (step := step_of(path)) is not None and step <= head.step and path not in named
     ]
-    named = read_head(storage).files()
+    head = read_head(storage)
+    named = head.files()
     garbage = [path for path in candidates if path not in named]
+    # Heads under older epochs: their writers are fenced (read_head takes the newest epoch's)
+    garbage += [p for p in storage.list("heads") if (e := epoch_of_head(p)) is not None and e < head.epoch]
     storage.delete(garbage)
     empty = [  # an anchor's folder once its shards are gone, a sharded delta's once its parts are
         folder

@@ -46,7 +46,9 @@ from deltasync.sync.protocol import (
     RunInfo,
     check_step,
     delta_path,
+    epoch_head_path,
     parse_data_path,
+    read_head_bytes,
     read_manifest,
     read_run,
 )
@@ -452,7 +454,9 @@ class Publisher:
         self._check_current(current)
         self.claim.check_live()
         self._head_bytes.add(data)  # if the read-back fails transiently, a retry finds this head
-        self.storage.write_bytes(HEAD_PATH, data)
+        # Also under this writer's epoch, which only it writes: a fenced writer's late write to latest.json
+        # cannot hide it from readers (deltasync.sync.protocol.read_head_bytes).
+        self.storage.write_many([(epoch_head_path(self.claim.epoch), data), (HEAD_PATH, data)])
         confirmed = self._background.submit(self.claim.confirm)  # beside the read-back: one latency
         try:
             current = self._current_head()
@@ -504,8 +508,11 @@ class Publisher:
         earlier writers: the head is rewritten with this claim's epoch, so their next head write fails."""
         from deltasync.sync.subscriber import Subscriber  # the reader's verified path to the head state
 
-        data = self._current_head()
-        self._head_bytes = {data}
+        try:  # the head readers take: a fenced writer's late write may hide the last writer's
+            data: bytes | None = read_head_bytes(self.storage)
+        except FileNotFoundError:
+            data = None
+        self._head_bytes = {data, self._current_head()}
         if data is None:
             return
         head = Head.from_json(data)

@@ -38,14 +38,13 @@ from deltasync.codec.patch import Patch, PatchError, decode, decode_parts, read_
 from deltasync.storage import RateLimited, Storage, TransientStorageError, open_storage, retry
 from deltasync.sync.anchor import read_anchor
 from deltasync.sync.protocol import (
-    HEAD_PATH,
     Entry,
     Head,
     ManifestError,
     RunInfo,
     delta_path,
     parse_data_path,
-    read_manifest,
+    read_head_bytes,
     read_run,
 )
 
@@ -255,7 +254,7 @@ class Subscriber:
         """The head: one bounded read per poll, parsed only when its bytes changed; never one older (by writer
         epoch, then step) than the newest seen, so a replica never goes backwards."""
         try:
-            data = self._retry(lambda: read_manifest(self.storage, HEAD_PATH))
+            data = self._retry(lambda: read_head_bytes(self.storage))
             head = self.head if data == self._head_data and self.head else Head.from_json(data)
             if self.run is None:
                 self.run = self._retry(lambda: read_run(self.storage))
