@@ -150,14 +150,25 @@ def read_head_bytes(storage: Storage) -> bytes:
     except FileNotFoundError:
         lease_epoch = None
     head_epoch = _epoch(data)
-    if lease_epoch is not None and head_epoch is not None and lease_epoch > head_epoch:
-        try:
-            newer = read_manifest(storage, epoch_head_path(lease_epoch))
-        except FileNotFoundError:  # a new claim that has not written its head yet
-            return data
-        if _epoch(newer) == lease_epoch:
-            return newer
-    return data
+    if lease_epoch is None or head_epoch is None or lease_epoch <= head_epoch:
+        return data
+    newest = _head_of(storage, lease_epoch)
+    if newest is None:  # a new claim that has not written its head yet: the newest before it (rare)
+        found = (epoch_of_head(p) for p in storage.list("heads"))
+        between = [e for e in found if e is not None and head_epoch < e < lease_epoch]
+        for epoch in sorted(between, reverse=True):
+            newest = _head_of(storage, epoch)
+            if newest is not None:
+                break
+    return newest or data
+
+
+def _head_of(storage: Storage, epoch: int) -> bytes | None:
+    try:
+        data = read_manifest(storage, epoch_head_path(epoch))
+    except FileNotFoundError:
+        return None
+    return data if _epoch(data) == epoch else None
 
 
 def _epoch(data: bytes) -> int | None:

@@ -210,13 +210,15 @@ def test_a_paused_writers_late_head_never_hides_a_closed_writers_acknowledged_st
     with pytest.raises(RuntimeError, match="another publisher|lapsed"):
         a.close(60)
     assert protocol.Head.from_json(open_storage(url).read_bytes(protocol.HEAD_PATH)).epoch == a.claim.epoch
+    b_step_3 = bf16(b_params)
     reader = Subscriber(url)
     reader.sync()
-    assert reader.step == 3 and bitwise_equal(reader.state, bf16(b_params))  # B's step, not A's
+    assert reader.step == 3 and bitwise_equal(reader.state, b_step_3)  # B's step, not A's
     train_step(b_params, 4)
     with Publisher(url, model="tiny", config=config) as c:  # resumes from B's step 3
-        assert c.last_step == 3
+        assert c.last_step == 3 and bitwise_equal(c._published, b_step_3)
         c.publish(b_params, step=4)
-    reader = Subscriber(url)
-    reader.sync()
-    assert reader.step == 4 and bitwise_equal(reader.state, bf16(b_params))
+    for step, state in ((3, b_step_3), (4, bf16(b_params))):
+        reader = Subscriber(url)
+        reader.sync(step)
+        assert bitwise_equal(reader.state, state), step
