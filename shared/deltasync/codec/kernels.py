@@ -282,7 +282,7 @@ def encode_symbols(old_bits, limits, idx, new_bits):
     return ranked_symbols(cls, ranks, sizes, old, new_bits)
 
 
-@_jit
+@_inline  # (callable from Python too)
 def ranked_symbols(cls, ranks, sizes, old, new_bits):
     """encode_symbols' results from each change's class, in-class rank and old pattern (in position order)
     and each class's size: found by encode_symbols here, or by a GPU pass (deltasync.codec.gpu)."""
