@@ -58,25 +58,31 @@ SHAPES = {"embed": (70, 300), "norm": (300,), "q": (64, 100), "tiny": (3,), "one
 
 
 def host(state: dict) -> dict:
-    return {n: t.cpu() for n, t in state.items()}
+    return {n: t.to("cpu", copy=True) for n, t in state.items()}
 
 
 @pytest.mark.parametrize("density", [0.0, 0.01, 0.3, 1.0])
 def test_scan_finds_the_host_diff_and_fingerprint_moves(gpu, density):
+    """Called directly, and (on a GPU) through diff_and_moves and make_patch as the trainer calls them."""
     old, new = states(1, SHAPES, density)
-    found, moves = gpu.scan({n: (bits(old[n]), bits(new[n])) for n in old})
     expected, expected_moves = changes.diff_and_moves(host(old), host(new), threads=1)
-    assert found.keys() == expected.keys() == moves.keys() == expected_moves.keys()
-    for name, ch in expected.items():
-        assert torch.equal(found[name].indices.cpu(), ch.indices), name
-        assert torch.equal(bits(found[name].values).cpu(), bits(ch.values)), name
-    assert moves == expected_moves
+    for found, moves in (
+        gpu.scan({n: (bits(old[n]), bits(new[n])) for n in old}),
+        changes.diff_and_moves(old, new, threads=1),
+    ):
+        assert found.keys() == expected.keys() == moves.keys() == expected_moves.keys()
+        for name, ch in expected.items():
+            assert torch.equal(found[name].indices.cpu(), ch.indices), name
+            assert torch.equal(bits(found[name].values).cpu(), bits(ch.values)), name
+        assert moves == expected_moves
+    assert patches.make_patch(old, new, 1, 0).fingerprint == fingerprint.state_fingerprint(host(new))
 
 
 def test_state_fingerprint_is_the_host_one(gpu):
     old, new = states(2, SHAPES, 0.05)
     for state in (old, new, {}, {"odd": torch.arange(4097, dtype=torch.bfloat16).to(DEVICE)}):
         assert gpu.state_fingerprint(state) == fingerprint.state_fingerprint(host(state))
+        assert fingerprint.state_fingerprint(state) == fingerprint.state_fingerprint(host(state))  # on a GPU
 
 
 def canonical(data: bytes) -> tuple[dict, bytes]:
@@ -99,6 +105,7 @@ def test_chunk_symbols_make_the_host_patch(gpu, chunk, density):
     expected = patches.encode(patch, host(old), "compact", threads=1, chunk=chunk)
     made = patches.encode(patch, old, "compact", threads=1, chunk=chunk, make_symbols=gpu.chunk_symbols)
     assert canonical(made) == canonical(expected)
+    assert canonical(patches.encode(patch, old, "compact", threads=1, chunk=chunk)) == canonical(expected)
     assert json.loads(canonical(made)[0]["__metadata__"]["dense"])["dense"] == 1200
     target = host(old)
     changes.apply_changes(target, patches.decode(made, target, threads=1).changes, threads=1)
