@@ -1,6 +1,7 @@
 """The codec's passes over every element, on the GPU that holds the weights (Triton kernels).
 
-- `scan`: change detection and the fingerprint's move in one pass (what `make_patch` needs);
+- `scan`: change detection, with the fingerprint's move summed as the changes are written (what `make_patch`
+  needs): two passes, one host sync for all tensors;
 - `state_fingerprint`: the full fingerprint in one pass;
 - `chunk_symbols`: the compact encoding's per-element work (the classes of old values, the in-class ranks of
   the changed elements), which deltasync.codec.patch.encode runs where the weights are on CUDA.
@@ -261,7 +262,7 @@ def _choose_classes(
         bounds, position_bits = kernels.choose_bounds(*work)
         return bounds.tolist(), float(position_bits)
 
-    hists = fingerprint.to_host([_histograms(flat[name], idx[name], chunk) for name in flat])
+    hists = fingerprint.to_host([_histograms(x, idx[name], chunk) for name, x in flat.items()])
     work = []
     for x, h in zip(flat.values(), hists, strict=True):
         sizes = np.minimum(chunk, x.numel() - np.arange(0, x.numel(), chunk))
@@ -305,31 +306,23 @@ def chunk_symbols(
     threads: int | None = None,
 ) -> dict[str, list[compact.Symbols]]:
     """The compact symbols of every chunk of every changed tensor, as deltasync.codec.patch.host_symbols
-    makes them, with the passes over all elements on `old`'s device; the host gets O(changes) and the
-    per-chunk exponent histograms, and finds the symbols on `threads` threads."""
-    if not changes:
-        return {}
-    device = old[next(iter(changes))].device
+    makes them, with the passes over all elements on the device of each of `old`'s tensors; the host gets
+    O(changes) and the per-chunk exponent histograms, and finds the symbols on `threads` threads."""
     flat = {name: bits(old[name]) for name in changes}
-    idx = {name: ch.indices.to(device) for name, ch in changes.items()}
-    classes = _choose_classes(flat, idx, chunk, threads)
-    limits = np.concatenate([compact._limits(bounds) for parts in classes.values() for bounds, _ in parts])
-    limits_on_device = (
-        torch.from_numpy(limits.astype(np.int32)).to(device).split([3 * len(p) for p in classes.values()])
-    )
+    idx = {name: ch.indices.to(flat[name].device) for name, ch in changes.items()}
+    chosen = _choose_classes(flat, idx, chunk, threads)
     found = []
-    for (name, x), limit in zip(flat.items(), limits_on_device, strict=True):
-        patterns = torch.stack([x[idx[name]], bits(changes[name].values).to(device)])  # old, new
-        found.append((*_ranked(x, idx[name], limit.view(-1, 3), chunk), patterns))
-    on_host = [fingerprint.to_host(list(part)) for part in zip(*found, strict=True)]
+    for name, x in flat.items():
+        limits = np.stack([compact._limits(bounds) for bounds, _ in chosen[name]]).astype(np.int32)
+        patterns = torch.stack([x[idx[name]], bits(changes[name].values).to(x.device)])  # old, new
+        found.append((*_ranked(x, idx[name], torch.from_numpy(limits).to(x.device), chunk), patterns))
+    on_host = zip(*(fingerprint.to_host(list(part)) for part in zip(*found, strict=True)), strict=True)
 
     pieces = []  # (bounds, position bits, classes, ranks, class sizes, old, new) of every chunk
-    for (cls, ranks, counts, patterns), parts in zip(
-        zip(*on_host, strict=True), classes.values(), strict=True
-    ):
+    for (cls, ranks, counts, patterns), parts in zip(on_host, chosen.values(), strict=True):
         sizes, cuts = counts[: 4 * len(parts)].reshape(-1, 4), np.cumsum(counts[4 * len(parts) :])
         for c, (bounds, position_bits) in enumerate(parts):
             part = slice(cuts[c - 1] if c else 0, cuts[c])
             pieces.append((bounds, position_bits, cls[part], ranks[part], sizes[c], *patterns[:, part]))
     made = iter(parallel_map(lambda piece: compact.ranked_symbols(*piece), pieces, threads))
-    return {name: [next(made) for _ in parts] for name, parts in classes.items()}
+    return {name: [next(made) for _ in parts] for name, parts in chosen.items()}
