@@ -34,6 +34,7 @@ import signal
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from deltasync.sync.protocol import adapter_name
 from deltasync.trl import compat
 from deltasync.trl.compat import HookedRolloutLoop, RolloutGroup, RolloutSample, TrainingSequence
 from deltasync.trl.transfer import BucketWeightTransfer
@@ -161,6 +162,17 @@ class VersionedRolloutLoop(HookedRolloutLoop):
     def request_headers(self) -> Mapping[str, str]:
         return self._headers
 
+    def request_model(self) -> str:
+        """Adapter mode: the adapter of the published step TRL's version stands for, which is then this
+        turn's weight version (exact, whatever the server)."""
+        if self.lora_name is None:
+            return self.model_name
+        step = self.model_version - 1 + self.version_base
+        seen = _turn_versions.get()
+        if seen is not None:
+            seen.append(step)
+        return adapter_name(self.lora_name, step)
+
     def on_response(self, headers: Mapping[str, str]) -> None:
         seen = _turn_versions.get()
         if seen is not None:
@@ -277,6 +289,8 @@ def stamp_rollouts(
     kwargs = {"replica_urls": [u.rstrip("/") for u in replica_urls], "counters": counters, **loop_kwargs}
     if model_name:
         kwargs["model_name"] = model_name
+    if transfer.adapter is not None:  # adapter mode: each request names the adapter of its step
+        kwargs["lora_name"] = transfer.lora_name
     # The base is the cold sync's step (TRL's model version 1), known before the worker starts.
     compat.use_loop(worker, VersionedRolloutLoop, version_base=0, **kwargs)
     previous = transfer.on_first_step
