@@ -48,7 +48,7 @@ def publish(root, steps: int, model: str = BASE, lora: dict | None = None) -> li
     with Publisher(root, model=model, lora=lora or None) as publisher:
         for step in range(steps):
             if step:
-                for name, t in tensors.items():
+                for t in tensors.values():
                     t += 0.05 * t.abs() * torch.randn(t.shape, generator=torch.Generator().manual_seed(step))
             publisher.publish(tensors, step=step)
             publisher.flush()
@@ -143,7 +143,7 @@ def test_run_json_marks_a_lora_root_and_refuses_a_bad_mark():
     lora = {"name": NAME, "adapter_config": ADAPTER_CONFIG}
     run = RunInfo.of(BASE, {"a": torch.zeros(2)}, lora)
     assert RunInfo.from_json(run.to_json()) == run
-    assert "lora" not in json.loads(RunInfo.of(BASE, {"a": torch.zeros(2)}).to_json())  # full weights: as before
+    assert "lora" not in json.loads(RunInfo.of(BASE, {"a": torch.zeros(2)}).to_json())  # as before
     for bad in ([], {"name": NAME}, {"name": 3, "adapter_config": {}}):
         raw = json.loads(run.to_json())
         raw["lora"] = bad
