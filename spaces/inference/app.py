@@ -62,7 +62,6 @@ import uvicorn
 from prometheus_client import REGISTRY
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
-from starlette.datastructures import MutableHeaders
 from transformers import AutoConfig, AutoModelForCausalLM
 from vllm import SamplingParams
 from vllm.platforms import current_platform
@@ -79,6 +78,7 @@ from deltasync.vllm.follower import (
     log_applied,
     path_summary,
 )
+from deltasync.vllm.headers import WeightVersionHeaders
 
 log = logging.getLogger("deltasync.inference")
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
@@ -238,26 +238,6 @@ def _replay(messages: list[dict], receive):
         return pending.pop(0) if pending else await receive()
 
     return replayed
-
-
-class WeightVersionHeaders:
-    """Labels completions with the weight versions current when they arrived and when their response began."""
-
-    def __init__(self, app, version: Callable[[], str]):
-        self.app, self.version = app, version
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] not in ("/v1/completions", "/v1/chat/completions"):
-            return await self.app(scope, receive, send)
-        first = self.version()
-
-        async def send_labelled(message):
-            if message["type"] == "http.response.start":
-                headers = MutableHeaders(scope=message)
-                headers["x-weight-version"], headers["x-weight-version-end"] = first, self.version()
-            await send(message)
-
-        await self.app(scope, receive, send_labelled)
 
 
 def front_page(cfg: Settings, engine, status: Callable[[], dict]) -> gr.Blocks:

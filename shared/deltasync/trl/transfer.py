@@ -46,6 +46,7 @@ class BucketWeightTransfer:
     info: called at each sync for the step's numbers (reward, staleness) that go into its telemetry record.
     guard: a context manager held around each publish, e.g. to defer Ctrl-C until the copy is whole.
     on_first_step: told the step of the cold sync, before rollouts start.
+    lora_name: adapter mode's name (see the module docstring).
     """
 
     def __init__(
@@ -143,7 +144,7 @@ def lora_info(model: torch.nn.Module, lora_name: str, base_model: str) -> dict:
     not serve it as a LoRA adapter; its adapter_config.json as PEFT writes it, naming `base_model`."""
     from trl.experimental.async_grpo.async_grpo_trainer import validate_lora_for_vllm_sync
 
-    config = validate_lora_for_vllm_sync(model)
+    config = validate_lora_for_vllm_sync(model)  # type: ignore[arg-type]  # a PeftModel (use_model checks)
     with tempfile.TemporaryDirectory() as folder:
         config.save_pretrained(folder)
         adapter_config = json.loads((Path(folder) / "adapter_config.json").read_text())
@@ -155,4 +156,5 @@ def adapter_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The active adapter's tensors under the names PEFT saves them (live: the trainer's)."""
     from peft import get_peft_model_state_dict
 
-    return list(get_peft_model_state_dict(model).items())
+    # vLLM serves no embedding LoRA (lora_info refuses it); the check would look the base model up online
+    return list(get_peft_model_state_dict(model, save_embedding_layers=False).items())
