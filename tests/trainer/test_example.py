@@ -32,15 +32,15 @@ pytestmark = pytest.mark.slow  # starts vLLM
 STEPS = 3
 
 
-def run_example(model: Path, root: Path, url: str, out: Path) -> None:
-    """examples/grpo_bucket.py for STEPS steps on the CPU, saving the model at the last one."""
+def run_example(model: Path, root: Path, url: str, out: Path, *flags: str) -> None:
+    """examples/grpo_bucket.py for STEPS steps on the CPU, saving the model at the last one; `flags` added."""
     argv = [sys.executable, str(REPO / "examples" / "grpo_bucket.py"), "--model_name_or_path", str(model)]
     argv += ["--sync_root", str(root), "--inference_url", url, "--output_dir", str(out)]
     argv += ["--max_steps", str(STEPS), "--save_strategy", "steps", "--save_steps", str(STEPS)]
     argv += ["--use_cpu", "--bf16", "false", "--gradient_checkpointing", "false", "--token_budget", "0"]
     argv += ["--num_generations", "4", "--per_device_train_batch_size", "8", "--num_prompts", "64"]
     argv += ["--max_completion_length", "16", "--learning_rate", "1e-4", "--seed", "1"]
-    argv += ["--report_to", "none"]
+    argv += ["--report_to", "none", *flags]
     log = out.parent / f"{out.name}.log"
     proc = start_process(argv, log, cwd=REPO, cpus=PLACEMENT.others)
     assert proc.wait(timeout=900) == 0, log_tail(log, 5000)

@@ -41,6 +41,7 @@ from deltasync.sync.subscriber import Subscriber, SyncError
 log = logging.getLogger(__name__)
 ROOT_ENV = "DELTASYNC_LORA_ROOT"
 CACHE_ENV = "DELTASYNC_LORA_CACHE"
+RESOLVER = "deltasync"  # its name in vLLM's registry
 VERSIONED = re.compile(r"(.+)-v(\d{1,18})")
 
 
@@ -51,12 +52,14 @@ class Refused(Exception):
 class DeltasyncLoRAResolver(LoRAResolver):
     """Resolves `{lora_name}-v{N}` from the LoRA sync root `root` into folders under `cache`."""
 
-    def __init__(self, root: str, cache: Path):
-        self.root, self.cache = root, cache
+    def __init__(self, root: str, cache: Path | None = None):
+        self.root, self.cache = root, cache  # None: a temporary folder, made when first needed
         self.where = redact(root)
         # One reader, kept between resolutions: the next version replays one delta from the last one.
         self.reader = Subscriber(root, prefetch=False)
         self.lock = threading.Lock()
+        self.resolved: list[str] = []  # the names resolved, oldest first
+        self.last_error: str | None = None  # why the last name that resolved to nothing did
 
     async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
         match = VERSIONED.fullmatch(lora_name)
@@ -65,8 +68,10 @@ class DeltasyncLoRAResolver(LoRAResolver):
         try:
             path = await asyncio.to_thread(self.fetch, base_model_name, match[1], int(match[2]))
         except Refused as e:
-            log.warning("LoRA adapter %s: %s", lora_name, e)
+            self.last_error = f"LoRA adapter {lora_name}: {e}"
+            log.warning("%s", self.last_error)
             return None
+        self.resolved.append(lora_name)
         return LoRARequest(lora_name, 1, str(path), base_model_name=base_model_name)  # vLLM sets the id
 
     def fetch(self, base_model: str, lora_name: str, step: int) -> Path:
@@ -88,6 +93,8 @@ class DeltasyncLoRAResolver(LoRAResolver):
             if run.model != base_model:
                 raise Refused(f"{self.where} holds an adapter of {run.model}, not of {base_model}")
             name = adapter_name(lora_name, step)
+            if self.cache is None:
+                self.cache = Path(tempfile.mkdtemp(prefix="deltasync-lora-"))
             folder = self.cache / f"{name}-{format_fingerprint(self.reader.fingerprint)}"
             if not folder.is_dir():
                 self._write(folder, state, run.lora["adapter_config"])
@@ -108,8 +115,11 @@ class DeltasyncLoRAResolver(LoRAResolver):
 def register_resolver() -> None:
     """Register the resolver when the server's environment names a root (DELTASYNC_LORA_ROOT)."""
     root = os.environ.get(ROOT_ENV)
-    if not root or "deltasync" in LoRAResolverRegistry.get_supported_resolvers():  # loaded before
+    if not root or RESOLVER in LoRAResolverRegistry.get_supported_resolvers():  # loaded before
         return
-    cache = Path(os.environ.get(CACHE_ENV) or tempfile.mkdtemp(prefix="deltasync-lora-"))
-    cache.mkdir(parents=True, exist_ok=True)
-    LoRAResolverRegistry.register_resolver("deltasync", DeltasyncLoRAResolver(root, cache))
+    cache = os.environ.get(CACHE_ENV)
+    if cache:
+        Path(cache).mkdir(parents=True, exist_ok=True)
+    LoRAResolverRegistry.register_resolver(
+        RESOLVER, DeltasyncLoRAResolver(root, Path(cache) if cache else None)
+    )
