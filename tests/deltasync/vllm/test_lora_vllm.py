@@ -5,13 +5,17 @@ its environment. Every request names its adapter version, which the resolver fet
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import requests
+import torch
 
 from deltasync import telemetry
 from deltasync.storage import open_storage
 from deltasync.sync.protocol import read_head
+from deltasync.sync.publisher import Publisher
 from tests.deltasync.vllm.test_follow import Server, stock_server
 from tests.deltasync.vllm.test_moe import ENV, PROMPT
 from tests.trainer.test_example import STEPS, run_example
+from tests.trainer.test_train_e2e import replica
 from trainer.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow  # starts vLLM and trains
@@ -59,3 +63,36 @@ def test_trl_trains_a_lora_that_stock_vllm_serves_by_version(tmp_path):
         assert (
             f"LoRA adapter policy-v99: step 99 is not in {root} yet (head {STEPS})" in server.log.read_text()
         )
+
+
+def test_the_inference_space_serves_a_lora_root_by_version(tmp_path):
+    model = build_tiny_model(tmp_path / "tiny", wordle=True)
+    root, g = tmp_path / "root", torch.Generator().manual_seed(0)
+    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    shapes = {"q_proj": (8, 128, 128), "v_proj": (8, 128, 64)}  # rank, in, out: the tiny model's
+    adapter = {}
+    for layer in range(2):
+        for module, (r, n_in, n_out) in shapes.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            adapter[f"{prefix}.lora_A.weight"] = 0.3 * torch.randn(r, n_in, generator=g)
+            adapter[f"{prefix}.lora_B.weight"] = 0.3 * torch.randn(n_out, r, generator=g)
+    lora = {"name": "policy", "adapter_config": {**config, "base_model_name_or_path": str(model)}}
+    with Publisher(root, model=str(model), lora=lora) as publisher:
+        for step in range(2):
+            publisher.publish({n: t * (1 + step) for n, t in adapter.items()}, step=step)
+
+    with replica(tmp_path, root, model, name="lora-replica") as url:
+
+        def complete(name: str) -> requests.Response:
+            body = {"model": name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "logprobs": 0}
+            return requests.post(f"{url}/v1/completions", json=body, timeout=120)
+
+        base, first, second = (complete(name) for name in (str(model), "policy-v0", "policy-v1"))
+        assert [r.status_code for r in (base, first, second)] == [200] * 3, second.text
+        assert (first.json()["model"], second.json()["model"]) == ("policy-v0", "policy-v1")
+        logprobs = [r.json()["choices"][0]["logprobs"]["token_logprobs"] for r in (base, first, second)]
+        assert logprobs[0] != logprobs[1] != logprobs[2]  # the base model and two adapters
+        assert complete("policy-v2").status_code == 404  # not published yet
+        status = requests.get(f"{url}/weights", timeout=10).json()
+        assert status["adapters"] == ["policy-v0", "policy-v1"] and status["head_step"] == 1
+        assert status["last_error"] == f"LoRA adapter policy-v2: step 2 is not in {root} yet (head 1)"
