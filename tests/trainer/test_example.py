@@ -32,9 +32,13 @@ pytestmark = pytest.mark.slow  # starts vLLM
 STEPS = 3
 
 
-def run_example(model: Path, root: Path, url: str, out: Path, *flags: str) -> None:
-    """examples/grpo_bucket.py for STEPS steps on the CPU, saving the model at the last one; `flags` added."""
-    argv = [sys.executable, str(REPO / "examples" / "grpo_bucket.py"), "--model_name_or_path", str(model)]
+EXAMPLE = REPO / "examples" / "grpo_bucket.py"
+
+
+def run_example(model: Path, root: Path, url: str, out: Path, *flags: str, script: Path = EXAMPLE) -> None:
+    """examples/grpo_bucket.py (or `script`) for STEPS steps on the CPU, saving the model at the last one;
+    `flags` added."""
+    argv = [sys.executable, str(script), "--model_name_or_path", str(model)]
     argv += ["--sync_root", str(root), "--inference_url", url, "--output_dir", str(out)]
     argv += ["--max_steps", str(STEPS), "--save_strategy", "steps", "--save_steps", str(STEPS)]
     argv += ["--use_cpu", "--bf16", "false", "--gradient_checkpointing", "false", "--token_budget", "0"]

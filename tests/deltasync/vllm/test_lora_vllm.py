@@ -3,6 +3,7 @@
 its environment. Every request names its adapter version, which the resolver fetches from the root."""
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
@@ -36,7 +37,9 @@ def test_trl_trains_a_lora_that_stock_vllm_serves_by_version(tmp_path):
     env = {**ENV, "DELTASYNC_LORA_ROOT": str(root), "DELTASYNC_LORA_CACHE": str(tmp_path / "cache")}
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     with stock_server(model, tmp_path, *FLAGS, env=env) as server:
-        run_example(model, root, server.url, out, "--lora_r", "8")
+        # a reward the tiny model earns, and a learning rate that moves a LoRA visibly in 3 steps
+        script = Path(__file__).with_name("lora_example.py")
+        run_example(model, root, server.url, out, "--lora_r", "8", "--learning_rate", "3e-2", script=script)
         assert read_head(open_storage(root)).step == STEPS  # the cold sync is step 0
         for step in range(1, STEPS + 1):  # every trained rollout named its adapter: its version is exact
             record = root / telemetry.TRAINER_DIR / f"step-{step:08d}.json"
@@ -49,6 +52,8 @@ def test_trl_trains_a_lora_that_stock_vllm_serves_by_version(tmp_path):
         ours, theirs = greedy(server, f"policy-v{STEPS}"), greedy(server, "saved")
         assert ours["choices"][0]["token_ids"] == theirs["choices"][0]["token_ids"]
         assert ours["choices"][0]["logprobs"] == theirs["choices"][0]["logprobs"]
+        base = greedy(server, str(model))  # the adapter changes what the model says
+        assert base["choices"][0]["logprobs"] != ours["choices"][0]["logprobs"]
 
         # Two versions at once, each answered by its own adapter and tagged with its name.
         with ThreadPoolExecutor(2) as pool:
