@@ -77,10 +77,12 @@ class BucketWeightTransfer:
     def use_model(self, model: torch.nn.Module) -> None:
         """Publish `model`'s parameters under its checkpoint's names and layout, or in adapter mode its
         adapter (see the module docstring)."""
-        if self.lora_name and hasattr(model, "peft_config"):
+        if not self.lora_name:
+            self.to_checkpoint = checkpoint_converter(model)
+        elif hasattr(model, "peft_config"):
             self.adapter, self.lora = model, lora_info(model, self.lora_name, self.model_id)
         else:
-            self.to_checkpoint = checkpoint_converter(model)
+            raise ValueError(f"lora_name={self.lora_name!r} publishes a PEFT adapter: train with peft_config")
 
     def init_weight_transfer(self) -> None:
         if self.publisher is None:

@@ -71,6 +71,12 @@ def test_syncs_publish_the_adapter_which_resolves_to_a_peft_adapter(tmp_path):
     assert_bitwise_equal(adapter_state(loaded), states[2])
 
 
+def test_adapter_mode_needs_a_peft_model(tmp_path):
+    transfer = BucketWeightTransfer(tmp_path / "root", model_id="tiny-base", lora_name="policy")
+    with pytest.raises(ValueError, match="train with peft_config"):
+        transfer.use_model(small_qwen3(tied=True, dtype=torch.float32, device="cpu"))
+
+
 def test_adapters_vllm_cannot_serve_are_refused(tmp_path):
     config = peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True)
     model = peft.get_peft_model(small_qwen3(tied=True, dtype=torch.float32, device="cpu"), config)
