@@ -46,6 +46,7 @@ request reuses prefix-cache blocks computed by other weights.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import json
@@ -395,7 +396,7 @@ async def serve_adapters(cfg: Settings, engine, args, sock: socket.socket) -> No
     resolver = LoRAResolverRegistry.get_resolver(RESOLVER)
     assert isinstance(resolver, DeltasyncLoRAResolver)  # registered by serve()
     in_flight = InFlight(None)
-    status = lambda: lora_status(cfg, resolver, in_flight)  # noqa: E731
+    status = functools.partial(lora_status, cfg, resolver, in_flight)
     app = await public_app(cfg, args, engine, status, lambda: "model", in_flight)
     await uvicorn.Server(uvicorn.Config(app)).serve(sockets=[sock])
 
