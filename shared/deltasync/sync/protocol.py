@@ -107,6 +107,11 @@ def step_of(path: str) -> int | None:
     return parsed[1] if parsed else None
 
 
+def adapter_name(lora_name: str, step: int) -> str:
+    """What requests call the adapter a LoRA root publishes as `step` (TRL's `{lora_name}-v{version}`)."""
+    return f"{lora_name}-v{step}"
+
+
 def check_step(step: int, where: str) -> int:
     """`step` if a head can hold it (what `Head.from_json` accepts), else ValueError naming `where`."""
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_INT:
@@ -227,23 +232,29 @@ class RunInfo:
 
     model: str
     schema: dict[str, list[int]]  # HF name -> shape, in the trainer's order
+    # A LoRA root (its states are adapters of `model`): {"name": the adapter's name, "adapter_config": PEFT's
+    # adapter_config.json}. None: full weights.
+    lora: dict | None = None
 
     @classmethod
-    def of(cls, model: str, state: Mapping[str, torch.Tensor]) -> RunInfo:
+    def of(cls, model: str, state: Mapping[str, torch.Tensor], lora: dict | None = None) -> RunInfo:
         """The run of `state`; ValueError naming the tensor if a reader would refuse its schema."""
         schema = {name: list(t.shape) for name, t in state.items()}
         for name, shape in schema.items():
             problem = schema_problem(name, shape)
             if problem:
                 raise ValueError(f"tensor {name!r}: {problem}")
-        return cls(model, schema)
+        return cls(model, schema, lora)
 
     @property
     def numel(self) -> int:
         return sum(math.prod(shape) for shape in self.schema.values())
 
     def to_json(self) -> bytes:
-        return json.dumps({"version": FORMAT_VERSION, **asdict(self)}, indent=1).encode()
+        raw = {"version": FORMAT_VERSION, **asdict(self)}
+        if self.lora is None:  # a full-weight root's run.json is as it always was
+            del raw["lora"]
+        return json.dumps(raw, indent=1).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> RunInfo:
@@ -254,7 +265,11 @@ class RunInfo:
             problem = schema_problem(name, shape)
             if problem:
                 raise ManifestError(f"{RUN_PATH}: bad schema entry {name!r:.80}: {shape!r:.80}: {problem}")
-        return cls(model, schema)
+        lora = _field(raw, "lora", dict, RUN_PATH) if "lora" in raw else None
+        if lora is not None:
+            _field(lora, "name", str, f"{RUN_PATH} lora")
+            _field(lora, "adapter_config", dict, f"{RUN_PATH} lora")
+        return cls(model, schema, lora)
 
 
 @dataclass(frozen=True)

@@ -96,9 +96,15 @@ class Publisher:
     """Publishes successive states of one model to the sync root `root` (URL, path or Storage), as its only
     writer: raises WriterConflict naming the holder if another publisher has the root."""
 
-    def __init__(self, root: str | Path | Storage, model: str = "", config: PublisherConfig | None = None):
+    def __init__(
+        self,
+        root: str | Path | Storage,
+        model: str = "",
+        config: PublisherConfig | None = None,
+        lora: dict | None = None,
+    ):
         self.storage = root if isinstance(root, Storage) else open_storage(root)
-        self.model = model
+        self.model, self.lora = model, lora  # lora: run.json's mark of a LoRA root (RunInfo.lora)
         self.config = config or PublisherConfig()
         self._cond = threading.Condition()
         self._pending: _Pending | None = None
@@ -268,7 +274,7 @@ class Publisher:
 
     def _allocate(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self._run is None:
-            self._run = RunInfo.of(self.model, params)
+            self._run = RunInfo.of(self.model, params, self.lora)
         pin = any(t.is_cuda for t in params.values())  # D2H copies into pinned memory do not stall
         return {n: torch.empty(s, dtype=torch.bfloat16, pin_memory=pin) for n, s in self._run.schema.items()}
 
