@@ -29,7 +29,7 @@ from deltasync import __version__
 from deltasync.codec import patch as patches
 from deltasync.codec.bf16 import as_bf16
 from deltasync.codec.changes import SchemaError, apply_changes
-from deltasync.storage import open_regular, open_storage, redact
+from deltasync.storage import POLL_BUDGET, open_regular, open_storage, redact
 from deltasync.sync import protocol
 from deltasync.sync.anchor import ANCHOR_ENCODINGS
 from deltasync.sync.claim import WriterClaim
@@ -212,7 +212,15 @@ def cmd_follow(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     engine = HttpEngine(args.vllm_url, os.environ.get("VLLM_API_KEY"))
-    follow(args.root, engine, stop, replica=args.replica, poll_s=args.poll_s, verify_every=args.verify_every)
+    follow(
+        args.root,
+        engine,
+        stop,
+        replica=args.replica,
+        poll_s=args.poll_s,
+        poll_budget=args.poll_budget,
+        verify_every=args.verify_every,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -313,6 +321,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--replica", help="replica id for the telemetry it writes to ROOT (default: none written)")
     p.add_argument("--poll-s", type=float, default=1.0, help="seconds between polls of the head (default 1)")
+    p.add_argument(
+        "--poll-budget",
+        type=int,
+        default=POLL_BUDGET,
+        help="Hub requests per 5-minute window that polling may spend when the bucket's change feed is not "
+        f"followed; polls are spaced to fit (default {POLL_BUDGET})",
+    )
     p.add_argument(
         "--verify-every",
         type=int,

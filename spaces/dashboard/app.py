@@ -4,7 +4,8 @@
 
 Environment: SYNC_ROOT (required), HF_TOKEN (private buckets), PORT (default 7860), HOST (default 0.0.0.0),
 REFRESH_S (seconds between refreshes, default 2), STALE_AFTER_S (a replica behind the newest step and silent
-this long is shown as stopped reporting, default 120).
+this long is shown as stopped reporting, default 120), POLL_BUDGET (Hub requests per 5-minute window its polls
+may spend while the bucket's change feed is not followed, default 1000).
 
 The UI is at `/`; scripts read `GET /api/summary` and `GET /api/series?since=STEP` (JSON).
 """
@@ -30,7 +31,7 @@ from pydantic_settings import BaseSettings
 
 from deltasync.asgi import BodyLimit, serve
 from deltasync.settings import from_env
-from deltasync.storage import open_storage, redact
+from deltasync.storage import POLL_BUDGET, open_storage, redact
 from deltasync.telemetry.reader import TelemetryReader
 from deltasync.units import format_bytes
 
@@ -73,10 +74,12 @@ CSS = """
 class Board:
     """What every browser session and the API share: one reader of the sync root and the figures of the
     latest data version (rebuilt only when new records arrive). However many viewers tick, one polls at a
-    time, at most once per `min_poll_s`; the others render what is there, even while a slow bucket holds the
-    poll."""
+    time, at most once per `min_poll_s` (or the storage's `poll_s`, set by `poll_budget`, without a change
+    feed); the others render what is there, even while a slow bucket holds the poll."""
 
-    def __init__(self, root: str, stale_after_s: float = 120.0, min_poll_s: float = 0.0):
+    def __init__(
+        self, root: str, stale_after_s: float = 120.0, min_poll_s: float = 0.0, poll_budget: int = POLL_BUDGET
+    ):
         self.root = redact(root)  # shown on the page and in /api/summary: never its credentials
         self.stale_after_s = stale_after_s
         self.min_poll_s = min_poll_s
@@ -93,7 +96,7 @@ class Board:
             self.error = "SYNC_ROOT is not set: start the app with SYNC_ROOT=<folder or hf://buckets/ns/name>"
             return
         try:
-            self.reader = TelemetryReader(open_storage(root))
+            self.reader = TelemetryReader(open_storage(root, poll_budget=poll_budget))
         except Exception as e:  # a malformed URL is shown on the page, like any other failure
             self.error = redact(f"cannot open {root}: {e}")
 
@@ -103,7 +106,9 @@ class Board:
         if self.reader is None or not self._polling.acquire(blocking=False):
             return self.version
         try:
-            if time.monotonic() - self._polled_at < self.min_poll_s:
+            storage = self.reader.storage
+            budget_s = 0.0 if storage.follows_changes else storage.poll_s  # a feed's news cost no request
+            if time.monotonic() - self._polled_at < max(self.min_poll_s, budget_s):
                 return self.version
             try:
                 fetched = self.reader.fetch()  # the slow part, outside self.lock
@@ -486,9 +491,11 @@ def update(board: Board, shown: int, refresh_s: float) -> list:
     return [version, *texts, *figures]
 
 
-def build_app(root: str, refresh_s: float = 2.0, stale_after_s: float = 120.0) -> FastAPI:
+def build_app(
+    root: str, refresh_s: float = 2.0, stale_after_s: float = 120.0, poll_budget: int = POLL_BUDGET
+) -> FastAPI:
     """The JSON API and the Gradio UI (mounted at "/") over one Board."""
-    board = Board(root, stale_after_s, min_poll_s=refresh_s / 2)
+    board = Board(root, stale_after_s, min_poll_s=refresh_s / 2, poll_budget=poll_budget)
     api = FastAPI(title="deltasync dashboard")
     api.add_middleware(BodyLimit, max_bytes=MAX_REQUEST_BYTES)
 
@@ -550,11 +557,12 @@ class Settings(BaseSettings):
     port: int = 7860
     refresh_s: float = 2.0
     stale_after_s: float = 120.0
+    poll_budget: int = POLL_BUDGET
 
 
 def main() -> None:
     cfg = from_env(Settings)
-    app = build_app(cfg.sync_root, refresh_s=cfg.refresh_s, stale_after_s=cfg.stale_after_s)
+    app = build_app(cfg.sync_root, cfg.refresh_s, cfg.stale_after_s, cfg.poll_budget)
     serve(app, "deltasync dashboard", cfg.host, cfg.port, log_level="warning")
 
 

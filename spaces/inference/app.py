@@ -15,6 +15,7 @@ Configuration, from the environment:
     REPLICA_ID         this replica's name in telemetry (default: stable per Space, else per host)
     SERVED_MODEL_NAME  comma-separated names clients may send as "model" (default: MODEL)
     POLL_S             seconds between polls of the head (1.0)
+    POLL_BUDGET        Hub requests per 5-minute window polling may spend without the change feed (1000)
     VERIFY_EVERY       read the weights back from vLLM every N deltas to compare fingerprints (10)
     MAX_REQUEST_BYTES  largest request body accepted (4 MiB)
     PATCH_WRITE        "direct" (default): indexed writes into the parameter views learned at start-up,
@@ -33,7 +34,8 @@ On CPU, unless VLLM_CPU_KVCACHE_SPACE or --kv-cache-memory-bytes says otherwise,
 memory left beside the weights, at most room for 4 sequences of --max-model-len (`cpu_kv_cache_bytes`).
 SIGTERM and SIGINT stop the server and vLLM's engine processes.
 
-Public routes: /health, /version, /v1/models, /v1/completions, /v1/chat/completions, /inference/v1/generate
+Public routes: /health (vLLM's, saying "rate limited until T" while the Hub refuses this replica), /version,
+/v1/models, /v1/completions, /v1/chat/completions, /inference/v1/generate
 (vLLM's token-in/token-out API: its choices carry exact `weight_versions` spans), GET /weights (sync status,
 with `write_paths`: how many tensors each write path takes, and which ones go other than directly) and the
 Gradio page at /. vLLM's other routes (admin, dev, scaling, metrics, docs) answer 404. Completions
@@ -67,6 +69,8 @@ import gradio as gr
 import psutil
 import torch
 import uvicorn
+from fastapi import Request
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import REGISTRY
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -78,7 +82,7 @@ from vllm.platforms import current_platform
 
 from deltasync.asgi import BodyLimit
 from deltasync.settings import from_env
-from deltasync.storage import open_storage
+from deltasync.storage import POLL_BUDGET, open_storage, rate_limited_line
 from deltasync.sync.protocol import read_run
 from deltasync.sync.subscriber import Subscriber
 from deltasync.vllm import compat
@@ -119,6 +123,7 @@ class Settings(BaseSettings):
     replica_id: str = Field(default_factory=lambda data: default_replica_id(data["space_id"]))
     served_model_name: str = ""
     poll_s: float = 1.0
+    poll_budget: int = POLL_BUDGET
     verify_every: int = 10
     max_request_bytes: int = 4 << 20
     patch_write: WritePath = "direct"
@@ -301,13 +306,42 @@ def front_page(cfg: Settings, engine, status: Callable[[], dict]) -> gr.Blocks:
     return page
 
 
+def health_route(vllm_health, rate_limited_until: Callable[[], float | None]):
+    """vLLM's /health, which also says when the Hub rate-limits this replica. Still 200 then: the replica
+    serves its last verified step, and the quota is per user, so every replica of a run is limited at once;
+    a 503 would make a load balancer or the Space's health check drop them all, an outage instead of stale
+    weights. The line is in the body, the time (unix s) in a header; 503 still means vLLM's engine is dead."""
+
+    async def health(request: Request) -> Response:
+        response = await vllm_health(request)
+        until = rate_limited_until()
+        if until is None:
+            return response
+        headers = {RATE_LIMIT_HEADER: f"{until:.0f}"}
+        return PlainTextResponse(rate_limited_line(until) + "\n", response.status_code, headers=headers)
+
+    return health
+
+
+RATE_LIMIT_HEADER = "x-rate-limited-until"
+
+
 async def public_app(
-    cfg: Settings, args, engine, status: Callable[[], dict], version: Callable[[], str], in_flight: InFlight
+    cfg: Settings,
+    args,
+    engine,
+    status: Callable[[], dict],
+    version: Callable[[], str],
+    in_flight: InFlight,
+    rate_limited_until: Callable[[], float | None],
 ):
     app = await compat.openai_app(engine, args)
+    vllm_health = next(r.endpoint for r in app.router.routes if getattr(r, "path", None) == "/health")
     # vLLM also registers maintenance and scaling routes (abort, elastic EP, metrics, render, docs): keep only
     # the public API, so anything else falls through to Gradio's 404.
-    app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) in PUBLIC_ROUTES]
+    kept = PUBLIC_ROUTES - {"/health"}  # ours, below
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) in kept]
+    app.add_api_route("/health", health_route(vllm_health, rate_limited_until), methods=["GET"])
     app.add_api_route("/weights", status, methods=["GET"])
     token = cfg.token
     auth = (lambda user, password: hmac.compare_digest(password.encode(), token.encode())) if token else None
@@ -398,7 +432,8 @@ async def serve_adapters(cfg: Settings, engine, args, sock: socket.socket) -> No
     assert isinstance(resolver, DeltasyncLoRAResolver)  # registered by serve()
     in_flight = InFlight(None)
     status = functools.partial(lora_status, cfg, resolver, in_flight)
-    app = await public_app(cfg, args, engine, status, lambda: "model", in_flight)
+    limited = lambda: resolver.reader.storage.rate_limited_until  # noqa: E731
+    app = await public_app(cfg, args, engine, status, lambda: "model", in_flight, limited)
     await uvicorn.Server(uvicorn.Config(app)).serve(sockets=[sock])
 
 
@@ -424,7 +459,8 @@ async def serve(cfg: Settings) -> None:
             lambda: in_flight.count,
         )
         await engine.update_weight_version(applier.version)
-        subscriber = Subscriber(cfg.sync_root, applier, replica=cfg.replica_id, verify_every=cfg.verify_every)
+        storage = open_storage(cfg.sync_root, poll_budget=cfg.poll_budget)
+        subscriber = Subscriber(storage, applier, replica=cfg.replica_id, verify_every=cfg.verify_every)
         applier.attach(subscriber)
         app = await public_app(
             cfg,
@@ -433,6 +469,7 @@ async def serve(cfg: Settings) -> None:
             lambda: sync_status(cfg, subscriber, applier, in_flight),
             lambda: applier.version,
             in_flight,
+            lambda: storage.rate_limited_until,
         )
         stop = threading.Event()
         follower = threading.Thread(

@@ -18,6 +18,7 @@ import requests
 from deltasync.storage import Storage, TransientStorageError, open_storage
 from deltasync.telemetry import MAX_INFO_KEYS, ReplicaRecord, TrainerRecord, write
 from deltasync.telemetry.reader import TelemetryReader
+from tests.deltasync.storage.test_hub import eventually
 from trainer.deploy import build_bundle
 from trainer.processes import serving
 
@@ -330,6 +331,28 @@ def test_board_states(dashboard, tmp_path, monkeypatch):
     status = dashboard.status_markdown(board.summary(), 2)
     assert "Cannot read the sync root" in status and "503" in status and "3 steps" in status
     assert board.summary()["steps"] == 3  # the last data stays on the page
+
+
+def test_board_polls_within_its_poll_budget_without_the_feed(dashboard, fake_hub, monkeypatch):
+    fake_hub.feed = False  # not served: the board polls, each poll costing requests
+    write_run(open_storage("hf://buckets/user/sync"), range(0, 2), time.time())
+    monkeypatch.setenv("POLL_BUDGET", "3")  # one poll per window
+    cfg = dashboard.Settings()
+    built = []
+    monkeypatch.setattr(dashboard, "build_app", lambda *args: built.append(args))
+    monkeypatch.setattr(dashboard, "serve", lambda *args, **kwargs: None)
+    dashboard.main()
+    assert built[0][-1] == cfg.poll_budget == 3
+    board = dashboard.Board("hf://buckets/user/sync", poll_budget=cfg.poll_budget)
+    board.refresh()
+    eventually(lambda: not board.reader.storage.follows_changes)  # the feed was tried and is not served
+    polls = []
+    fetch = board.reader.fetch
+    monkeypatch.setattr(board.reader, "fetch", lambda: polls.append(1) or fetch())
+    for _ in range(3):
+        time.sleep(0.05)  # far shorter than this budget's interval (a budget of 10**6 polls each time)
+        board.refresh()
+    assert polls == [] and board.summary()["steps"] == 2  # the window's one poll is spent
 
 
 def test_board_names_a_replica_that_stopped_reporting(dashboard, tmp_path):

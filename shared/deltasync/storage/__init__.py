@@ -18,14 +18,16 @@ from deltasync.storage.base import (
     WriterLock,
     check_path,
     open_regular,
+    rate_limited_line,
     redact,
     retry,
 )
 from deltasync.storage.fsspec import FsspecStorage
-from deltasync.storage.hub import HubBucketStorage
+from deltasync.storage.hub import POLL_BUDGET, HubBucketStorage
 from deltasync.storage.local import LocalStorage
 
 __all__ = [
+    "POLL_BUDGET",
     "TMP_MARK",
     "FsspecStorage",
     "HubBucketStorage",
@@ -39,14 +41,16 @@ __all__ = [
     "check_path",
     "open_regular",
     "open_storage",
+    "rate_limited_line",
     "redact",
     "retry",
 ]
 
 
-def open_storage(url: str | Path, token: str | None = None) -> Storage:
+def open_storage(url: str | Path, token: str | None = None, poll_budget: int = POLL_BUDGET) -> Storage:
     """The storage behind a sync root: a folder (path or file:// URL), `hf://buckets/<namespace>/<name>[/prefix]`,
-    or any other fsspec URL. `token` is for the Hub only (None: HF_TOKEN or the login cache)."""
+    or any other fsspec URL. For the Hub only: `token` (None: HF_TOKEN or the login cache) and `poll_budget`,
+    the requests per 5-minute window polling may spend without the change feed."""
     if isinstance(url, Path) or "://" not in url:
         return LocalStorage(url)
     for scheme in ("file://", "local://"):  # fsspec's names for a local folder: one folder, one lock
@@ -57,7 +61,7 @@ def open_storage(url: str | Path, token: str | None = None) -> Storage:
         name, _, prefix = rest.partition("/")
         if not namespace or not name:
             raise ValueError(f"expected hf://buckets/<namespace>/<name>[/prefix], got {url!r}")
-        return HubBucketStorage(f"{namespace}/{name}", prefix, token)
+        return HubBucketStorage(f"{namespace}/{name}", prefix, token, poll_budget=poll_budget)
     if url.startswith("hf://") and not url.startswith(("hf://buckets", "hf://datasets/", "hf://spaces/")):
         # fsspec would read it as a model repository: as a sync root, a bucket URL missing its `buckets/`
         hint = f"hf://buckets/{url.removeprefix('hf://')}"

@@ -55,6 +55,11 @@ class RateLimited(TransientStorageError):
         self.until = until
 
 
+def rate_limited_line(until: float) -> str:
+    """How a rate limit is said wherever it is shown (errors, /health)."""
+    return f"rate limited until {time.strftime('%H:%M:%S UTC', time.gmtime(until))}"
+
+
 class WriterConflict(RuntimeError):
     """Another writer holds the sync root, or took it over: this one must not write (or acknowledge) there."""
 
@@ -266,6 +271,11 @@ class Storage(ABC):
         change came since the last return, else as soon as one comes where the backend hears of changes (a
         change feed), else after `poll_s` seconds (or longer, where the backend's request budget says so)."""
         stop.wait(poll_s)
+
+    @property
+    def poll_s(self) -> float:
+        """The shortest interval between polls that keeps within the backend's request budget (0: none)."""
+        return 0.0
 
     @property
     def follows_changes(self) -> bool:

@@ -36,6 +36,7 @@ from deltasync.storage.base import (
     TransientStorageError,
     atomic_file,
     check_path,
+    rate_limited_line,
 )
 from deltasync.storage.compat import BucketFileChange, BucketFollower
 
@@ -136,6 +137,8 @@ class HubBucketStorage(Storage):
         follow: bool = True,
         poll_budget: int = POLL_BUDGET,
     ):
+        if poll_budget < 1:
+            raise ValueError(f"poll budget must be at least 1 request per window, got {poll_budget}")
         self.bucket_id = check_path(bucket_id)
         self.prefix = check_path(prefix) + "/" if prefix else ""
         self.url = f"hf://buckets/{bucket_id}" + (f"/{prefix}" if prefix else "")
@@ -219,8 +222,7 @@ class HubBucketStorage(Storage):
         """RateLimited, without a request, while the last 429's window lasts."""
         until = self.rate_limited_until
         if until is not None:
-            at = time.strftime("%H:%M:%S UTC", time.gmtime(until))
-            raise RateLimited(f"{self.url}: rate limited until {at}", until)
+            raise RateLimited(f"{self.url}: {rate_limited_line(until)}", until)
 
     def _request(self, method: str, url: str, **kwargs) -> httpx2.Response:
         """One request of ours (not the client's, which sleeps through a 429 by itself)."""

@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from deltasync.codec.changes import TensorChanges
 from deltasync.codec.fingerprint import format_fingerprint
 from deltasync.codec.patch import raw_entries
+from deltasync.storage import POLL_BUDGET, open_storage
 from deltasync.sync.anchor import shard
 from deltasync.sync.subscriber import Applied, Applier, Subscriber
 
@@ -384,11 +385,13 @@ def follow(
     *,
     replica: str | None = None,
     poll_s: float = 1.0,
+    poll_budget: int = POLL_BUDGET,
     verify_every: int = 10,
 ) -> Subscriber:
-    """Follow `root` into `engine` until `stop` is set (blocks)."""
+    """Follow `root` into `engine` until `stop` is set (blocks); `poll_budget`: see `open_storage`."""
     applier = EngineApplier(engine, root)
-    subscriber = Subscriber(root, applier, replica=replica, verify_every=verify_every)
+    storage = open_storage(root, poll_budget=poll_budget)
+    subscriber = Subscriber(storage, applier, replica=replica, verify_every=verify_every)
     applier.attach(subscriber)
     try:
         subscriber.follow(stop, poll_s, on_applied=log_applied)
