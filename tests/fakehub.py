@@ -3,8 +3,12 @@
 Routes and wire formats follow huggingface_hub 2.4's bucket client (`huggingface_hub.hf_api`, `_buckets`).
 File bytes never pass through the fake: its Xet token route answers `casUrl: local://<dir>`, so `hf_xet`
 stores and fetches chunks in a local folder itself. The fake reads a file back (to learn its size, or to serve
-a plain GET) through the client's own Xet session, and the local CAS is locked per process: the fake must run
-in the process that uses the client.
+a plain GET) through the client's own Xet session. The fake must run in the process that uses the client:
+huggingface_hub's Xet session is one per process and holds the local CAS's
+`xet/xorbs/global_dedup_lookup.redb` open (an exclusive redb lock) for its whole life, so a second process on
+the same folder fails ("Database already open. Cannot acquire lock"); per-process folders sharing `xorbs/` and
+`shards/` read files uploaded by another live process as empty. Several processes would need the CAS served
+over HTTP (Xet's CAS API).
 
 Space repos (for the deploy command): create, README metadata validation, commits of regular (base64) files,
 the file tree, variables, secrets and hardware requests. Files are kept in memory.
