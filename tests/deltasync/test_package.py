@@ -76,3 +76,15 @@ def test_the_public_api_imports_from_outside_the_checkout_and_loads_its_modules_
     assert module == "deltasync.sync.publisher"
     assert {"Publisher", "PublisherConfig", "TensorsApplier", "diff", "PatchError"} <= set(names)
     assert names["__version__"] == "str" and names["Publisher"] == "type" and names["diff"] == "function"
+
+
+def test_the_type_checkers_names_are_the_lazy_ones():
+    """deltasync/__init__.py names each public object twice: lazily for Python (`_EXPORTS`, whose keys are
+    `__all__`), and under TYPE_CHECKING for type checkers. Both must name the same object."""
+    tree = ast.parse((LIBRARY / "__init__.py").read_text())
+    (exports,) = (n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "_EXPORTS")
+    pairs = zip(exports.keys, exports.values, strict=True)
+    lazy = {k.value: (v.elts[0].value, v.elts[1].value) for k, v in pairs}
+    (checking,) = (n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    typed = {a.asname or a.name: (i.module, a.name) for i in checking.body for a in i.names}
+    assert typed == lazy

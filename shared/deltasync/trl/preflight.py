@@ -26,7 +26,7 @@ from deltasync.sync.protocol import HEAD_PATH, RUN_PATH, read_head, read_run
 from deltasync.trl.checkpoint import checkpoint_converter
 
 log = logging.getLogger(__name__)
-TOKEN_ENV = "INFERENCE_API_TOKEN"
+TOKEN_ENV = "INFERENCE_API_TOKEN"  # the replicas' bearer token, if they demand one (rollouts send it too)
 TIMEOUT_S = 15.0
 PROBE_PREFIX = "preflight-"
 

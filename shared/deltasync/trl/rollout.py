@@ -36,10 +36,10 @@ from typing import Any
 
 from deltasync.trl import compat
 from deltasync.trl.compat import HookedRolloutLoop, RolloutGroup, RolloutSample, TrainingSequence
+from deltasync.trl.preflight import TOKEN_ENV
 from deltasync.trl.transfer import BucketWeightTransfer
 
 VERSION_HEADERS = ("x-weight-version", "x-weight-version-end")
-TOKEN_ENV = "INFERENCE_API_TOKEN"
 # per-sample metric keys; TRL averages them per micro-batch in its collator
 WEIGHT_VERSION = "deltasync/weight_version"
 VERSION_KNOWN = "deltasync/version_known"
