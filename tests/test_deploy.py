@@ -69,17 +69,24 @@ def env_leftovers():
 
 
 def check_bundle(app: str, files: dict[str, bytes]) -> None:
-    """The files git tracks in the app's folder, plus the library wheel (exactly the package's tracked
-    modules)."""
+    """The files git tracks in the app's folder, the apps' shared `appkit` package beside them, and for the
+    apps that import deltasync the library wheel (exactly the package's tracked modules); the env none."""
     wheels = {p: files.pop(p) for p in list(files) if p.startswith("wheels/")}
+    kit = {p.removeprefix("appkit/"): files.pop(p) for p in list(files) if p.startswith("appkit/")}
     assert files == tracked(REPO / "spaces" / app), app
+    assert kit == tracked(REPO / "spaces" / "appkit" / "appkit"), app
+    if app == "env":
+        assert wheels == {}
+        return
     ((name, wheel),) = wheels.items()
     assert name == "wheels/deltasync-0.1.0-py3-none-any.whl"
     with zipfile.ZipFile(io.BytesIO(wheel)) as z:
         modules = {
             n.removeprefix("deltasync/"): z.read(n) for n in z.namelist() if n.startswith("deltasync/")
         }
+        requires = z.read("deltasync-0.1.0.dist-info/METADATA").decode()
     assert modules == tracked(REPO / "shared" / "deltasync"), app
+    assert "pydantic" not in requires  # the settings are the apps' (appkit), not the library's
 
 
 def test_dry_run_writes_self_contained_bundles(tmp_path, capsys, monkeypatch, env_leftovers):

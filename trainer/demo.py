@@ -38,11 +38,11 @@ from typing import Any
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from deltasync.settings import from_env
+from appkit.settings import from_env
+from appkit.units import format_bytes
 from deltasync.storage import open_storage
 from deltasync.telemetry import ReplicaRecord, TrainerRecord
 from deltasync.telemetry.reader import TelemetryReader
-from deltasync.units import format_bytes
 from trainer.processes import free_port, log_tail, placement, start_process, stop_process, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]

