@@ -34,7 +34,7 @@ def test_summary_from_telemetry(tmp_path):
 
     s = summarize(tmp_path)
     assert (s["steps"], s["anchors"], s["skipped_steps"], s["latest_step"]) == (3, 1, 1, 3)
-    assert s["mean_sparsity"] == pytest.approx((10 + 30) / 2 / NUMEL)
+    assert s["mean_density"] == pytest.approx((10 + 30) / 2 / NUMEL)
     assert (s["mean_payload_bytes"], s["full_bytes"], s["payload_share"]) == (30, FULL, 30 / FULL)
     assert s["median_sync_latency_s"] == pytest.approx(1.0)  # verified applies: 1.0, 0.5, 2.0 and 1.0
     assert s["unverified_steps"] == {"late": [1, 3], "r": []}
