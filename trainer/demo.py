@@ -82,7 +82,7 @@ def summarize(root: str | Path) -> dict[str, Any]:
         "latest_step": summary["latest_step"],
         "anchors": summary["anchors"],
         "skipped_steps": summary["skipped_steps"],
-        "mean_sparsity": summary["mean_delta_sparsity"],
+        "mean_density": summary["mean_delta_density"],
         "mean_payload_bytes": mean_payload,
         "full_bytes": full,
         "payload_share": mean_payload / full if mean_payload is not None and full else None,
@@ -147,7 +147,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"Summary of {s['root']}:",
         f"  steps published       {s['steps']} ({s['anchors']} anchors; "
         f"{s['skipped_steps']} more folded into later ones)",
-        f"  mean sparsity         {pct(s['mean_sparsity'])} of bf16 elements changed per delta",
+        f"  mean density          {pct(s['mean_density'])} of bf16 elements changed per delta",
     ]
     if s["mean_payload_bytes"] is not None:
         lines.append(
@@ -197,7 +197,7 @@ def progress_line(record: TrainerRecord | ReplicaRecord, total_steps: int) -> st
             return f"step {record.step}/{total_steps}  folded into a later step (uploads lagged)"
         reward = record.info.get(REWARD_KEY)
         return (
-            f"step {record.step}/{total_steps}  {record.kind:<6} {100 * record.sparsity:6.2f}% changed  "
+            f"step {record.step}/{total_steps}  {record.kind:<6} {100 * record.density:6.2f}% changed  "
             f"{format_bytes(record.payload_bytes):>9} published"
             + ("" if reward is None else f"  reward {reward:.3f}")
         )

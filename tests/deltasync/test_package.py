@@ -3,6 +3,7 @@
 import ast
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -88,3 +89,14 @@ def test_the_type_checkers_names_are_the_lazy_ones():
     (checking,) = (n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
     typed = {a.asname or a.name: (i.module, a.name) for i in checking.body for a in i.names}
     assert typed == lazy
+
+
+def test_importing_the_trl_integration_warns_nothing_of_trls(tmp_path):
+    """TRL 1.16 warns on import that its API is experimental and that it was tested with vLLM <= 0.31: both
+    known and harmless here, and not the user's to act on (deltasync.trl.compat)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRL_EXPERIMENTAL_SILENCE", "PYTHONWARNINGS")}
+    out = subprocess.run(
+        [sys.executable, "-c", "import deltasync.trl"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert "TRL currently supports vLLM" not in out.stderr and "trl.experimental" not in out.stderr

@@ -121,6 +121,8 @@ class Publisher:
             self._background.shutdown()
             raise
         self.last_step = self._head.step if self._head else -1  # the newest step handed to publish()
+        if self._head is not None:
+            log.info("continuing run at step %d", self._head.step)
         self._thread = threading.Thread(target=self._work, name="deltasync-publisher", daemon=True)
         self._thread.start()
 
@@ -404,6 +406,11 @@ class Publisher:
             base_step=head.step if head else None,
             info=job.info,
         )
+        size = f"{record.payload_bytes / 1e3:.1f} kB"
+        if record.kind == "anchor":
+            log.info("published step %d (anchor, %s)", job.step, size)
+        else:
+            log.info("published step %d (%s, %.2f%% changed)", job.step, size, 100 * record.density)
         try:  # the step is published: losing telemetry or leaving garbage must not undo that
             for r in [*job.skipped, record]:
                 telemetry.write(self.storage, r)

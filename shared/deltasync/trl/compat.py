@@ -12,18 +12,26 @@ from __future__ import annotations
 import contextvars
 import functools
 import types
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from trl.experimental.async_grpo import async_grpo_trainer, async_rollout_worker, packing
-from trl.experimental.async_grpo.async_rollout_worker import (
-    AsyncRolloutWorker,
-    RolloutGroup,
-    RolloutSample,
-    TrainingSequence,
-    _AsyncRolloutLoop,
-)
+
+# Importing TRL's async GRPO warns that its API is experimental (we pin trl==1.16.0 and use it knowingly) and,
+# on vLLM 0.32, that TRL was tested with vLLM 0.22-0.31 (its rollouts only talk HTTP to vLLM's OpenAI server,
+# which 0.32 serves unchanged: the end-to-end tests run it). Both are silenced for this import only.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="You are importing from 'trl.experimental'")
+    warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
+    from trl.experimental.async_grpo import async_grpo_trainer, async_rollout_worker, packing
+    from trl.experimental.async_grpo.async_rollout_worker import (
+        AsyncRolloutWorker,
+        RolloutGroup,
+        RolloutSample,
+        TrainingSequence,
+        _AsyncRolloutLoop,
+    )
 
 # The replica base URL serving the rollout running in the current asyncio task (each rollout is its own task).
 _rollout_server: contextvars.ContextVar[str | None] = contextvars.ContextVar("rollout_server", default=None)

@@ -86,5 +86,5 @@ def apply_cpu_shims(device: torch.device | str) -> list[str]:
         compat.claim_vllm_available()
         applied.append("vllm_available")
     if applied:
-        log.info("TRL shims for %s: %s", device, ", ".join(applied))
+        log.debug("TRL shims for %s: %s", device, ", ".join(applied))
     return applied

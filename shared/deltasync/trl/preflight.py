@@ -69,7 +69,7 @@ def preflight(
             return f"sync root {where} holds a run of another model ({run.model}): {mismatch}"
         if stored[HEAD_PATH] is not None:
             try:
-                log.info("sync root %s: continuing its run at step %d", where, read_head(storage).step)
+                read_head(storage)  # the publisher says it continues the run, once it opens the root
             except Exception as e:
                 return f"sync root {where}: {HEAD_PATH} cannot be read: {_reason(e)}"
     for url in replica_urls:
