@@ -70,6 +70,11 @@ class HookedRolloutLoop(_AsyncRolloutLoop):
     def after_scoring(self, group: RolloutGroup, samples: list[RolloutSample]) -> None:
         """Called with a scored group before TRL queues its samples (no await in between)."""
 
+    def stopping(self) -> bool:
+        """Whether the loop was asked to stop: a hook that waits must then stop waiting, or the loop, which
+        lets its rollouts in flight finish, never returns."""
+        return self._stop_event.is_set()
+
     def stop_soon(self) -> None:
         """Ask `run()`, in whichever thread it runs, to return (TRL's worker process does this on stop)."""
         self._loop.call_soon_threadsafe(self._stop_event.set)

@@ -143,7 +143,7 @@ class VersionedRolloutLoop(HookedRolloutLoop):
         scored or queued untrained; its other rollouts then start at once. Whole groups, because a group is
         scored only when all its rollouts are done: admitting rollouts one by one could fill the room with
         parts of groups that never complete."""
-        while group_id not in self._admitted:
+        while group_id not in self._admitted and not self.stopping():  # at the end, nothing to hold back
             if self.max_ahead and self._ahead + self.rollout_buffer.qsize() >= self.max_ahead:
                 self.held_back += 1
                 await asyncio.sleep(0.05)
