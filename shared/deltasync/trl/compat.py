@@ -32,6 +32,7 @@ with warnings.catch_warnings():
         TrainingSequence,
         _AsyncRolloutLoop,
     )
+    from trl.trainer import utils as trainer_utils
 
 # The replica base URL serving the rollout running in the current asyncio task (each rollout is its own task).
 _rollout_server: contextvars.ContextVar[str | None] = contextvars.ContextVar("rollout_server", default=None)
@@ -164,6 +165,15 @@ def replace_flash_attn(varlen: Callable[..., torch.Tensor]) -> None:
 def skip_peak_flops() -> None:
     """`get_peak_flops_per_device` asks torch.cuda for the device; None skips MFU, as for unknown devices."""
     async_grpo_trainer.get_peak_flops_per_device = lambda *args, **kwargs: None
+
+
+def score_labelled_positions_only() -> None:
+    """TRL's fused LM head (`add_fused_lm_head`) projects and scores only the positions with a label (the
+    completions) where `trainer_utils._use_triton(device)`, and every position elsewhere, so that tile shapes
+    stay fixed for compilers such as Neuron's. A CPU compiles nothing: there it scores the labelled ones too,
+    skipping the LM head and its softmax over the prompts. The kernels' own choice of Triton is unchanged."""
+    triton = trainer_utils._use_triton
+    trainer_utils._use_triton = lambda device: device.type == "cpu" or triton(device)
 
 
 def claim_vllm_available() -> None:

@@ -82,6 +82,9 @@ def apply_cpu_shims(device: torch.device | str) -> list[str]:
     if device.type != "cuda":
         compat.skip_peak_flops()
         applied.append("peak_flops")
+    if device.type == "cpu":
+        compat.score_labelled_positions_only()
+        applied.append("labelled_positions")
     if importlib.util.find_spec("vllm") is None:
         compat.claim_vllm_available()
         applied.append("vllm_available")
