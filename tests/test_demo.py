@@ -9,6 +9,7 @@ import pytest
 
 from deltasync.storage import open_storage
 from deltasync.telemetry import ReplicaRecord, TrainerRecord, write
+from trainer import demo
 from trainer.demo import format_summary, summarize
 from trainer.processes import start_process, stop_process, wait_healthy
 
@@ -109,3 +110,11 @@ def test_wait_healthy_reports_an_early_exit(tmp_path):
     proc = start_process([sys.executable, "-c", "raise SystemExit('no model here')"], log)
     with pytest.raises(RuntimeError, match="(?s)broken exited with status 1.*no model here"):
         wait_healthy(proc, "http://127.0.0.1:9/health", log, timeout=30)
+
+
+def test_the_time_said_up_front_and_the_pace(monkeypatch):
+    monkeypatch.setattr(demo, "START_S", 60.0)
+    monkeypatch.setitem(demo.STEP_S, "avx2", 11.0)
+    assert demo.expected_time(100, "avx2") == "~19 min for 100 steps (~11 s per step on 2 avx2 cores)"
+    # steps 0..10 published 5 s apart: 90 steps of 100 left
+    assert demo.pace_line([100.0 + 5 * i for i in range(11)], 100) == "  pace 5.0 s per step: ~7.5 min left"
