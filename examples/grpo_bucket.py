@@ -21,6 +21,9 @@ What to expect there: the tiny model (1.1M parameters, warm-started on Wordle) c
 stays 0. `brief`, worth at most 0.2, pays for short answers; it differs within every group of completions,
 so every step trains and changes weights (the log line's "% changed"), and its mean rises a little over
 the steps. Qwen3-0.6B learns the sums themselves.
+
+With `--lora_r 8` it trains a LoRA adapter: each step publishes the adapter alone, and replicas (vLLM with
+`--enable-lora` and DELTASYNC_LORA_ROOT set to the root) serve each step N as the adapter `policy-vN`.
 """
 
 import logging
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 from datasets import Dataset
+from peft import LoraConfig
 from transformers import AutoTokenizer
 from trl import TrlParser
 
@@ -43,6 +47,7 @@ class BucketArguments:
     inference_url: list[str] = field(metadata={"help": "Each replica's base URL.", "nargs": "+"})
     num_prompts: int = field(default=1000, metadata={"help": "How many sums to generate."})
     rollouts_ahead: float = field(default=0.5, metadata={"help": "Steps' worth of rollouts generated ahead."})
+    lora_r: int = field(default=0, metadata={"help": "Train a LoRA adapter of this rank (0: all weights)."})
 
 
 def sums(n: int, seed: int) -> Dataset:
@@ -76,13 +81,15 @@ def main() -> None:
     name, urls = ours.model_name_or_path, ours.inference_url
     args.vllm_server_base_url = urls[0]
     max_ahead = ds.rollouts_ahead(args, ours.rollouts_ahead)  # sets TRL's queue bounds: before the trainer
-    transfer = ds.BucketWeightTransfer(ours.sync_root, model_id=name)
+    lora = LoraConfig(r=ours.lora_r, target_modules="all-linear") if ours.lora_r else None
+    transfer = ds.BucketWeightTransfer(ours.sync_root, model_id=name, lora_name="policy" if lora else None)
     trainer = AsyncGRPOTrainer(
-        model=name, reward_funcs=[exact_sum, brief], args=args, weight_transfer=transfer,
+        model=name, reward_funcs=[exact_sum, brief], args=args, weight_transfer=transfer, peft_config=lora,
         train_dataset=sums(ours.num_prompts, args.seed), processing_class=AutoTokenizer.from_pretrained(name),
     )  # fmt: skip
     if trainer.accelerator.is_main_process:  # nothing is published unless all is usable
-        ds.check_or_exit(ours.sync_root, ds.schema_of(trainer.model), name, urls)
+        schema = ds.schema_of(trainer.model, adapter=lora is not None)
+        ds.check_or_exit(ours.sync_root, schema, name, urls)
     ds.stamp_rollouts(trainer, transfer, replica_urls=urls, max_ahead=max_ahead, seed=args.seed)
     trainer.train()
 

@@ -65,7 +65,7 @@ from deltasync.trl import (
     schema_of,
     stamp_rollouts,
 )
-from trainer.task import CHAT_TEMPLATE_KWARGS
+from trainer.task import CHAT_TEMPLATE_KWARGS, quit_early
 
 log = logging.getLogger("deltasync.trainer")
 TINY = "tiny"  # --model value: the warm-started tiny Qwen3, built locally and cached (trainer/tiny_model.py)
@@ -385,6 +385,7 @@ def build_trainer(
         max_ahead=max_ahead,
         seed=args.seed,
         mask_truncated=ours.mask_truncated_completions,
+        quit_early=quit_early,  # a turn that gives up the game is never reinforced
     )
     return trainer, transfer
 

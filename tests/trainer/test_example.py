@@ -45,9 +45,9 @@ def printed_cpu_command() -> list[str]:
     return shlex.split(line)
 
 
-def run_example(model: Path, root: Path, url: str, out: Path) -> str:
+def run_example(model: Path, root: Path, url: str, out: Path, *flags: str, script: Path = EXAMPLE) -> str:
     """The example's printed CPU command with this test's model, root, replica and output folder, for STEPS
-    steps, saving the model at the last one; returns its log."""
+    steps, saving the model at the last one (`script` in the example's place, `flags` added); its log."""
     argv = printed_cpu_command()
     assert argv[:2] == ["python", "examples/grpo_bucket.py"], argv
     ours = {"--model_name_or_path": str(model), "--sync_root": str(root), "--inference_url": url}
@@ -56,8 +56,8 @@ def run_example(model: Path, root: Path, url: str, out: Path) -> str:
         if arg in ours:
             argv[i + 1] = ours.pop(arg)
     assert not ours, f"the printed command lacks {sorted(ours)}"
-    argv = [sys.executable, *argv[1:], "--max_steps", str(STEPS), "--num_prompts", "64", "--seed", "1"]
-    argv += ["--save_strategy", "steps", "--save_steps", str(STEPS)]
+    argv = [sys.executable, str(script), *argv[2:], "--max_steps", str(STEPS), "--num_prompts", "64"]
+    argv += ["--seed", "1", "--save_strategy", "steps", "--save_steps", str(STEPS), *flags]
     log = out.parent / f"{out.name}.log"
     env = {k: v for k, v in os.environ.items() if k not in ("TRL_EXPERIMENTAL_SILENCE", "PYTHONWARNINGS")}
     proc = start_process(argv, log, env, cwd=REPO, cpus=PLACEMENT.others)
@@ -99,8 +99,10 @@ def test_example_script_trains_against_a_replica(tmp_path):
 def test_example_script_trains_a_moe_model_against_a_follower(tmp_path):
     model = build_tiny_model(tmp_path / "tiny-moe", wordle=True, moe=True, expert_size=EXPERT_SIZE)
     root, out, name = tmp_path / "root", tmp_path / "out", "follower-moe-example"
+    # vLLM's own --middleware labels completions with the weight version the follower sets at each step
+    flags = (*FLAGS, "--middleware", "deltasync.vllm.headers.WeightVersionHeaders")
     with (
-        stock_server(model, tmp_path, *FLAGS, env=ENV) as server,
+        stock_server(model, tmp_path, *flags, env=ENV) as server,
         following(root, server, tmp_path / "follower.log", name) as follower_log,
     ):
         run_example(model, root, server.url, out)
@@ -109,7 +111,15 @@ def test_example_script_trains_a_moe_model_against_a_follower(tmp_path):
         record = root / telemetry.REPLICAS_DIR / name / f"step-{STEPS:08d}.json"
         wait_for(record.exists, f"the follower's record of step {STEPS}; log {follower_log}", 180)
         held = server.readback()  # the HF tensors vLLM's worker holds, read back through the engine
+        body = {"model": str(model), "prompt": [5, 6, 7], "max_tokens": 1}
+        labels = server.post("/v1/completions", body).headers
     assert telemetry.from_json(telemetry.ReplicaRecord, record.read_bytes()).verified
+    assert (labels["x-weight-version"], labels["x-weight-version-end"]) == (str(STEPS), str(STEPS))
+    for step in range(1, STEPS + 1):  # every trained rollout's version came from the server
+        info = telemetry.from_json(
+            telemetry.TrainerRecord, (root / telemetry.TRAINER_DIR / f"step-{step:08d}.json").read_bytes()
+        ).info
+        assert info["version_known"] == 1.0, info
 
     trained = load_file(out / f"checkpoint-{STEPS}" / "model.safetensors")  # save_pretrained's names
     assert "model.layers.1.mlp.experts.7.gate_proj.weight" in trained
