@@ -74,6 +74,10 @@ def main() -> None:
     # server, which vllm 0.32 serves unchanged. deltasync.trl imported TRL's async GRPO quietly; this covers
     # the rest.
     warnings.filterwarnings("ignore", "TRL currently supports vLLM versions", UserWarning)
+    # TRL's trainer adds two StepIntervalCallbacks (weight sync, metrics); transformers warns of the second.
+    logging.getLogger("transformers.trainer_callback").addFilter(
+        lambda record: "StepIntervalCallback" not in record.getMessage()
+    )
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
     ours, args = TrlParser((BucketArguments, AsyncGRPOConfig)).parse_args_and_config()
