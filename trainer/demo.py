@@ -61,7 +61,7 @@ DEFAULT_ENGINE_ARGS = "--enforce-eager"
 # Seconds per step of the default run on 2-core machines (docs/demo.md): measured with AVX-512 (Intel Xeon,
 # 2026-11-26); with AVX2 only (AMD EPYC), 11 s measured on 2026-11-25 before the CPU scoring shim
 # (deltasync.trl.cpu) and not re-measured since: an upper bound.
-STEP_S = {"avx512": 4.0, "avx2": 11.0}
+STEP_S = {"avx512": 4.1, "avx2": 11.0}
 START_S = 60.0  # the env, vLLM's engine and the dashboard up, the trainer started (the tiny model cached)
 PACE_EVERY = 10  # steps between the lines that say how long the rest will take
 DEFAULT_TRAINER_ARGS = (
