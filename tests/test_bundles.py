@@ -10,6 +10,7 @@ follow a local sync root holding one anchor of a tiny Qwen3.
 """
 
 import json
+import os
 import subprocess
 import sys
 import sysconfig
@@ -125,15 +126,18 @@ def test_each_app_imports_its_bundles_packages(apps):
     """What each app's interpreter imports (vLLM's engine processes run the same interpreter: in this
     environment the repo's copy of deltasync does not exist, so the worker extension comes from the wheel)."""
     bundles, pythons, urls, _ = apps
+    clean = {**os.environ, "PYTHONPATH": ""}  # as the apps run: nothing that might lead to the repo
     for app, packages in PACKAGES.items():
         for package in packages:
             where = [pythons[app], "-c", f"import {package}; print({package}.__file__)"]
-            run = subprocess.run(where, cwd=bundles / app, capture_output=True, text=True, check=True)
+            run = subprocess.run(
+                where, cwd=bundles / app, env=clean, capture_output=True, text=True, check=True
+            )
             # the venv it was installed into, or the bundle itself (the env's package, appkit)
             homes = (pythons[app].parents[1], bundles / app)
             assert any(Path(run.stdout.strip()).is_relative_to(home) for home in homes), (app, run.stdout)
         # neither the repo's folders nor its other packages; the env Space has no deltasync at all
         for absent in ("shared", "trainer", *(("deltasync",) if app == "env" else ())):
             probe = [pythons[app], "-c", f"import {absent}"]
-            found = subprocess.run(probe, cwd=bundles / app, capture_output=True).returncode == 0
+            found = subprocess.run(probe, cwd=bundles / app, env=clean, capture_output=True).returncode == 0
             assert not found, (app, absent)
