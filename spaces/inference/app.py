@@ -17,8 +17,6 @@ Configuration, from the environment:
     POLL_S             seconds between polls of the head (1.0)
     VERIFY_EVERY       read the weights back from vLLM every N deltas to compare fingerprints (10)
     MAX_REQUEST_BYTES  largest request body accepted (4 MiB)
-    PATCH_WRITE        "direct" (default): indexed writes into the parameter views learned at start-up,
-                       O(changed elements); "vllm": vLLM's load_checkpoint_weight_patches for every tensor
     KV_ON_UPDATE       "keep" (default): running requests keep their KV cache across an update; "recompute":
                        they are preempted and recompute their context on the new weights
     ENGINE_ARGS        more `vllm serve` flags, e.g. "--max-model-len 4096 --gpu-memory-utilization 0.85"
@@ -76,8 +74,8 @@ from vllm.config.lora import MaxLoRARanks
 from vllm.lora.resolver import LoRAResolverRegistry
 from vllm.platforms import current_platform
 
-from deltasync.asgi import BodyLimit
-from deltasync.settings import from_env
+from appkit.asgi import BodyLimit
+from appkit.settings import from_env
 from deltasync.storage import open_storage
 from deltasync.sync.protocol import read_run
 from deltasync.sync.subscriber import Subscriber
@@ -86,7 +84,6 @@ from deltasync.vllm.follower import (
     AsyncEngine,
     EngineApplier,
     KvPolicy,
-    WritePath,
     log_applied,
     path_summary,
 )
@@ -121,7 +118,6 @@ class Settings(BaseSettings):
     poll_s: float = 1.0
     verify_every: int = 10
     max_request_bytes: int = 4 << 20
-    patch_write: WritePath = "direct"
     kv_on_update: KvPolicy = "keep"
     engine_args: str = ""
 
@@ -419,9 +415,8 @@ async def serve(cfg: Settings) -> None:
             EngineApplier,
             AsyncEngine(engine, loop),
             cfg.sync_root,
-            cfg.patch_write,
-            cfg.kv_on_update,
-            lambda: in_flight.count,
+            kv_on_update=cfg.kv_on_update,
+            in_flight=lambda: in_flight.count,
         )
         await engine.update_weight_version(applier.version)
         subscriber = Subscriber(cfg.sync_root, applier, replica=cfg.replica_id, verify_every=cfg.verify_every)
