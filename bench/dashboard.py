@@ -121,11 +121,11 @@ def browser_side(root: Path, steps: int, refreshes: int, rng: random.Random) -> 
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True)
             page = browser.new_page(viewport={"width": 1400, "height": 1800})
-            sparsity_points = """() => { const p = document.querySelector('#sparsity .js-plotly-plot');
+            density_points = """() => { const p = document.querySelector('#density .js-plotly-plot');
                 const x = p && p.data[0] && p.data[0].x; return x ? x.length ?? x._inputArray.length : 0 }"""
             page.goto(url)
             start = time.perf_counter()
-            page.wait_for_function(f"n => ({sparsity_points})() === n", arg=steps, timeout=120_000)
+            page.wait_for_function(f"n => ({density_points})() === n", arg=steps, timeout=120_000)
             rows = [(f"page load until {steps:,}-point plots drawn", f"{time.perf_counter() - start:.2f} s")]
             page.evaluate("""() => { window.longest = 0; new PerformanceObserver(list => list.getEntries()
                 .forEach(e => { window.longest = Math.max(window.longest, e.duration) }))
@@ -135,7 +135,7 @@ def browser_side(root: Path, steps: int, refreshes: int, rng: random.Random) -> 
                 page.evaluate("window.longest = 0")
                 write_steps(root, range(steps + i, steps + i + 1), rng)
                 start = time.perf_counter()
-                page.wait_for_function(f"n => ({sparsity_points})() === n", arg=steps + i + 1, timeout=30_000)
+                page.wait_for_function(f"n => ({density_points})() === n", arg=steps + i + 1, timeout=30_000)
                 shown.append(time.perf_counter() - start)
                 page.wait_for_timeout(300)  # let the other plots finish drawing
                 longest.append(page.evaluate("window.longest") / 1000)

@@ -22,10 +22,10 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from appkit.units import format_bytes
 from deltasync import telemetry
 from deltasync.storage import open_storage
 from deltasync.trl.transfer import BucketWeightTransfer
-from deltasync.units import format_bytes
 
 
 def model(layers: int, rank: int) -> torch.nn.Module:
@@ -97,8 +97,8 @@ def main() -> None:
     print(f"Qwen3-0.6B layer shapes, {args.layers} layers, LoRA r={args.rank} (all linear), lr {args.lr}")
     print("step | adapter: elements, changed, payload | merged: elements, changed, payload | merged/adapter")
     for a, m in zip(published["adapter"], published["merged"], strict=True):
-        adapter_row = f"{a.numel:,}, {a.sparsity:.1%}, {format_bytes(a.payload_bytes)}"
-        merged_row = f"{m.numel:,}, {m.sparsity:.1%}, {format_bytes(m.payload_bytes)}"
+        adapter_row = f"{a.numel:,}, {a.density:.1%}, {format_bytes(a.payload_bytes)}"
+        merged_row = f"{m.numel:,}, {m.density:.1%}, {format_bytes(m.payload_bytes)}"
         ratio = m.payload_bytes / max(a.payload_bytes, 1)
         print(f"{a.step} ({a.kind}/{m.kind}) | {adapter_row} | {merged_row} | {ratio:.1f}x")
 

@@ -172,7 +172,7 @@ def bench_wordle(args) -> None:
         applied = replica.get(step)
         per = r.payload_bytes / r.changed if r.changed else math.nan
         print(
-            f"| {step} | {r.kind} | {r.sparsity:.2%} | {r.payload_bytes / 1e3:.1f} kB | {per:.2f} B "
+            f"| {step} | {r.kind} | {r.density:.2%} | {r.payload_bytes / 1e3:.1f} kB | {per:.2f} B "
             f"| {r.blocked_s * 1e3:.1f} ms | {info.get('reward_mean', math.nan):.3f} "
             f"| {info.get('staleness_steps_mean', math.nan):.2f} "
             f"| {applied.lag_s if applied else math.nan:.2f} s |"
@@ -181,7 +181,7 @@ def bench_wordle(args) -> None:
     rewards = [r.info["reward_mean"] for s, r in sorted(trainer.items()) if "reward_mean" in r.info]
     quarter = max(len(rewards) // 4, 1)
     summary = {
-        "median_changed": statistics.median(r.sparsity for r in deltas) if deltas else None,
+        "median_changed": statistics.median(r.density for r in deltas) if deltas else None,
         "median_payload_bytes": statistics.median(r.payload_bytes for r in deltas) if deltas else None,
         "median_bytes_per_changed": statistics.median(
             r.payload_bytes / r.changed for r in deltas if r.changed

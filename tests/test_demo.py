@@ -9,6 +9,7 @@ import pytest
 
 from deltasync.storage import open_storage
 from deltasync.telemetry import ReplicaRecord, TrainerRecord, write
+from trainer import demo
 from trainer.demo import format_summary, summarize
 from trainer.processes import start_process, stop_process, wait_healthy
 
@@ -34,7 +35,7 @@ def test_summary_from_telemetry(tmp_path):
 
     s = summarize(tmp_path)
     assert (s["steps"], s["anchors"], s["skipped_steps"], s["latest_step"]) == (3, 1, 1, 3)
-    assert s["mean_sparsity"] == pytest.approx((10 + 30) / 2 / NUMEL)
+    assert s["mean_density"] == pytest.approx((10 + 30) / 2 / NUMEL)
     assert (s["mean_payload_bytes"], s["full_bytes"], s["payload_share"]) == (30, FULL, 30 / FULL)
     assert s["median_sync_latency_s"] == pytest.approx(1.0)  # verified applies: 1.0, 0.5, 2.0 and 1.0
     assert s["unverified_steps"] == {"late": [1, 3], "r": []}
@@ -109,3 +110,11 @@ def test_wait_healthy_reports_an_early_exit(tmp_path):
     proc = start_process([sys.executable, "-c", "raise SystemExit('no model here')"], log)
     with pytest.raises(RuntimeError, match="(?s)broken exited with status 1.*no model here"):
         wait_healthy(proc, "http://127.0.0.1:9/health", log, timeout=30)
+
+
+def test_the_time_said_up_front_and_the_pace(monkeypatch):
+    monkeypatch.setattr(demo, "START_S", 60.0)
+    monkeypatch.setitem(demo.STEP_S, "avx2", 11.0)
+    assert demo.expected_time(100, "avx2") == "~19 min for 100 steps (~11 s per step on 2 avx2 cores)"
+    # steps 0..10 published 5 s apart: 90 steps of 100 left
+    assert demo.pace_line([100.0 + 5 * i for i in range(11)], 100) == "  pace 5.0 s per step: ~7.5 min left"

@@ -69,17 +69,24 @@ def env_leftovers():
 
 
 def check_bundle(app: str, files: dict[str, bytes]) -> None:
-    """The files git tracks in the app's folder, plus the library wheel (exactly the package's tracked
-    modules)."""
+    """The files git tracks in the app's folder, the apps' shared `appkit` package beside them, and for the
+    apps that import deltasync the library wheel (exactly the package's tracked modules); the env none."""
     wheels = {p: files.pop(p) for p in list(files) if p.startswith("wheels/")}
+    kit = {p.removeprefix("appkit/"): files.pop(p) for p in list(files) if p.startswith("appkit/")}
     assert files == tracked(REPO / "spaces" / app), app
+    assert kit == tracked(REPO / "spaces" / "appkit" / "appkit"), app
+    if app == "env":
+        assert wheels == {}
+        return
     ((name, wheel),) = wheels.items()
     assert name == "wheels/deltasync-0.1.0-py3-none-any.whl"
     with zipfile.ZipFile(io.BytesIO(wheel)) as z:
         modules = {
             n.removeprefix("deltasync/"): z.read(n) for n in z.namelist() if n.startswith("deltasync/")
         }
+        requires = z.read("deltasync-0.1.0.dist-info/METADATA").decode()
     assert modules == tracked(REPO / "shared" / "deltasync"), app
+    assert "pydantic" not in requires  # the settings are the apps' (appkit), not the library's
 
 
 def test_dry_run_writes_self_contained_bundles(tmp_path, capsys, monkeypatch, env_leftovers):
@@ -176,3 +183,25 @@ def test_bundle_outside_a_checkout_leaves_build_leftovers_out(tmp_path, monkeypa
     files = tree(tmp_path / "bundle")
     assert [p for p in files if LEFTOVER.search(p)] == ["zz-untracked-notes.txt"]
     assert set(files) - {"zz-untracked-notes.txt"} == set(tracked(REPO / "spaces" / "env"))
+
+
+# What names a file or folder in a README: a relative path under one of these folders, or a file name with
+# one of these suffixes. URLs, Hub ids (Qwen/Qwen3-0.6B), sync-root keys (heads/latest.json) and routes
+# (/v1/models) are none of these.
+FOLDERS = "shared|trainer|spaces|tests|bench|docs|examples|\\.venv|wheels|appkit|wordle_env"
+PATH = re.compile(
+    rf"(?<![\w/.:-])((?:{FOLDERS})/[\w./*-]*|[\w./*-]*[\w*]\.(?:py|md|toml|txt|whl|cfg|yaml))(?![\w/])"
+)
+LINK = re.compile(r"\]\(([^)\s#]+)[^)]*\)")
+
+
+def test_bundle_readmes_name_only_what_the_bundle_holds(tmp_path):
+    """A Space's README is all its users see: every path and relative link in it is in the bundle."""
+    deploy.build_bundles(deploy.make_plan("alice"), tmp_path)
+    for app in deploy.APPS:
+        bundle = tmp_path / app
+        text = (bundle / "README.md").read_text()
+        links = [t for t in LINK.findall(text) if not re.match(r"[a-z][a-z0-9+.-]*:", t)]
+        named = {p.rstrip(".") for p in PATH.findall(text)} | set(links)
+        missing = sorted(p for p in named if not list(bundle.glob(p.rstrip("/"))))
+        assert not missing, f"{app}: its README names {missing}, which its bundle lacks"

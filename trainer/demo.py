@@ -38,11 +38,11 @@ from typing import Any
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from deltasync.settings import from_env
+from appkit.settings import from_env
+from appkit.units import format_bytes
 from deltasync.storage import open_storage
 from deltasync.telemetry import ReplicaRecord, TrainerRecord
 from deltasync.telemetry.reader import TelemetryReader
-from deltasync.units import format_bytes
 from trainer.processes import free_port, log_tail, placement, start_process, stop_process, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,6 +58,12 @@ DEFAULT_ENGINE_ARGS = "--enforce-eager"
 # loss) and groups of 8 games of one word each, two groups per step. The game's 6 guesses, not the trainer's
 # 3: most of what the tiny model learns in 100 steps is to keep making valid guesses, each of which can find
 # more of the word.
+# Seconds per step of the default run on 2-core machines (docs/demo.md): measured with AVX-512 (Intel Xeon,
+# 2026-11-26); with AVX2 only (AMD EPYC), 11 s measured on 2026-11-25 before the CPU scoring shim
+# (deltasync.trl.cpu) and not re-measured since: an upper bound.
+STEP_S = {"avx512": 4.1, "avx2": 11.0}
+START_S = 60.0  # the env, vLLM's engine and the dashboard up, the trainer started (the tiny model cached)
+PACE_EVERY = 10  # steps between the lines that say how long the rest will take
 DEFAULT_TRAINER_ARGS = (
     "--reward wordle-partial --learning_rate 1e-3 --num_generations 8 --per_device_train_batch_size 16 "
     "--max_tool_calling_iterations 6"
@@ -82,7 +88,7 @@ def summarize(root: str | Path) -> dict[str, Any]:
         "latest_step": summary["latest_step"],
         "anchors": summary["anchors"],
         "skipped_steps": summary["skipped_steps"],
-        "mean_sparsity": summary["mean_delta_sparsity"],
+        "mean_density": summary["mean_delta_density"],
         "mean_payload_bytes": mean_payload,
         "full_bytes": full,
         "payload_share": mean_payload / full if mean_payload is not None and full else None,
@@ -147,7 +153,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"Summary of {s['root']}:",
         f"  steps published       {s['steps']} ({s['anchors']} anchors; "
         f"{s['skipped_steps']} more folded into later ones)",
-        f"  mean sparsity         {pct(s['mean_sparsity'])} of bf16 elements changed per delta",
+        f"  mean density          {pct(s['mean_density'])} of bf16 elements changed per delta",
     ]
     if s["mean_payload_bytes"] is not None:
         lines.append(
@@ -190,6 +196,29 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def cpu_kind() -> str:
+    """ "avx512" when this CPU has AVX-512 (the vector width vLLM's and torch's CPU kernels run fastest at),
+    else "avx2"."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux
+        return "avx2"
+    return "avx512" if " avx512f" in flags else "avx2"
+
+
+def expected_time(steps: int, kind: str) -> str:
+    """How long a run of `steps` default steps takes on a machine like this one, said before it starts."""
+    minutes = (START_S + steps * STEP_S[kind]) / 60
+    return f"~{minutes:.0f} min for {steps} steps (~{STEP_S[kind]:.0f} s per step on 2 {kind} cores)"
+
+
+def pace_line(published_at: Sequence[float], total_steps: int) -> str:
+    """The pace so far, from the publish times of the steps after the first, and the time left at it."""
+    per_step = (published_at[-1] - published_at[0]) / (len(published_at) - 1)
+    left = (total_steps - len(published_at) + 1) * per_step
+    return f"  pace {per_step:.1f} s per step: ~{left / 60:.1f} min left"
+
+
 def progress_line(record: TrainerRecord | ReplicaRecord, total_steps: int) -> str:
     """One line per record, as they arrive."""
     if isinstance(record, TrainerRecord):
@@ -197,7 +226,7 @@ def progress_line(record: TrainerRecord | ReplicaRecord, total_steps: int) -> st
             return f"step {record.step}/{total_steps}  folded into a later step (uploads lagged)"
         reward = record.info.get(REWARD_KEY)
         return (
-            f"step {record.step}/{total_steps}  {record.kind:<6} {100 * record.sparsity:6.2f}% changed  "
+            f"step {record.step}/{total_steps}  {record.kind:<6} {100 * record.density:6.2f}% changed  "
             f"{format_bytes(record.payload_bytes):>9} published"
             + ("" if reward is None else f"  reward {reward:.3f}")
         )
@@ -289,11 +318,17 @@ def has_display() -> bool:
 
 
 def follow(demo: Demo, reader: TelemetryReader, trainer: subprocess.Popen, total: int) -> int:
-    """Print records as they arrive until the trainer exits; its exit status."""
+    """Print records as they arrive, and the pace every PACE_EVERY steps, until the trainer exits; its exit
+    status."""
+    published: list[float] = []
     while True:
         done = trainer.poll() is not None
         for record in sorted(reader.poll().records, key=lambda r: (r.step, isinstance(r, ReplicaRecord))):
             print(progress_line(record, total), flush=True)
+            if isinstance(record, TrainerRecord) and record.kind != "skipped":
+                published.append(record.published_at)
+                if record.step and record.step % PACE_EVERY == 0 and record.step < total:
+                    print(pace_line(published, total), flush=True)
         if done:
             return trainer.returncode
         demo.check_alive()
@@ -329,6 +364,8 @@ def run(settings: Settings, demo: Demo) -> int:
     print(f"model      {model}\nsync root  {demo.root}\nlogs       {demo.logs}", flush=True)
     where = demo.placement
     print(f"cores      vLLM {list(where.server)}, the others {list(where.others)}", flush=True)
+    if settings.demo_trainer_args == DEFAULT_TRAINER_ARGS:
+        print(f"time       {expected_time(settings.demo_steps, cpu_kind())}", flush=True)
 
     demo.start_app("env", "/health")
     demo.start_app(

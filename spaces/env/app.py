@@ -23,8 +23,8 @@ from openenv.core.env_server.types import WSErrorCode, WSErrorResponse
 from pydantic import Field
 from pydantic_settings import BaseSettings
 
-from deltasync.asgi import BodyLimit, serve
-from deltasync.settings import from_env
+from appkit.asgi import BodyLimit, serve
+from appkit.settings import from_env
 from wordle_env.environment import WordleEnvironment
 from wordle_env.models import WordleAction, WordleObservation, WordleState
 from wordle_env.play_page import build_page

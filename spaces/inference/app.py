@@ -18,8 +18,6 @@ Configuration, from the environment:
     POLL_BUDGET        Hub requests per 5-minute window polling may spend without the change feed (1000)
     VERIFY_EVERY       read the weights back from vLLM every N deltas to compare fingerprints (10)
     MAX_REQUEST_BYTES  largest request body accepted (4 MiB)
-    PATCH_WRITE        "direct" (default): indexed writes into the parameter views learned at start-up,
-                       O(changed elements); "vllm": vLLM's load_checkpoint_weight_patches for every tensor
     KV_ON_UPDATE       "keep" (default): running requests keep their KV cache across an update; "recompute":
                        they are preempted and recompute their context on the new weights
     ENGINE_ARGS        more `vllm serve` flags, e.g. "--max-model-len 4096 --gpu-memory-utilization 0.85"
@@ -80,8 +78,8 @@ from vllm.config.lora import MaxLoRARanks
 from vllm.lora.resolver import LoRAResolverRegistry
 from vllm.platforms import current_platform
 
-from deltasync.asgi import BodyLimit
-from deltasync.settings import from_env
+from appkit.asgi import BodyLimit
+from appkit.settings import from_env
 from deltasync.storage import POLL_BUDGET, open_storage, rate_limited_line
 from deltasync.sync.protocol import read_run
 from deltasync.sync.subscriber import Subscriber
@@ -90,7 +88,6 @@ from deltasync.vllm.follower import (
     AsyncEngine,
     EngineApplier,
     KvPolicy,
-    WritePath,
     log_applied,
     path_summary,
 )
@@ -126,7 +123,6 @@ class Settings(BaseSettings):
     poll_budget: int = POLL_BUDGET
     verify_every: int = 10
     max_request_bytes: int = 4 << 20
-    patch_write: WritePath = "direct"
     kv_on_update: KvPolicy = "keep"
     engine_args: str = ""
 
@@ -454,9 +450,8 @@ async def serve(cfg: Settings) -> None:
             EngineApplier,
             AsyncEngine(engine, loop),
             cfg.sync_root,
-            cfg.patch_write,
-            cfg.kv_on_update,
-            lambda: in_flight.count,
+            kv_on_update=cfg.kv_on_update,
+            in_flight=lambda: in_flight.count,
         )
         await engine.update_weight_version(applier.version)
         storage = open_storage(cfg.sync_root, poll_budget=cfg.poll_budget)

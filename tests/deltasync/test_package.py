@@ -3,6 +3,7 @@
 import ast
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +77,26 @@ def test_the_public_api_imports_from_outside_the_checkout_and_loads_its_modules_
     assert module == "deltasync.sync.publisher"
     assert {"Publisher", "PublisherConfig", "TensorsApplier", "diff", "PatchError"} <= set(names)
     assert names["__version__"] == "str" and names["Publisher"] == "type" and names["diff"] == "function"
+
+
+def test_the_type_checkers_names_are_the_lazy_ones():
+    """deltasync/__init__.py names each public object twice: lazily for Python (`_EXPORTS`, whose keys are
+    `__all__`), and under TYPE_CHECKING for type checkers. Both must name the same object."""
+    tree = ast.parse((LIBRARY / "__init__.py").read_text())
+    (exports,) = (n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "_EXPORTS")
+    pairs = zip(exports.keys, exports.values, strict=True)
+    lazy = {k.value: (v.elts[0].value, v.elts[1].value) for k, v in pairs}
+    (checking,) = (n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    typed = {a.asname or a.name: (i.module, a.name) for i in checking.body for a in i.names}
+    assert typed == lazy
+
+
+def test_importing_the_trl_integration_warns_nothing_of_trls(tmp_path):
+    """TRL 1.16 warns on import that its API is experimental and that it was tested with vLLM <= 0.31: both
+    known and harmless here, and not the user's to act on (deltasync.trl.compat)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRL_EXPERIMENTAL_SILENCE", "PYTHONWARNINGS")}
+    out = subprocess.run(
+        [sys.executable, "-c", "import deltasync.trl"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert "TRL currently supports vLLM" not in out.stderr and "trl.experimental" not in out.stderr

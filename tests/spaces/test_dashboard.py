@@ -108,7 +108,7 @@ def expected(storage: Storage) -> dict:
         "median_latency": lags[mid] if len(lags) % 2 else (lags[mid - 1] + lags[mid]) / 2,
         # points per plot, trace by trace (traces with no points are left out)
         "plots": {
-            "sparsity": [len(deltas)],
+            "density": [len(deltas)],
             "payload": [len(deltas), len(published) - len(deltas), len(published)],
             "staleness-seconds": [
                 *(sum(r.get("replica") == name for r in applied) for name in REPLICAS),
@@ -282,7 +282,7 @@ def test_run_of_the_real_publisher_and_subscribers(tmp_path, dashboard):
     ] * len(REPLICAS)
     figures = dashboard.build_figures(reader.series())
     points = [[len(trace.x) for trace in figure.data] for figure in figures]
-    assert points[:3] == [want["plots"]["sparsity"], want["plots"]["payload"], [8, 8]]
+    assert points[:3] == [want["plots"]["density"], want["plots"]["payload"], [8, 8]]
 
 
 def test_series_since(tmp_path):

@@ -265,8 +265,8 @@ def late_server(run, tmp_path_factory):
     while run.step() < run.head().anchors[-1].step + 2:  # the head moves past the newest anchor
         pass
     log = tmp_path_factory.mktemp("server-b") / "server.log"
-    # vLLM's own loader for every tensor; running requests recompute their context after an update.
-    env = {"REPLICA_ID": "replica-b", "PATCH_WRITE": "vllm", "KV_ON_UPDATE": "recompute"}
+    # Running requests recompute their context after an update.
+    env = {"REPLICA_ID": "replica-b", "KV_ON_UPDATE": "recompute"}
     with running_server(run, log, **env) as server:
         yield server
 
@@ -281,7 +281,6 @@ class TestLateServer:
         expected = [(anchor, "anchor"), (anchor + 1, "delta"), (anchor + 2, "delta")]
         assert [(a["step"], a["kind"]) for a in status["recent"]] == expected
         assert status["readback"]["fingerprint"] == run.fingerprints[head]
-        assert status["last_write"]["write"] == "vllm"
         assert run.replica_record("replica-b", head).verified
 
     def test_no_prefix_cache_reuse_across_versions(self, run, server, late_server):

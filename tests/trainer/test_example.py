@@ -1,13 +1,17 @@
-"""examples/grpo_bucket.py, a TRL script with a task of its own, trains 3 steps on the CPU against a vLLM
-replica following its sync root; the replica ends bitwise equal to the trainer's weights. Once with the
-tiny dense Qwen3 against the inference Space, once with a tiny Qwen3-MoE against stock vLLM followed by
-`deltasync follow` (transformers trains its experts fused; the sync root and vLLM hold one tensor per expert).
+"""examples/grpo_bucket.py, a TRL script with a task of its own, run as its docstring prints it for the CPU,
+trains 2 steps against a vLLM replica following its sync root; the replica ends bitwise equal to the
+trainer's weights. Once with the tiny dense Qwen3 against the inference Space (each step logged once and
+changing weights), once with a tiny Qwen3-MoE against stock vLLM followed by `deltasync follow`
+(transformers trains its experts fused; the sync root and vLLM hold one tensor per expert).
 
 The trainer's final weights are read from the checkpoint the script saves at its last step (TRL's own
 --save_strategy), independently of the publisher's running fingerprint.
 """
 
+import ast
 import json
+import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -29,32 +33,56 @@ from trainer.tiny_model import build_tiny_model, default_model_dir, ensure_tiny_
 
 pytestmark = pytest.mark.slow  # starts vLLM
 
-STEPS = 3
-
-
+STEPS = 2
 EXAMPLE = REPO / "examples" / "grpo_bucket.py"
 
 
-def run_example(model: Path, root: Path, url: str, out: Path, *flags: str, script: Path = EXAMPLE) -> None:
-    """examples/grpo_bucket.py (or `script`) for STEPS steps on the CPU, saving the model at the last one;
-    `flags` added."""
-    argv = [sys.executable, str(script), "--model_name_or_path", str(model)]
-    argv += ["--sync_root", str(root), "--inference_url", url, "--output_dir", str(out)]
-    argv += ["--max_steps", str(STEPS), "--save_strategy", "steps", "--save_steps", str(STEPS)]
-    argv += ["--use_cpu", "--bf16", "false", "--gradient_checkpointing", "false", "--token_budget", "0"]
-    argv += ["--num_generations", "4", "--per_device_train_batch_size", "8", "--num_prompts", "64"]
-    argv += ["--max_completion_length", "16", "--learning_rate", "1e-4", "--seed", "1"]
-    argv += ["--report_to", "none", *flags]
+def printed_cpu_command() -> list[str]:
+    """The CPU command the example's docstring prints, as argv (its continuation lines joined)."""
+    doc = ast.get_docstring(ast.parse(EXAMPLE.read_text()))
+    text = doc.replace("\\\n", " ")
+    (line,) = (ln for ln in text.splitlines() if "grpo_bucket.py" in ln and "--use_cpu" in ln)
+    return shlex.split(line)
+
+
+def run_example(model: Path, root: Path, url: str, out: Path, *flags: str, script: Path = EXAMPLE) -> str:
+    """The example's printed CPU command with this test's model, root, replica and output folder, for STEPS
+    steps, saving the model at the last one (`script` in the example's place, `flags` added); its log."""
+    argv = printed_cpu_command()
+    assert argv[:2] == ["python", "examples/grpo_bucket.py"], argv
+    ours = {"--model_name_or_path": str(model), "--sync_root": str(root), "--inference_url": url}
+    ours["--output_dir"] = str(out)
+    for i, arg in enumerate(argv):
+        if arg in ours:
+            argv[i + 1] = ours.pop(arg)
+    assert not ours, f"the printed command lacks {sorted(ours)}"
+    argv = [sys.executable, str(script), *argv[2:], "--max_steps", str(STEPS), "--num_prompts", "64"]
+    argv += ["--seed", "1", "--save_strategy", "steps", "--save_steps", str(STEPS), *flags]
     log = out.parent / f"{out.name}.log"
-    proc = start_process(argv, log, cwd=REPO, cpus=PLACEMENT.others)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRL_EXPERIMENTAL_SILENCE", "PYTHONWARNINGS")}
+    proc = start_process(argv, log, env, cwd=REPO, cpus=PLACEMENT.others)
     assert proc.wait(timeout=900) == 0, log_tail(log, 5000)
+    return log.read_text()
+
+
+def assert_each_step_logged_and_trained(log: str, root: Path) -> None:
+    """One deltasync line per published step, no TRL version-range warning, TRL's rollout worker gone at the
+    end without being killed; every delta changed weights."""
+    assert "TRL currently supports vLLM" not in log and "Child did not exit" not in log, log[-5000:]
+    published = [line for line in log.splitlines() if "deltasync.sync.publisher: published step" in line]
+    assert [line.split("published step ")[1].split(" ")[0] for line in published] == ["0", "1", "2"], log
+    for step in range(1, STEPS + 1):
+        record = telemetry.from_json(
+            telemetry.TrainerRecord, (root / telemetry.TRAINER_DIR / f"step-{step:08d}.json").read_bytes()
+        )
+        assert record.kind == "delta" and record.changed > 0, record
 
 
 def test_example_script_trains_against_a_replica(tmp_path):
     model = ensure_tiny_model(default_model_dir())
     root, out = tmp_path / "root", tmp_path / "out"
     with replica(tmp_path, root, model) as url:
-        run_example(model, root, url, out)
+        log = run_example(model, root, url, out)
         storage = open_storage(root)
         head = read_head(storage)
         assert head.step == STEPS  # the cold sync is step 0
@@ -66,6 +94,7 @@ def test_example_script_trains_against_a_replica(tmp_path):
     # The replica's weights, read back from vLLM's memory, are bitwise the trainer's bf16 weights.
     trainer_fingerprint = format_fingerprint(state_fingerprint(state))
     assert status["readback"]["fingerprint"] == head.fingerprint == trainer_fingerprint
+    assert_each_step_logged_and_trained(log, root)
 
 
 def test_example_script_trains_a_moe_model_against_a_follower(tmp_path):
@@ -77,7 +106,7 @@ def test_example_script_trains_a_moe_model_against_a_follower(tmp_path):
         stock_server(model, tmp_path, *flags, env=ENV) as server,
         following(root, server, tmp_path / "follower.log", name) as follower_log,
     ):
-        run_example(model, root, server.url, out)
+        log = run_example(model, root, server.url, out)
         head = read_head(open_storage(root))
         assert head.step == STEPS  # the cold sync is step 0
         record = root / telemetry.REPLICAS_DIR / name / f"step-{STEPS:08d}.json"
@@ -98,6 +127,7 @@ def test_example_script_trains_a_moe_model_against_a_follower(tmp_path):
     state = {n: t.to(torch.bfloat16) for n, t in trained.items()}
     assert_bitwise_equal(held, state)
     assert head.fingerprint == format_fingerprint(state_fingerprint(state))
+    assert_each_step_logged_and_trained(log, root)
     # The follower says how each tensor is written: the experts through vLLM's prepacked layout.
     line = next(line for line in follower_log.read_text().splitlines() if "tensors written in place" in line)
     summary = json.loads(line.split("tensors written in place: ")[1])

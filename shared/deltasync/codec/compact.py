@@ -240,6 +240,30 @@ def _starts(counts: list[int], numel: int, present: list[bool]) -> np.ndarray:
     return starts
 
 
+def read_symbols(
+    data: bytes, size: int, tables: Tables
+) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A chunk stream of `size` elements read up to its symbols, before the old values are needed: the class
+    bounds, where each class's symbols start, Rice parameters, full quotients, remainders, value steps and
+    escaped raw patterns (as kernels.decode_symbols takes them)."""
+    from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
+
+    k, bounds, counts, rice, (n_words,), pos = _class_header(data, extra=1)
+    if 2 * n_words > len(data) - pos:
+        raise CompactDecodeError(f"{n_words} ANS words claimed, {len(data) - pos} bytes left")
+    present = [bool(tables.present[c]) and bool(tables.present[MAX_CLASSES + c]) for c in range(k)]
+    starts = _starts(counts, size, present)
+    words = np.frombuffer(data, "<u2", n_words, pos).astype(np.uint16)
+    raw = np.frombuffer(data, np.uint8, offset=pos + 2 * n_words).copy()
+    rice_all = np.array(rice + [0] * (MAX_CLASSES - k), np.int64)
+    q, r, steps, raws, status = kernels.ans_decode(
+        words, raw, starts, rice_all, tables.freq, tables.cum, tables.slots
+    )
+    if status:
+        raise CompactDecodeError(kernels.ANS_ERRORS[status])
+    return bounds, starts, rice_all, q, r, steps, raws
+
+
 def decode_chunk(
     data: bytes, old_bits: np.ndarray, tables: Tables, seed: int = 0, offset: int = 0
 ) -> tuple[np.ndarray, np.ndarray, int]:
@@ -249,21 +273,9 @@ def decode_chunk(
     from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
     from deltasync.codec.fingerprint import R1
 
-    k, bounds, counts, rice, (n_words,), pos = _class_header(data, extra=1)
-    if 2 * n_words > len(data) - pos:
-        raise CompactDecodeError(f"{n_words} ANS words claimed, {len(data) - pos} bytes left")
-    present = [bool(tables.present[c]) and bool(tables.present[MAX_CLASSES + c]) for c in range(k)]
-    starts = _starts(counts, old_bits.size, present)
-    words = np.frombuffer(data, "<u2", n_words, pos).astype(np.uint16)
-    raw = np.frombuffer(data, np.uint8, offset=pos + 2 * n_words).copy()
-    rice_all = np.array(rice + [0] * (MAX_CLASSES - k), np.int64)
-    q, r, steps, raws, status = kernels.ans_decode(
-        words, raw, starts, rice_all, tables.freq, tables.cum, tables.slots
-    )
-    if status:
-        raise CompactDecodeError(kernels.ANS_ERRORS[status])
+    bounds, *symbols = read_symbols(data, old_bits.size, tables)
     idx, new, moved, status = kernels.decode_symbols(
-        old_bits, _limits(bounds), starts, rice_all, q, r, steps, raws, np.uint64(seed), R1, offset
+        old_bits, _limits(bounds), *symbols, np.uint64(seed), R1, offset
     )
     if status:
         raise CompactDecodeError(kernels.DECODE_ERRORS[status])

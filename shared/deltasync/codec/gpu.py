@@ -31,6 +31,7 @@ from deltasync.codec import compact, fingerprint
 from deltasync.codec.bf16 import bits
 from deltasync.codec.changes import TensorChanges
 from deltasync.codec.parallel import parallel_map
+from deltasync.codec.symbols import V_SYMBOLS
 
 BLOCK = 1024  # elements per program; divides fingerprint.ROW, so a block's elements share one row weight
 ROW: tl.constexpr = tl.constexpr(fingerprint.ROW)
@@ -145,6 +146,35 @@ def _ranks(
     slot = tl.load(change_base + pid) + (tl.cumsum(flag, 0) - flag)
     tl.store(classes + slot, cls.to(tl.int8), mask=changed)
     tl.store(ranks + slot, rank, mask=changed)
+
+
+@triton.jit
+def _class_order(old, limits, counts, order, n, chunk, per_chunk, BLOCK: tl.constexpr):
+    """order[pid, s + i] = the in-block index of the i-th class-c element of program pid's block, s its
+    elements of classes below c (counts[pid]): the block's elements sorted by class, stably."""
+    pid = tl.program_id(0)
+    offs, valid, c = _chunk_block(pid, n, chunk, per_chunk, BLOCK)
+    cls = _classes(tl.load(old + offs, mask=valid, other=0), limits, c)
+    slot = tl.zeros([BLOCK], tl.int32)
+    below = tl.zeros([], tl.int32)
+    for k in tl.static_range(4):
+        member = ((cls == k) & valid).to(tl.int32)
+        slot += tl.where(cls == k, below + tl.cumsum(member, 0) - member, 0)
+        below += tl.load(counts + 4 * pid + k)
+    tl.store(order + pid.to(tl.int64) * BLOCK + slot, tl.arange(0, BLOCK).to(tl.int16), mask=valid)
+
+
+@triton.jit
+def _moves(positions, before, after, r1, partial, seed, offset, k, BLOCK: tl.constexpr):
+    """partial[b]: how changes b * BLOCK.. (positions, old and new patterns; the tensor's positions from
+    `offset`) move the fingerprint, mod 2^64 as int64 bits."""
+    pid = tl.program_id(0)
+    j = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = j < k
+    p = tl.load(positions + j, mask=valid, other=0) + offset
+    step = tl.load(after + j, mask=valid, other=0).to(tl.int64) - tl.load(before + j, mask=valid, other=0)
+    w = tl.load(r1 + (p & (ROW - 1))).to(tl.uint64, bitcast=True) * _row_weight(p // ROW, seed)
+    tl.store(partial + pid, tl.sum((step.to(tl.uint64, bitcast=True) * w).to(tl.int64, bitcast=True), 0))
 
 
 # ----------------------------------------------------------------------------------------------- host side
@@ -326,3 +356,89 @@ def chunk_symbols(
             pieces.append((bounds, position_bits, cls[part], ranks[part], sizes[c], *patterns[:, part]))
     made = iter(parallel_map(lambda piece: compact.ranked_symbols(*piece), pieces, threads))
     return {name: [next(made) for _ in parts] for name, parts in chosen.items()}
+
+
+# ----------------------------------------------------------------------------------------------- decode
+
+
+def _ranked_changes(data: bytes, size: int, tables: compact.Tables) -> tuple[np.ndarray, ...]:
+    """One chunk stream's changes, grouped by class: class bounds as limits, then per change its class,
+    in-class rank, value step and escaped raw pattern (kernels.decode_symbols' first loop, in numpy)."""
+    from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
+
+    bounds, starts, rice, q, r, steps, raws = compact.read_symbols(data, size, tables)
+    cls = np.repeat(np.arange(len(starts) - 1, dtype=np.int8), np.diff(starts))
+    gaps = (q << rice[cls]) + r + 1  # q < 2^33, rice <= MAX_RICE: no overflow
+    if (gaps > size).any():  # (and below, the cumulative sums of at most 2^31 gaps <= 2^31 stay exact)
+        raise compact.CompactDecodeError(kernels.DECODE_ERRORS[1])
+    ranks = np.concatenate([np.cumsum(gaps[a:b]) - 1 for a, b in zip(starts[:-1], starts[1:], strict=True)])
+    return compact._limits(bounds), cls, ranks, steps, raws
+
+
+def decode_compact(
+    name: str,
+    streams: list[bytes],
+    old: torch.Tensor,
+    chunk: int,
+    tables: compact.Tables,
+    threads: int | None = None,
+    offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """What deltasync.codec.patch.decode makes of tensor `name`'s compact chunk streams against its old
+    values `old` (bf16, on their device; elements offset.. of the tensor for the fingerprint): the changed
+    positions (int64, ascending), their new patterns (int16) and the fingerprint's move. The rANS streams are
+    decoded on `threads` host threads (O(changes)); classes and positions on the device. Raises
+    CompactDecodeError where a stream cannot be what an encoder wrote."""
+    from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
+
+    x = bits(old)
+    n, device = x.numel(), x.device
+    if len(streams) != -(-n // chunk):
+        raise compact.CompactDecodeError(f"{len(streams)} chunks, {n} elements need {-(-n // chunk)}")
+    sizes = [min(chunk, n - lo) for lo in range(0, n, chunk)]
+    chunks = parallel_map(
+        lambda work: _ranked_changes(*work, tables), list(zip(streams, sizes, strict=True)), threads
+    )
+    limits, cls, ranks, steps, raws = (np.concatenate(part) for part in zip(*chunks, strict=True))
+    which = np.repeat(np.arange(len(chunks)), [c[1].size for c in chunks])
+    limits_on, cls_on, ranks_on, steps_on, raws_on, which_on = (
+        torch.from_numpy(a).to(device) for a in (limits.astype(np.int32), cls, ranks, steps, raws, which)
+    )
+    per_chunk = _blocks(min(chunk, n))
+    programs = len(chunks) * per_chunk
+    counts = torch.empty((programs, 4), dtype=torch.int32, device=device)
+    _class_counts[(programs,)](x, limits_on, counts, n, chunk, per_chunk, BLOCK=BLOCK)
+    inclusive = counts.view(len(chunks), per_chunk, 4).cumsum(1)
+    order = torch.empty(programs * BLOCK, dtype=torch.int16, device=device)
+    _class_order[(programs,)](x, limits_on, counts, order, n, chunk, per_chunk, BLOCK=BLOCK)
+    # The block of each change: the first of its chunk whose running count of its class passes its rank.
+    cls64 = cls_on.to(torch.int64)
+    group = cls64 * len(chunks) + which_on
+    keys = (
+        (torch.arange(4 * len(chunks), device=device)[:, None] << 32)
+        + inclusive.permute(2, 0, 1).reshape(4 * len(chunks), per_chunk)
+    ).reshape(-1)
+    found = torch.searchsorted(keys, (group << 32) + ranks_on, right=True)
+    beyond = ranks_on >= inclusive[which_on, -1, cls64]  # past its class in its chunk
+    program = which_on * per_chunk + found.clamp(max=keys.numel() - 1) % per_chunk
+    within = ranks_on - (inclusive.view(programs, 4) - counts)[program, cls64]
+    below = (counts.cumsum(1) - counts)[program, cls64]
+    slot = (program * BLOCK + below + within).clamp(0, order.numel() - 1)
+    positions = which_on * chunk + (program % per_chunk) * BLOCK + order[slot].to(torch.int64)
+    positions, sort = torch.sort(positions)
+    before = x[positions.clamp(0, n - 1)]
+    step, raw = steps_on[sort], raws_on[sort]
+    value = before.to(torch.int64) + ((step >> 1) ^ -(step & 1))
+    escaped = step == V_SYMBOLS
+    out_of_range = ~escaped & ((value < -(1 << 15)) | (value >= 1 << 15))
+    status = torch.stack([beyond.any(), out_of_range.any()]).tolist()
+    for code, failed in enumerate(status, 1):
+        if failed:
+            raise compact.CompactDecodeError(kernels.DECODE_ERRORS[code])
+    after = torch.where(escaped, raw - ((raw & 0x8000) << 1), value).to(torch.int16)  # signed patterns
+    partial = torch.empty(_blocks(positions.numel()), dtype=torch.int64, device=device)
+    _moves[(partial.numel(),)](
+        positions, before, after, fingerprint.r1_on(device), partial, _signed(fingerprint.seed(name)), offset,
+        positions.numel(), BLOCK=BLOCK,
+    )  # fmt: skip
+    return positions, after, _wrapped(_halves(partial).tolist())

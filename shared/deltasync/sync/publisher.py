@@ -133,6 +133,8 @@ class Publisher:
             self._background.shutdown()
             raise
         self.last_step = self._head.step if self._head else -1  # the newest step handed to publish()
+        if self._head is not None:
+            log.info("continuing run at step %d", self._head.step)
         self._thread = threading.Thread(target=self._work, name="deltasync-publisher", daemon=True)
         self._thread.start()
 
@@ -445,6 +447,11 @@ class Publisher:
             base_step=head.step if head else None,
             info=job.info,
         )
+        size = f"{record.payload_bytes / 1e3:.1f} kB"
+        if record.kind == "anchor":
+            log.info("published step %d (anchor, %s)", job.step, size)
+        else:
+            log.info("published step %d (%s, %.2f%% changed)", job.step, size, 100 * record.density)
         # The step is published: its telemetry and garbage go out with the next request (never undoing it).
         # What the head no longer names, and the step's own delta when retention already dropped it:
         written = {f for e in entries for f in e.files}

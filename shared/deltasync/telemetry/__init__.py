@@ -51,7 +51,7 @@ class TrainerRecord:
     info: dict[str, float] = field(default_factory=dict)  # the trainer's own numbers: reward stats, staleness
 
     @property
-    def sparsity(self) -> float:
+    def density(self) -> float:
         """Fraction of bf16 elements that changed."""
         return self.changed / self.numel if self.numel else 0.0
 

@@ -189,7 +189,7 @@ class TelemetryReader:
                 "step": [r.step for r in trainer],
                 "kind": [r.kind for r in trainer],
                 "published_at": [r.published_at for r in trainer],
-                "sparsity": [r.sparsity for r in trainer],
+                "density": [r.density for r in trainer],
                 "changed": [r.changed for r in trainer],
                 "numel": [r.numel for r in trainer],
                 "payload_bytes": [r.payload_bytes for r in trainer],
@@ -233,7 +233,7 @@ class TelemetryReader:
             "skipped_steps": len(self.trainer) - len(published),
             "full_bytes": max(published, key=lambda r: r.step).full_bytes if published else None,
             "mean_delta_payload_bytes": statistics.fmean(r.payload_bytes for r in deltas) if deltas else None,
-            "mean_delta_sparsity": statistics.fmean(r.sparsity for r in deltas) if deltas else None,
+            "mean_delta_density": statistics.fmean(r.density for r in deltas) if deltas else None,
             "uploaded_bytes": uploaded,
             "bytes_saved": full - uploaded,  # against uploading the full bf16 model at every published step
             "saved_fraction": (full - uploaded) / full if full else None,

@@ -12,18 +12,27 @@ from __future__ import annotations
 import contextvars
 import functools
 import types
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from trl.experimental.async_grpo import async_grpo_trainer, async_rollout_worker, packing
-from trl.experimental.async_grpo.async_rollout_worker import (
-    AsyncRolloutWorker,
-    RolloutGroup,
-    RolloutSample,
-    TrainingSequence,
-    _AsyncRolloutLoop,
-)
+
+# Importing TRL's async GRPO warns that its API is experimental (we pin trl==1.16.0 and use it knowingly) and,
+# on vLLM 0.32, that TRL was tested with vLLM 0.22-0.31 (its rollouts only talk HTTP to vLLM's OpenAI server,
+# which 0.32 serves unchanged: the end-to-end tests run it). Both are silenced for this import only.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="You are importing from 'trl.experimental'")
+    warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
+    from trl.experimental.async_grpo import async_grpo_trainer, async_rollout_worker, packing
+    from trl.experimental.async_grpo.async_rollout_worker import (
+        AsyncRolloutWorker,
+        RolloutGroup,
+        RolloutSample,
+        TrainingSequence,
+        _AsyncRolloutLoop,
+    )
+    from trl.trainer import utils as trainer_utils
 
 # The replica base URL serving the rollout running in the current asyncio task (each rollout is its own task).
 _rollout_server: contextvars.ContextVar[str | None] = contextvars.ContextVar("rollout_server", default=None)
@@ -70,6 +79,11 @@ class HookedRolloutLoop(_AsyncRolloutLoop):
 
     def after_scoring(self, group: RolloutGroup, samples: list[RolloutSample]) -> None:
         """Called with a scored group before TRL queues its samples (no await in between)."""
+
+    def stopping(self) -> bool:
+        """Whether the loop was asked to stop: a hook that waits must then stop waiting, or the loop, which
+        lets its rollouts in flight finish, never returns."""
+        return self._stop_event.is_set()
 
     def stop_soon(self) -> None:
         """Ask `run()`, in whichever thread it runs, to return (TRL's worker process does this on stop)."""
@@ -160,6 +174,15 @@ def replace_flash_attn(varlen: Callable[..., torch.Tensor]) -> None:
 def skip_peak_flops() -> None:
     """`get_peak_flops_per_device` asks torch.cuda for the device; None skips MFU, as for unknown devices."""
     async_grpo_trainer.get_peak_flops_per_device = lambda *args, **kwargs: None
+
+
+def score_labelled_positions_only() -> None:
+    """TRL's fused LM head (`add_fused_lm_head`) projects and scores only the positions with a label (the
+    completions) where `trainer_utils._use_triton(device)`, and every position elsewhere, so that tile shapes
+    stay fixed for compilers such as Neuron's. A CPU compiles nothing: there it scores the labelled ones too,
+    skipping the LM head and its softmax over the prompts. The kernels' own choice of Triton is unchanged."""
+    triton = trainer_utils._use_triton
+    trainer_utils._use_triton = lambda device: device.type == "cpu" or triton(device)
 
 
 def claim_vllm_available() -> None:

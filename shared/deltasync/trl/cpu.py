@@ -82,9 +82,12 @@ def apply_cpu_shims(device: torch.device | str) -> list[str]:
     if device.type != "cuda":
         compat.skip_peak_flops()
         applied.append("peak_flops")
+    if device.type == "cpu":
+        compat.score_labelled_positions_only()
+        applied.append("labelled_positions")
     if importlib.util.find_spec("vllm") is None:
         compat.claim_vllm_available()
         applied.append("vllm_available")
     if applied:
-        log.info("TRL shims for %s: %s", device, ", ".join(applied))
+        log.debug("TRL shims for %s: %s", device, ", ".join(applied))
     return applied

@@ -27,7 +27,7 @@ from deltasync.trl.checkpoint import checkpoint_converter
 from deltasync.trl.transfer import adapter_tensors
 
 log = logging.getLogger(__name__)
-TOKEN_ENV = "INFERENCE_API_TOKEN"
+TOKEN_ENV = "INFERENCE_API_TOKEN"  # the replicas' bearer token, if they demand one (rollouts send it too)
 TIMEOUT_S = 15.0
 PROBE_PREFIX = "preflight-"
 
@@ -73,7 +73,7 @@ def preflight(
             return f"sync root {where} holds a run of another model ({run.model}): {mismatch}"
         if stored[HEAD_PATH] is not None:
             try:
-                log.info("sync root %s: continuing its run at step %d", where, read_head(storage).step)
+                read_head(storage)  # the publisher says it continues the run, once it opens the root
             except Exception as e:
                 return f"sync root {where}: {HEAD_PATH} cannot be read: {_reason(e)}"
     for url in replica_urls:

@@ -46,10 +46,10 @@ import numpy as np
 from deltasync.sync.protocol import adapter_name
 from deltasync.trl import compat
 from deltasync.trl.compat import HookedRolloutLoop, RolloutGroup, RolloutSample, TrainingSequence
+from deltasync.trl.preflight import TOKEN_ENV
 from deltasync.trl.transfer import BucketWeightTransfer
 
 VERSION_HEADERS = ("x-weight-version", "x-weight-version-end")
-TOKEN_ENV = "INFERENCE_API_TOKEN"
 # per-sample metric keys; TRL averages them per micro-batch in its collator
 WEIGHT_VERSION = "deltasync/weight_version"
 VERSION_KNOWN = "deltasync/version_known"
@@ -155,7 +155,7 @@ class VersionedRolloutLoop(HookedRolloutLoop):
         scored or queued untrained; its other rollouts then start at once. Whole groups, because a group is
         scored only when all its rollouts are done: admitting rollouts one by one could fill the room with
         parts of groups that never complete."""
-        while group_id not in self._admitted:
+        while group_id not in self._admitted and not self.stopping():  # at the end, nothing to hold back
             if self.max_ahead and self._ahead + self.rollout_buffer.qsize() >= self.max_ahead:
                 self.held_back += 1
                 await asyncio.sleep(0.05)

@@ -3,13 +3,13 @@ through Triton's interpreter (small states: the interpreter runs each program in
 
 import importlib
 import json
-import struct
 import sys
 
 import numpy as np
 import pytest
 import torch
 
+from bench.cuda import canonical, compact_streams
 from deltasync.codec import changes, compact, fingerprint
 from deltasync.codec import patch as patches
 from deltasync.codec.bf16 import bits
@@ -85,12 +85,6 @@ def test_state_fingerprint_is_the_host_one(gpu):
         assert fingerprint.state_fingerprint(state) == fingerprint.state_fingerprint(host(state))  # on a GPU
 
 
-def canonical(data: bytes) -> tuple[dict, bytes]:
-    """A patch's parsed header and its payload: safetensors writes `__metadata__` keys in no fixed order."""
-    (n,) = struct.unpack("<Q", data[:8])
-    return json.loads(data[8 : 8 + n]), data[8 + n :]
-
-
 @pytest.mark.parametrize(
     ("chunk", "density"),
     [(1000, 0.01), (2048, 0.05), (compact.CHUNK, 0.01), (700, 0.3)],
@@ -129,3 +123,69 @@ def test_chunk_symbols_are_the_host_symbols(gpu):
             assert got.bounds == want.bounds and got.estimated_bits == want.estimated_bits, name
             for field in ("starts", "rice", "q", "r", "v", "q_hist", "v_hist"):
                 assert np.array_equal(getattr(got, field), getattr(want, field)), (name, field)
+
+
+def host_decode(name: str, parts: list[bytes], old: torch.Tensor, chunk: int, tables) -> tuple:
+    """The CPU decoder's positions, new patterns (int16) and fingerprint move of one compact tensor."""
+    x = bits(old).cpu().numpy()
+    starts = range(0, x.size, chunk)
+    seed = int(fingerprint.seed(name))
+    done = [
+        compact.decode_chunk(s, x[lo : lo + chunk], tables, seed, lo)
+        for s, lo in zip(parts, starts, strict=True)
+    ]
+    positions = np.concatenate([idx + lo for (idx, _, _), lo in zip(done, starts, strict=True)])
+    return (
+        positions,
+        np.concatenate([new for _, new, _ in done]).view(np.int16),
+        sum(m for *_, m in done) & fingerprint.MASK64,
+    )
+
+
+def same(got: tuple, expected: tuple) -> bool:
+    positions, after, moved = got
+    return (
+        np.array_equal(positions.cpu().numpy(), expected[0])
+        and np.array_equal(after.cpu().numpy(), expected[1])
+        and moved == expected[2]
+    )
+
+
+@pytest.mark.parametrize(("chunk", "density"), [(1000, 0.02), (7000, 0.02), (compact.CHUNK, 0.3)])
+def test_decode_compact_is_the_host_decode(gpu, chunk, density):
+    """Positions, new patterns and fingerprint moves of every compact tensor, as the CPU decodes them."""
+    old, new = states(4, SHAPES, density)
+    patch = patches.make_patch(host(old), host(new), 1, 0, threads=1)
+    streams, tables, _ = compact_streams(patches.encode(patch, host(old), "compact", threads=1, chunk=chunk))
+    assert streams
+    for name, parts in streams.items():
+        got = gpu.decode_compact(name, parts, old[name], chunk, tables, threads=1)
+        assert same(got, host_decode(name, parts, old[name], chunk, tables)), name
+
+
+def test_decode_compact_refuses_what_the_host_refuses(gpu):
+    """Streams with a bit flipped: each is refused by both decoders, with the same message, or decoded by
+    both to the same changes."""
+    old, new = states(5, {"w": (40, 100)}, 0.05)
+    patch = patches.make_patch(host(old), host(new), 1, 0, threads=1)
+    streams, tables, chunk = compact_streams(
+        patches.encode(patch, host(old), "compact", threads=1, chunk=1500)
+    )
+    rng = np.random.default_rng(0)
+    refused = 0
+    for _ in range(30):
+        parts = list(streams["w"])
+        k = int(rng.integers(len(parts)))
+        broken = bytearray(parts[k])
+        broken[int(rng.integers(len(broken)))] ^= 1 << int(rng.integers(8))
+        parts[k] = bytes(broken)
+        try:
+            expected = host_decode("w", parts, old["w"], chunk, tables)
+        except compact.CompactDecodeError as e:
+            with pytest.raises(compact.CompactDecodeError) as caught:
+                gpu.decode_compact("w", parts, old["w"], chunk, tables, threads=1)
+            assert str(caught.value) == str(e)
+            refused += 1
+            continue
+        assert same(gpu.decode_compact("w", parts, old["w"], chunk, tables, threads=1), expected)
+    assert 0 < refused < 30

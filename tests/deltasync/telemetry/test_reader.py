@@ -221,8 +221,8 @@ def test_the_page_plots_every_good_step_and_lists_each_bad_file(dashboard, tmp_p
     assert f"**Live** at `{tmp_path}`: latest step {GOOD_STEPS[-1]}" in status
     assert f"⚠ {len(bad)} invalid telemetry files skipped" in status
     assert all(dashboard.markdown_text(path) in problems for path in bad)
-    sparsity = figures[dashboard.PLOTS.index("sparsity")]
-    assert list(sparsity.data[0].x) == list(GOOD_STEPS[1:])  # every delta plotted
+    density = figures[dashboard.PLOTS.index("density")]
+    assert list(density.data[0].x) == list(GOOD_STEPS[1:])  # every delta plotted
 
 
 def test_the_live_app_reports_bad_files_and_stops_on_sigterm(tmp_path):

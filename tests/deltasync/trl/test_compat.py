@@ -8,6 +8,7 @@ import re
 from trl.experimental.async_grpo import async_grpo_trainer, async_rollout_worker, packing
 from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
 from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker, _AsyncRolloutLoop
+from trl.trainer import utils as trainer_utils
 
 
 def params(function) -> list[str]:
@@ -99,3 +100,8 @@ def test_peak_flops_per_device():
 def test_is_vllm_available():
     assert callable(async_rollout_worker.is_vllm_available)
     assert "is_vllm_available()" in inspect.getsource(AsyncRolloutWorker.__init__)
+
+
+def test_fused_lm_head_compacts_where_use_triton_says():
+    assert callable(trainer_utils._use_triton)
+    assert "compact = _use_triton(hidden_states.device)" in inspect.getsource(trainer_utils.add_fused_lm_head)

@@ -1,19 +1,30 @@
 """The CPU shims for TRL's async trainer: installed through compat, and the attention stand-in is exact."""
 
+import pytest
 import torch
 import torch.nn.functional as F
+from transformers import Qwen3Config, Qwen3ForCausalLM
 from trl.experimental.async_grpo import async_grpo_trainer, async_rollout_worker, packing
+from trl.trainer import utils as trainer_utils
 
 from deltasync.trl.cpu import apply_cpu_shims, varlen_sdpa
 
+SHIMMED = [
+    (packing, "_flash_attn"),
+    (async_grpo_trainer, "get_peak_flops_per_device"),
+    (async_rollout_worker, "is_vllm_available"),
+    (trainer_utils, "_use_triton"),
+]
 
-def test_cpu_gets_the_attention_and_mfu_shims(monkeypatch):
-    for module, name in [
-        (packing, "_flash_attn"),
-        (async_grpo_trainer, "get_peak_flops_per_device"),
-        (async_rollout_worker, "is_vllm_available"),
-    ]:
-        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+
+@pytest.fixture
+def restored(monkeypatch):
+    """What apply_cpu_shims replaces, put back after the test."""
+    for module, name in SHIMMED:
+        monkeypatch.setattr(module, name, getattr(module, name))
+
+
+def test_cpu_gets_the_attention_and_mfu_shims(restored):
     applied = apply_cpu_shims("cpu")
     assert {"attention", "peak_flops"} <= set(applied)
     assert packing._flash_attn().flash_attn_varlen_func is varlen_sdpa
@@ -110,3 +121,22 @@ def test_packed_tree_forward_matches_per_sample_forward(tmp_path, monkeypatch):
     torch.testing.assert_close(packed.detach(), alone, atol=1e-5, rtol=1e-5)
     packed.sum().backward()  # gradients flow through the shim
     assert model.model.embed_tokens.weight.grad.abs().sum() > 0
+
+
+def test_cpu_scores_only_labelled_positions_with_the_same_log_probs(restored):
+    """The fused LM head's log-probs and entropies at labelled positions are those of scoring every position;
+    only their cost changes (the prompts' positions are skipped)."""
+    config = Qwen3Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    trainer_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    ids = torch.randint(0, 300, (1, 40))
+    labels = torch.full((1, 40), -100)
+    labels[0, 25:] = ids[0, 25:]  # a prompt of 25 tokens, then the completion
+    every = model(input_ids=ids, shift_labels=labels, fused_lm_head=True)
+    assert "labelled_positions" in apply_cpu_shims("cpu")
+    assert trainer_utils._use_triton(torch.device("cpu"))
+    labelled = model(input_ids=ids, shift_labels=labels, fused_lm_head=True)
+    torch.testing.assert_close(labelled.log_probs, every.log_probs)
+    torch.testing.assert_close(labelled.entropy, every.entropy)

@@ -189,6 +189,20 @@ def test_back_pressure_admits_whole_groups(server, tokenizer):
         assert seen["calls"] == 4 and buffer.qsize() == 4
 
 
+def test_stop_ends_the_loop_while_groups_are_held_back(server, tokenizer):
+    # Training ended with the queue full (nobody takes from it): held-back groups must stop waiting, else
+    # TRL's loop waits for them forever and its worker process is killed after 15 s ("Child did not exit").
+    url, _ = server
+    buffer = multiprocessing.get_context("spawn").Queue()
+    loop = rollout_loop(url, tokenizer, buffer, max_ahead=2, max_inflight_tasks=4)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    wait_for(lambda: loop.held_back > 0, "a group held back")
+    loop.stop_soon()
+    thread.join(60)
+    assert not thread.is_alive()
+
+
 def test_stop_returns_when_the_worker_process_died(server, tokenizer):
     # An unreachable env server fails the worker process; TRL's stop() would then block forever on its
     # multiprocessing stop event (the waiter is gone). The trainer must still get to publish and exit.

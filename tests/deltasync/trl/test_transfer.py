@@ -7,10 +7,12 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from deltasync import telemetry
 from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
+from deltasync.sync.protocol import HEAD_PATH
 from deltasync.sync.publisher import PublisherConfig
 from deltasync.sync.subscriber import Subscriber
 from deltasync.trl.preflight import schema_of
 from deltasync.trl.transfer import BucketWeightTransfer
+from tests.deltasync.sync.test_single_writer import Stalling
 from trainer.tiny_model import build_tiny_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -165,9 +167,19 @@ def test_restart_continues_the_chain_from_the_head(tmp_path):
 
 
 def test_pause_and_resume_never_block(tmp_path):
-    transfer = BucketWeightTransfer(tmp_path / "root")
-    transfer.init_weight_transfer()
-    transfer.pause()  # no inference to stop: returns at once, even with nothing published yet
+    """pause() and resume() return while a step's upload is in progress: inference never waits for it."""
+    model = small_qwen3(tied=False, dtype=torch.float32, device="cpu")
+    storage = Stalling(tmp_path, step=0)  # the cold sync's head write waits for `release`
+    transfer = BucketWeightTransfer(storage)
+    transfer.pause()  # nothing published yet: nothing to wait for either
+    transfer.send_weights(trl_stream(model))
+    assert storage.reached.wait(60)
+    transfer.pause()  # had either waited for the upload, the stall would have ended and the head be written
     transfer.resume()
+    assert transfer.publisher.head is None and storage.sizes([HEAD_PATH])[HEAD_PATH] is None
+    storage.release.set()
     transfer.destroy()
     transfer.destroy()  # TRL's finally and the CLI may both close it
+    reader = Subscriber(tmp_path)
+    reader.sync()
+    assert reader.step == 0 and transfer.publisher.head.step == 0

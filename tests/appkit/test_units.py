@@ -2,7 +2,7 @@
 
 import pytest
 
-from deltasync.units import format_bytes
+from appkit.units import format_bytes
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from deltasync.asgi import BodyLimit
+from appkit.asgi import BodyLimit
 
 LIMIT = 1000
 
