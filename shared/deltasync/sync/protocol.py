@@ -115,6 +115,8 @@ def schema_problem(name: object, shape: object) -> str | None:
     """Why (`name`, `shape`) cannot be a run.json schema entry, or None: readers and writers share it."""
     if not isinstance(name, str) or not name:
         return "a tensor name must be a non-empty string"
+    if name == "__metadata__":  # safetensors' own header field: no file could hold the tensor
+        return "the name is reserved by safetensors"
     ok = isinstance(shape, list) and all(
         isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_INT for d in shape
     )

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import logging
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 
@@ -46,10 +45,11 @@ from deltasync.sync.protocol import (
     RunInfo,
     check_step,
     delta_path,
-    parse_data_path,
+    delta_paths,
     read_manifest,
     read_run,
 )
+from deltasync.sync.worker import Worker
 
 log = logging.getLogger(__name__)
 Params = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -98,12 +98,7 @@ class Publisher:
         self.storage = root if isinstance(root, Storage) else open_storage(root)
         self.model = model
         self.config = config or PublisherConfig()
-        self._cond = threading.Condition()
-        self._pending: _Pending | None = None
         self._spare: dict[str, torch.Tensor] | None = None  # a buffer the worker gave back
-        self._busy = False
-        self._closed = False
-        self._error: BaseException | None = None
         self._run: RunInfo | None = None
         self._head: Head | None = None
         self._published: dict[str, torch.Tensor] | None = None  # the state the head names, bf16 on the host
@@ -121,8 +116,13 @@ class Publisher:
             self._background.shutdown()
             raise
         self.last_step = self._head.step if self._head else -1  # the newest step handed to publish()
-        self._thread = threading.Thread(target=self._work, name="deltasync-publisher", daemon=True)
-        self._thread.start()
+        self._worker: Worker[_Pending] = Worker(
+            "deltasync-publisher",
+            f"publisher to {self.storage.url}",
+            self._publish_with_retries,
+            idle=self._renew_lease,  # keeps the lease alive (on the worker: publish() never waits for it)
+            idle_s=self.config.lease_s / 8,
+        )
 
     # ------------------------------------------------------------------------------------ caller's thread
 
@@ -148,9 +148,12 @@ class Publisher:
         anchor of the whole state `anchor` (which `delta.fingerprint` must be) when given; returns the step.
         Waits for the previous step's head first (a stored delta applies to exactly that step: never folded
         into another), then blocks only for the anchor's copy. After it, `publish()` is refused."""
-        tags = {parsed[2] if (parsed := parse_data_path(f)) else None for f in delta.files}
-        if tags != {self.claim.tag}:
-            raise ValueError(f"publish_stored(): {delta.files[0]!r:.200} is not a delta file of this writer")
+        check_step(step, "publish_stored()")
+        if delta.files != tuple(delta_paths(step, len(delta.files), self.claim.tag)):  # as readers check it
+            raise ValueError(
+                f"publish_stored(): {list(delta.files)!r:.200} are not where this writer's delta of step "
+                f"{step} lives"
+            )
         self.flush()
         if self._head is None:
             raise ValueError("publish_stored(): no published step for the delta to start from")
@@ -182,12 +185,11 @@ class Publisher:
         problem = telemetry.info_problem(info or {})
         if problem:  # else every dashboard would skip the step's record
             raise ValueError(f"{where}: info {problem}")
-        with self._cond:
-            self._raise_if_failed()
-            step = check_step(self.last_step + 1 if step is None else step, where)
-            if step <= self.last_step:
-                raise ValueError(f"step {step} is not after the last published step {self.last_step}")
-            pending = self._pending
+        chosen = check_step(self.last_step + 1 if step is None else step, where)
+
+        def job(pending: _Pending | None) -> _Pending:  # under the worker's lock: it takes the job whole
+            if chosen <= self.last_step:
+                raise ValueError(f"step {chosen} is not after the last published step {self.last_step}")
             if pending is not None:  # the worker has not taken it yet: overwrite it (coalesce)
                 buffer, skipped = pending.state, [*pending.skipped, self._skipped_record(pending)]
             elif stored is not None and not params:
@@ -197,31 +199,24 @@ class Publisher:
                 self._spare = None
             if params:
                 _copy_into(buffer, params)
-            self._pending = _Pending(buffer, step, dict(info or {}), 0.0, skipped, stored)
-            self.last_step = step
-            self._pending.blocked_s = time.perf_counter() - start
-            self._cond.notify_all()
-        return step
+            self.last_step = chosen
+            return _Pending(buffer, chosen, dict(info or {}), time.perf_counter() - start, skipped, stored)
+
+        self._worker.submit(job)
+        return chosen
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every handed-over state is published; raises the worker's error if it failed."""
-        with self._cond:
-            ok = self._cond.wait_for(lambda: self._error or not (self._pending or self._busy), timeout)
-            self._raise_if_failed()
-            if not ok:
-                raise TimeoutError(f"publisher still uploading after {timeout} s")
+        self._worker.flush(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Publish what is pending, then stop the worker and let the next writer in."""
+        """Publish what is pending, then stop the worker and let the next writer in. Later publish() raises."""
+        stopped = False
         try:
-            self.flush(timeout)
+            stopped = self._worker.close(timeout)
         finally:
-            with self._cond:
-                self._closed = True
-                self._cond.notify_all()
-            self._thread.join(timeout)
-            if not self._thread.is_alive():
-                if self._error is None:
+            if stopped:
+                if self._worker.error is None:
                     self._restore_head()
                 self.claim.release()
                 self._background.shutdown()
@@ -243,10 +238,6 @@ class Publisher:
         pin = any(t.is_cuda for t in params.values())  # D2H copies into pinned memory do not stall
         return {n: torch.empty(s, dtype=torch.bfloat16, pin_memory=pin) for n, s in self._run.schema.items()}
 
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"publisher to {self.storage.url} failed: {self._error}") from self._error
-
     @staticmethod
     def _skipped_record(pending: _Pending) -> telemetry.TrainerRecord:
         nothing: dict[str, Any] = dict.fromkeys(("numel", "changed", "payload_bytes", "full_bytes"), 0)
@@ -262,34 +253,12 @@ class Publisher:
 
     # ------------------------------------------------------------------------------------ worker thread
 
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._pending or self._closed, self.config.lease_s / 8)
-                if self._pending is None and self._closed:
-                    return
-                job, self._pending, self._busy = self._pending, None, self._pending is not None
-            if job is None:  # idle: keep the lease alive (outside the lock: publish() never waits for it)
-                self._renew_lease()
-                continue
-            try:
-                self._publish_with_retries(job)
-            except BaseException as e:  # kept for the caller: publish() and flush() raise it
-                log.exception("publisher failed")
-                with self._cond:
-                    self._error = e
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-            if self._error is not None:
-                return
-
     def _retrying(self, call: Callable[[], T]) -> T:
         """`call()`, retried a few times on transient storage errors (for the constructor's reads)."""
         return retry(call, self.config.retry_s, attempts=6, log_as=f"opening {self.storage.url}")
 
     def _renew_lease(self) -> None:
+        """Renew the lease when due; fenced (WriterConflict), the worker stops and publish() raises it."""
         if not self.claim.renew_due():
             return
         try:
@@ -297,9 +266,6 @@ class Publisher:
             self._restore_head()
         except TransientStorageError as e:
             log.warning("lease renewal failed, retrying: %s", e)
-        except WriterConflict as e:  # fenced: publish() and flush() raise it from now on
-            with self._cond:
-                self._error = e
 
     def _restore_head(self) -> None:
         """Put this writer's head back if a fenced writer replaced it (see deltasync.sync.claim)."""
@@ -316,11 +282,12 @@ class Publisher:
         jobs = [job]  # the one being published: a newer state replaces it while a failed upload waits
 
         def wait(seconds: float) -> None:
-            with self._cond:
-                # A newer state arrived while this one failed: publish that instead, folding this step in.
-                if self._cond.wait_for(lambda: self._pending is not None, seconds):
-                    newer, self._pending, old = cast(_Pending, self._pending), None, jobs[0]
-                    newer.skipped = [*old.skipped, self._skipped_record(old), *newer.skipped]
+            # A newer state arrived while this one failed: publish that instead, folding this step in.
+            newer = self._worker.take_newer(seconds)
+            if newer is not None:
+                old = jobs[0]
+                newer.skipped = [*old.skipped, self._skipped_record(old), *newer.skipped]
+                with self._worker.lock:
                     self._spare, jobs[0] = old.state, newer
 
         retry(lambda: self._publish(jobs[0]), self.config.retry_s, log_as="publishing a step", sleep=wait)
@@ -383,7 +350,7 @@ class Publisher:
         new_head = self._retained(head, entries, job.step, fp_text)
         self._write_head(new_head, current.result())  # the step is acknowledged from here on
         upload_s = time.perf_counter() - start - encode_s
-        with self._cond:
+        with self._worker.lock:
             self._head, self._published_fp = new_head, fp
             if job.stored is None:
                 self._spare = self._spare or old
@@ -418,6 +385,7 @@ class Publisher:
         must be the one this publisher wrote last (or a fenced writer's); returning acknowledges the step:
         the head read back is what was written and the lease is still this claim's. Else WriterConflict."""
         data = head.to_json()
+        Head.from_json(data)  # a head readers would refuse is never written (ManifestError)
         self._check_current(current)
         self.claim.check_live()
         self._head_bytes.add(data)  # if the read-back fails transiently, a retry finds this head
