@@ -44,6 +44,7 @@ def load_bf16(path: Path) -> dict[str, torch.Tensor]:
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
     state: dict[str, torch.Tensor] = {}
+    found_in: dict[str, Path] = {}
     for f in files:
         if not f.is_file():  # absent, or a FIFO or device that load_file would wait on or read without end
             if f.exists():
@@ -54,6 +55,10 @@ def load_bf16(path: Path) -> dict[str, torch.Tensor]:
         except Exception as e:  # safetensors' own error types name neither the file nor what it expected
             raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
         require_floats(tensors, str(f))
+        twice = next((name for name in tensors if name in found_in), None)
+        if twice is not None:  # e.g. a stale model.safetensors beside the shards: neither may silently win
+            raise ValueError(f"tensor {twice!r} is in both {found_in[twice]} and {f}")
+        found_in |= dict.fromkeys(tensors, f)
         state |= {name: as_bf16(t).view(t.shape) for name, t in tensors.items()}
     return state
 

@@ -193,3 +193,16 @@ def test_the_first_run_says_it_compiles_the_kernels(tmp_path):
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     assert first.stderr == "deltasync: compiling the codec's kernels (once per install, ~10 s)...\n"
     assert second.stderr == ""
+
+
+def test_a_tensor_in_two_checkpoint_files_is_refused_naming_both(tmp_path, capsys):
+    """A stale model.safetensors beside the shards must not win silently (push, diff and apply read both)."""
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    save_file({"w": torch.zeros(4)}, folder / "model.safetensors")
+    save_file({"w": torch.ones(4)}, folder / "model-00001-of-00001.safetensors")
+    assert cli.main(["push", str(tmp_path / "root"), str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"'w' is in both {folder / 'model-00001-of-00001.safetensors'} and {folder / 'model.safetensors'}" in err
+    assert not (tmp_path / "root" / "heads").exists()

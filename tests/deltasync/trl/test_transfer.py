@@ -171,3 +171,15 @@ def test_pause_and_resume_never_block(tmp_path):
     transfer.resume()
     transfer.destroy()
     transfer.destroy()  # TRL's finally and the CLI may both close it
+
+
+def test_send_weights_after_destroy_raises(tmp_path):
+    """Else the step number would advance for weights that are never written."""
+    model = small_qwen3(tied=True, dtype=torch.float32, device="cpu")
+    transfer = BucketWeightTransfer(tmp_path / "root")
+    sync(transfer, model)
+    transfer.destroy()
+    with pytest.raises(RuntimeError, match="closed"):
+        sync(transfer, model)
+    assert transfer.last_step == 0
+    assert Subscriber(str(tmp_path / "root")).sync()[-1].step == 0
