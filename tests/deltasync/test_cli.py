@@ -204,5 +204,8 @@ def test_a_tensor_in_two_checkpoint_files_is_refused_naming_both(tmp_path, capsy
     assert cli.main(["push", str(tmp_path / "root"), str(folder)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert f"'w' is in both {folder / 'model-00001-of-00001.safetensors'} and {folder / 'model.safetensors'}" in err
+    assert (
+        f"'w' is in both {folder / 'model-00001-of-00001.safetensors'} and {folder / 'model.safetensors'}"
+        in err
+    )
     assert not (tmp_path / "root" / "heads").exists()

@@ -186,6 +186,7 @@ class Subscriber:
         self._refusal: str | None = None  # why the last file was refused (kept while waiting for an anchor)
         self.history: collections.deque[Applied] = collections.deque(maxlen=256)
         self._bad: set[tuple[str, int]] = set()  # (file, bytes) that failed verification
+        self._missing: set[tuple[str, int]] = set()  # (file, bytes) absent though a head named them
         self._unverified_deltas = 0
 
     # ---------------------------------------------------------------------------------------------- API
@@ -273,8 +274,11 @@ class Subscriber:
         after = [0] * (len(deltas) + 1)  # after[i]: bytes of deltas[i:]
         for i in range(len(deltas) - 1, -1, -1):
             after[i] = after[i + 1] + deltas[i].bytes
-        # A path crosses every delta after its start: it may start no earlier than the last refused one.
+        # A path crosses every delta after its start: it may start no earlier than the last refused one,
+        # and one that starts before the last missing one comes last (the file may yet appear).
         floor = max((d.step for d in deltas if self._refused(d)), default=-1)
+        self._missing &= {(f, e.bytes) for e in head.entries for f in e.files}  # what may still matter
+        gap = max((d.step for d in deltas if self._absent(d)), default=-1)
         starts: list[tuple[Entry | None, int]]
         starts = [(a, a.step) for a in head.anchors if floor <= a.step <= goal and not self._refused(a)]
         here = fingerprint.format_fingerprint(self.fingerprint)
@@ -288,7 +292,12 @@ class Subscriber:
         best = None
         for start, since in starts:
             i = bisect.bisect_right(steps, since)
-            cost = ((start.bytes if start else 0) + after[i], len(deltas) - i + (start is not None))
+            crosses_gap = since < gap or (start is not None and self._absent(start))
+            cost = (
+                crosses_gap,
+                (start.bytes if start else 0) + after[i],
+                len(deltas) - i + (start is not None),
+            )
             if best is None or cost < best[0]:
                 best = (cost, start, i)
         if best is None:
@@ -300,6 +309,9 @@ class Subscriber:
 
     def _refused(self, entry: Entry) -> bool:
         return any((f, entry.bytes) in self._bad for f in entry.files)
+
+    def _absent(self, entry: Entry) -> bool:
+        return any((f, entry.bytes) in self._missing for f in entry.files)
 
     # ------------------------------------------------------------------------------------------ applying
 
@@ -329,11 +341,15 @@ class Subscriber:
                     state = read_anchor(local, self.run, entry.step, entry.fingerprint, self.threads)
                 else:
                     state, patch = None, self._decode(parts, entry, decoded)
+            except FileNotFoundError:  # planned around from now on, while another path exists
+                self._missing.update((f, entry.bytes) for f in entry.files)
+                raise
             except ValueError as e:  # PatchError, AnchorError, TooLargeError, a size mismatch: not this file
                 self._bad.update((f, entry.bytes) for f in entry.files)
                 self._refusal = _bounded(f"{entry.kind} of step {entry.step}: {e}")
                 self._report_refused(entry, head, str(e))
                 raise SyncError(f"refused {self._refusal}") from None
+        self._missing.difference_update((f, entry.bytes) for f in entry.files)
         pause_s = self._write(entry, state, patch)
         if patch is None:
             self.state = state

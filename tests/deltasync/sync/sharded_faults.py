@@ -80,8 +80,10 @@ def shard(t: torch.Tensor, mesh) -> DTensor:
 
 def run_case(root: Path, point: str, fault_rank: int, mesh) -> str:
     rank = dist.get_rank()
-    full = {n: 0.05 * torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, (n, s) in
-            enumerate(SHAPES.items())}
+    full = {
+        n: 0.05 * torch.randn(s, generator=torch.Generator().manual_seed(i))
+        for i, (n, s) in enumerate(SHAPES.items())
+    }
     publisher = sharded.ShardedPublisher(root, "faults", PublisherConfig(threads=1, anchor_every=3))
     states, errors, heads_ok = [], [], True
     for step in range(STEPS):
