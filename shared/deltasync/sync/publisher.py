@@ -210,7 +210,7 @@ class Publisher:
         self._worker.flush(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Publish what is pending, then stop the worker and let the next writer in. Later publish() raises."""
+        """Publish what is pending, stop the worker and let the next writer in; publish() then raises."""
         stopped = False
         try:
             stopped = self._worker.close(timeout)

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from deltasync import telemetry
 from deltasync.codec import fingerprint
+from deltasync.codec.changes import TensorChanges
 from deltasync.codec.patch import Patch, encode, window_changes
 from deltasync.storage import Storage, open_storage, retry
 from deltasync.sync.protocol import delta_paths
@@ -157,7 +158,8 @@ class ShardedPublisher:
                 if part is not None:  # (a clone even of a bf16 host shard: the optimizer changes it in place)
                     copies[name] = (part[0].to(torch.bfloat16, copy=True).cpu().reshape(-1), part[1])
         except BaseException as e:
-            self._worker.submit(lambda _: _Step({}, {}, _problem(e)), wait=True)
+            refused = _Step({}, {}, _problem(e))
+            self._worker.submit(lambda _: refused, wait=True)
             raise
         self._worker.submit(lambda _: _Step(copies, dict(info or {})), wait=True)
         self.blocked_s = time.perf_counter() - start
@@ -215,7 +217,8 @@ class ShardedPublisher:
             for name, (copy, offset) in copies.items()
             if copy.numel() != math.prod(self.shapes[name])
         }
-        changes, moved, problem = {}, 0, None
+        changes: dict[str, TensorChanges] = {}
+        moved, problem = 0, None
         try:
             changes, moved = window_changes(old, new, windows, self.config.threads)
         except Exception as e:

@@ -63,7 +63,7 @@ class Worker(Generic[J]):
             return job
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every job handed over has run; raises the thread's error, TimeoutError after `timeout`."""
+        """Wait until every job handed over has run; raises the thread's error (TimeoutError: `timeout`)."""
         with self.lock:
             done = self.lock.wait_for(
                 lambda: self.error is not None or not (self._pending is not None or self._busy), timeout
