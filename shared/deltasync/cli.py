@@ -203,8 +203,13 @@ EXAMPLES = {
 COMPILES = ("diff", "apply", "push", "pull", "follow")  # the commands that run the codec's kernels
 
 
+STOP_GRACE_S = 2.0  # after SIGINT or SIGTERM, a call to the server still in flight is abandoned after this
+
+
 def cmd_follow(args: argparse.Namespace) -> None:
-    """Follow ROOT into the vLLM server at --vllm-url until SIGINT or SIGTERM (deltasync.vllm.follower)."""
+    """Follow ROOT into the vLLM server at --vllm-url until SIGINT or SIGTERM (deltasync.vllm.follower).
+    The follower runs on a thread of its own, so that a stop is obeyed at once even while a call to a server
+    that is starting or stalled waits for its answer."""
     import logging
     import os
     import signal
@@ -216,8 +221,38 @@ def cmd_follow(args: argparse.Namespace) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    engine = HttpEngine(args.vllm_url, os.environ.get("VLLM_API_KEY"))
-    follow(args.root, engine, stop, replica=args.replica, poll_s=args.poll_s, verify_every=args.verify_every)
+    engine = HttpEngine(args.vllm_url, os.environ.get("VLLM_API_KEY"), stop=stop)
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            follow(
+                args.root,
+                engine,
+                stop,
+                replica=args.replica,
+                poll_s=args.poll_s,
+                verify_every=args.verify_every,
+            )
+        except BaseException as e:  # told by the main thread, unless it was stopped
+            failure.append(e)
+
+    thread = threading.Thread(target=run, name="deltasync-follow", daemon=True)
+    thread.start()
+    while thread.is_alive() and not stop.wait(0.2):
+        pass
+    thread.join(STOP_GRACE_S)
+    if failure and not stop.is_set():
+        raise failure[0]
+
+
+def replica_id(text: str) -> str:
+    """--replica, checked before anything starts."""
+    from deltasync.telemetry import REPLICA_ID
+
+    if not REPLICA_ID.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} must match {REPLICA_ID.pattern}")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -316,7 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the server (started with VLLM_SERVER_DEV_MODE=1, on a private address; "
         "VLLM_API_KEY is sent if set)",
     )
-    p.add_argument("--replica", help="replica id for the telemetry it writes to ROOT (default: none written)")
+    p.add_argument(
+        "--replica",
+        type=replica_id,
+        help="replica id for the telemetry it writes to ROOT (default: none written)",
+    )
     p.add_argument("--poll-s", type=float, default=1.0, help="seconds between polls of the head (default 1)")
     p.add_argument(
         "--verify-every",
