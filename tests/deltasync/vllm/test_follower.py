@@ -201,9 +201,8 @@ def answering(status: int, body: bytes):
 )
 def test_a_failed_start_says_what_to_do_and_leaves_no_folder(tmp_path, monkeypatch, status, body, problem):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    with answering(status, body) as url:
-        with pytest.raises(WriteRefused, match=problem):
-            EngineApplier(HttpEngine(url), str(tmp_path / "root"))
+    with answering(status, body) as url, pytest.raises(WriteRefused, match=problem):
+        EngineApplier(HttpEngine(url), str(tmp_path / "root"))
     assert not list(tmp_path.glob("deltasync-follow-*"))
 
 
