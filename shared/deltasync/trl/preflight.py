@@ -10,9 +10,11 @@ with status 2.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -27,7 +29,8 @@ from deltasync.trl.checkpoint import checkpoint_converter
 
 log = logging.getLogger(__name__)
 TOKEN_ENV = "INFERENCE_API_TOKEN"
-TIMEOUT_S = 15.0
+TIMEOUT_S = 15.0  # for each whole request, however slowly its answer trickles in
+MAX_ANSWER_BYTES = 1 << 20
 PROBE_PREFIX = "preflight-"
 
 
@@ -106,9 +109,15 @@ def _check_replica(url: str, model_name: str, schema: Mapping[str, Sequence[int]
     body, problem = _get(f"{url}/v1/models", "inference server")
     if problem:
         return problem
-    served = [m.get("id") for m in body.get("data", [])] if isinstance(body, dict) else []
+    models = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(models, list):
+        return f"inference server {redact(url)}/v1/models lists no models: {str(body)[:80]}"
+    served = [m.get("id") for m in models if isinstance(m, dict)]
     if model_name not in served:
-        return f"inference server {redact(url)} serves {served}, not {model_name}"
+        return (
+            f"inference server {redact(url)} serves {served}, not {model_name} (names must match exactly: "
+            f"start it with --served-model-name {model_name})"
+        )
     status, problem = _get(f"{url}/weights", "inference server", optional=True)
     if problem:
         return problem
@@ -129,16 +138,24 @@ def _check_replica(url: str, model_name: str, schema: Mapping[str, Sequence[int]
 def _get(url: str, what: str, optional: bool = False) -> tuple[object, str | None]:
     token = os.environ.get(TOKEN_ENV) if what == "inference server" else None
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    deadline = time.monotonic() + TIMEOUT_S
+    body = bytearray()
     try:
-        r = requests.get(url, headers=headers, timeout=TIMEOUT_S)
+        with requests.get(url, headers=headers, timeout=TIMEOUT_S, stream=True) as r:
+            if optional and r.status_code == 404:
+                return None, None
+            if not r.ok:
+                return None, f"{what} {redact(url)} answers HTTP {r.status_code}"
+            for chunk in r.iter_content(1 << 16):  # each read waits up to TIMEOUT_S; the whole, no longer
+                body += chunk
+                if time.monotonic() > deadline:
+                    return None, f"{what} {redact(url)} does not answer within {TIMEOUT_S:g} s"
+                if len(body) > MAX_ANSWER_BYTES:
+                    return None, f"{what} {redact(url)} answers more than {MAX_ANSWER_BYTES} bytes"
     except requests.RequestException as e:
         return None, f"{what} {redact(url)} does not answer: {type(e).__name__}"
-    if optional and r.status_code == 404:
-        return None, None
-    if not r.ok:
-        return None, f"{what} {redact(url)} answers HTTP {r.status_code}"
     try:
-        return r.json(), None
+        return json.loads(body), None
     except ValueError:
         return None, None if what == "environment" else f"{what} {redact(url)} answers no JSON"
 
