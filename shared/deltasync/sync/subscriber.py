@@ -324,10 +324,11 @@ class Subscriber:
                 decoded = None  # a delta decoded while its head was awaited
                 if entry.kind == "delta":  # a read per part, no stat: each at most what the size leaves
                     parts, decoded = self._prefetched(entry)
-                    for path in entry.files[len(parts) :]:
-                        left = entry.bytes - sum(map(len, parts))
-                        parts.append(self._retry(lambda p=path, n=left: self.storage.read_bytes(p, n)))
                     size = sum(map(len, parts))
+                    for path in entry.files[len(parts) :]:
+                        left = entry.bytes - size
+                        parts.append(self._retry(lambda p=path, n=left: self.storage.read_bytes(p, n)))
+                        size += len(parts[-1])
                 else:
                     for path, dest in zip(entry.files, local, strict=True):  # each at most the entry's size
                         self._retry(lambda p=path, d=dest: self.storage.download_file(p, d, entry.bytes))

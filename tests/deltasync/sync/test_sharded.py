@@ -212,3 +212,38 @@ def test_a_head_lists_every_part_of_a_step_in_order(tmp_path):
         entry["files"] = files
         with pytest.raises(ManifestError, match="are not where a delta of step 1 lives"):
             Head.from_json(json.dumps(raw).encode())
+
+
+class Counted(bytes):
+    """Bytes that count how often their length is asked for."""
+
+    lengths = 0
+
+    def __len__(self):
+        Counted.lengths += 1
+        return super().__len__()
+
+
+def test_a_step_in_many_parts_is_read_in_time_linear_in_its_parts(tmp_path, monkeypatch):
+    """The parts' lengths are added up once each, not once per part read (quadratic at thousands of parts),
+    counted rather than timed."""
+    spans = [(64 * i, 64 * (i + 1)) for i in range(256)]
+    params = make_params()
+    with Publisher(tmp_path, "tiny") as publisher:
+        publisher.publish(params, step=0)
+        old = bf16(params)
+        train_step(params, 1, density=0.05)
+        parts = window_parts(old, bf16(params), spans, step=1, base_step=0)
+        paths = delta_paths(1, len(parts), publisher.claim.tag)
+        for path, data in zip(paths, parts, strict=True):
+            publisher.storage.write_bytes(path, data)
+        changed = sum(read_info(data).changed for data in parts)
+        fp = read_info(parts[-1]).fingerprint
+        publisher.publish_stored(StoredDelta(tuple(paths), sum(map(len, parts)), changed, fp), 1)
+    reader = Subscriber(tmp_path)
+    reader.sync(0)
+    read = reader.storage.read_bytes
+    monkeypatch.setattr(reader.storage, "read_bytes", lambda *a, **k: Counted(read(*a, **k)))
+    reader.sync()
+    assert_bitwise_equal(reader.state, bf16(params))
+    assert Counted.lengths < 20 * len(parts), Counted.lengths
