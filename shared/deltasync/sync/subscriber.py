@@ -35,7 +35,7 @@ from deltasync import telemetry
 from deltasync.codec import fingerprint
 from deltasync.codec.changes import TensorChanges, apply_changes
 from deltasync.codec.patch import Patch, PatchError, decode, decode_parts, read_info
-from deltasync.storage import Storage, TransientStorageError, open_storage, retry
+from deltasync.storage import Storage, TooLargeError, TransientStorageError, open_storage, retry
 from deltasync.sync.anchor import read_anchor
 from deltasync.sync.protocol import (
     HEAD_PATH,
@@ -124,9 +124,10 @@ class Ahead:
     base: int
 
 
-def _missing(read: Future[Ahead]) -> bool:
-    """Whether a finished read found nothing (or failed): worth asking again at the next poll."""
-    return read.done() and read.exception() is not None
+def _ask_again(read: Future[Ahead]) -> bool:
+    """Whether a finished read found nothing yet (or failed transiently): worth asking again at the next
+    poll. A refused read (an object over the limit) is not repeated."""
+    return read.done() and isinstance(read.exception(), (FileNotFoundError, TransientStorageError))
 
 
 def _bf16_flat(t: torch.Tensor) -> bool:
@@ -387,7 +388,7 @@ class Subscriber:
             return
         parsed = parse_data_path(head.entries[-1].files[0])  # the head's writer names its next step alike
         path = delta_path(head.step + 1, parsed[2] if parsed else "")
-        if self._ahead is not None and self._ahead[0] == path and not _missing(self._ahead[1]):
+        if self._ahead is not None and self._ahead[0] == path and not _ask_again(self._ahead[1]):
             return
         limit = 6 * run.numel + 512 * len(run.schema) + (1 << 20)  # a raw patch of every element, at most
         # Decoding allocates per claimed change: ahead of the head, only as many as recent steps changed.
@@ -398,25 +399,30 @@ class Subscriber:
         def read() -> None:
             try:
                 data = self.storage.read_bytes(path, limit)
+                future.set_result(self._decode_ahead(data, state, base, most))
             except BaseException as e:  # the normal read after the head names it reports what went wrong
+                if not isinstance(e, (OSError, TransientStorageError, TooLargeError)):
+                    log.exception("reading %s ahead failed", path)  # a bug: not a refused file
                 future.set_exception(e)
-                return
-            future.set_result(Ahead(data, self._decode_ahead(data, state, base, most), state, base))
 
         threading.Thread(target=read, name="deltasync-prefetch", daemon=True).start()
         self._ahead = (path, future)
 
     def _decode_ahead(
         self, data: bytes, state: dict[str, torch.Tensor] | None, base: int, most: int
-    ) -> Patch | None:
-        """`data` decoded against `state` before any head names it, or None; errors are left to the
-        decoding once a head names the file."""
+    ) -> Ahead:
+        """`data` and, where it can be, its decoding against `state` before any head names it. Bytes that
+        are no patch are not kept (a head naming them gets them read again, and refused); a patch that does
+        not decode is left to the decoding once a head names it."""
         try:
-            if state is None or not 0 < read_info(data).changed <= most:
-                return None
-            return decode(data, state, base, self.threads)
-        except Exception:
-            return None
+            changed = read_info(data).changed
+        except PatchError:
+            return Ahead(b"", None, state, base)
+        try:
+            patch = decode(data, state, base, self.threads) if state and 0 < changed <= most else None
+        except PatchError:
+            patch = None
+        return Ahead(data, patch, state, base)
 
     def _prefetched(self, entry: Entry) -> tuple[list[bytes], Patch | None]:
         """The prefetched bytes of `entry`'s single file if they are its listed size (else none), and their

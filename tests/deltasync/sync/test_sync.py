@@ -1,5 +1,6 @@
 """The sync protocol end to end: Publisher -> storage -> Subscriber, with faults."""
 
+import collections
 import json
 import os
 import random
@@ -22,7 +23,16 @@ from deltasync.sync import subscriber as subscriber_module
 from deltasync.sync.gc import collect_garbage
 from deltasync.sync.publisher import Publisher, PublisherConfig
 from deltasync.sync.subscriber import Subscriber, SyncError, TensorsApplier
-from tests.helpers import SHAPES, bf16, bitwise_equal, delta_file, make_params, run_steps, train_step
+from tests.helpers import (
+    SHAPES,
+    bf16,
+    bitwise_equal,
+    delta_file,
+    make_params,
+    run_steps,
+    train_step,
+    wait_for,
+)
 
 
 class Flaky(Storage):
@@ -499,3 +509,36 @@ def test_planning_is_linear_in_the_head(tmp_path):
     reader._bad.add((head.entries[-4].files[0], 10))  # delta n - 1 refused: only anchor n - 1 + delta n
     assert [(e.kind, e.step) for e in reader._plan(head, n)] == [("anchor", n - 1), ("delta", n)]
     assert CountingSet.lookups < 5 * 4 * len(entries)  # five plans, each a few lookups per entry
+
+
+class Counting(LocalStorage):
+    """A folder that counts the reads asked of it, by path (refused ones too)."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.asked: collections.Counter[str] = collections.Counter()
+
+    def read_bytes(self, path, limit=None):
+        self.asked[path] += 1
+        return super().read_bytes(path, limit)
+
+
+@pytest.mark.parametrize("foreign", ["too large", "not a patch"])
+def test_a_refused_read_ahead_is_remembered(tmp_path, foreign):
+    """A foreign object where the next delta would go: one over the read-ahead's limit is asked for once,
+    not at every poll; bytes that are no patch are not held until the head moves."""
+    run_steps(tmp_path, 2)
+    storage = Counting(tmp_path)
+    subscriber = Subscriber(storage)
+    subscriber.sync()
+    tag = protocol.parse_data_path(subscriber.head.entries[-1].files[0])[2]
+    predicted = protocol.delta_path(2, tag)
+    run = subscriber.run
+    limit = 6 * run.numel + 512 * len(run.schema) + (1 << 20)
+    (tmp_path / predicted).write_bytes(b"\0" * (limit + 1) if foreign == "too large" else b"not a patch")
+    for _ in range(10):
+        subscriber.sync()
+        wait_for(lambda: subscriber._ahead[1].done(), "the read ahead")
+    assert storage.asked[predicted] == 1
+    if foreign == "not a patch":
+        assert subscriber._ahead[1].result().data == b""
