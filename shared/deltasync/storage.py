@@ -161,12 +161,13 @@ def _through_symlink(root: Path, path: str) -> bool:
 
 def open_regular(file: str | os.PathLike) -> BinaryIO:
     """`file` opened for reading; TooLargeError if it is not a regular file: reading a FIFO would wait for a
-    writer, reading /dev/zero (or a symlink to it) would never end. Opening a FIFO does not wait."""
-    f = open(os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb")  # noqa: SIM115 (returned)
-    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-        f.close()
+    writer, reading /dev/zero (or a symlink to it) would never end, a folder is no file. Opening a FIFO does
+    not wait."""
+    fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # checked before open(), which names a folder by its fd
+        os.close(fd)
         raise TooLargeError(f"{file} is not a regular file")
-    return f
+    return open(fd, "rb")  # noqa: SIM115 (returned)
 
 
 def _file_size(path: Path) -> int | None:
@@ -307,15 +308,10 @@ class LocalStorage(Storage):
         self.url = str(self.root)
 
     def _read_bytes(self, path: str, limit: int | None) -> bytes:
-        if limit is None:
-            return (self.root / path).read_bytes()
-        # O_NONBLOCK: opening a FIFO planted at `path` must not wait for a writer; it is then refused.
-        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
-        with open(os.open(self.root / path, flags), "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise TooLargeError(f"{self.url}: {path} is not a regular file")
-            self._refuse_over(path, st.st_size, limit)
+        with open_regular(self.root / path) as f:  # a FIFO, device or folder planted at `path` is refused
+            if limit is None:
+                return f.read()
+            self._refuse_over(path, os.fstat(f.fileno()).st_size, limit)
             return f.read(limit + 1)  # bounded if it grew meanwhile
 
     def _write_bytes(self, path: str, data: bytes) -> None:

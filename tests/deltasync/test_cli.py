@@ -209,3 +209,16 @@ def test_a_tensor_in_two_checkpoint_files_is_refused_naming_both(tmp_path, capsy
         in err
     )
     assert not (tmp_path / "root" / "heads").exists()
+
+
+def test_a_folder_where_a_file_belongs_is_named_and_refused(tmp_path, capsys):
+    folder = tmp_path / "patch"
+    folder.mkdir()
+    assert cli.main(["inspect", str(folder)]) == 1
+    assert capsys.readouterr().err == f"deltasync inspect: error: {folder} is not a regular file\n"
+    root = tmp_path / "root"
+    (root / "heads" / "latest.json").mkdir(parents=True)
+    assert cli.main(["pull", str(root), "-o", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{root / 'heads' / 'latest.json'} is not a regular file" in err, err
+    assert "storage keeps failing" not in err  # refused, not retried as a transient failure
