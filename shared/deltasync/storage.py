@@ -167,7 +167,7 @@ def open_regular(file: str | os.PathLike) -> BinaryIO:
     if not stat.S_ISREG(os.fstat(fd).st_mode):  # checked before open(), which names a folder by its fd
         os.close(fd)
         raise TooLargeError(f"{file} is not a regular file")
-    return open(fd, "rb")  # noqa: SIM115 (returned)
+    return open(fd, "rb")
 
 
 def _file_size(path: Path) -> int | None:
