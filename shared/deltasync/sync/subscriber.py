@@ -167,7 +167,6 @@ class Subscriber:
         backoff_s: float = 0.5,
         verify_every: int = 10,
         threads: int | None = None,
-        prefetch: bool = True,
     ):
         if replica is not None and not telemetry.REPLICA_ID.fullmatch(replica):
             raise ValueError(f"replica id {replica!r} must match {telemetry.REPLICA_ID.pattern}")
@@ -175,7 +174,6 @@ class Subscriber:
         self.applier, self.replica = applier, replica
         self.retries, self.backoff_s, self.verify_every = retries, backoff_s, verify_every
         self.threads = threads  # codec threads; None: every core this process may run on
-        self.prefetch = prefetch
         self._ahead: tuple[str, Future[Ahead]] | None = None  # the next delta's path and its read
         self.run: RunInfo | None = None
         self.head: Head | None = None
@@ -214,13 +212,17 @@ class Subscriber:
         on_applied: Callable[[Applied], None] | None = None,
     ) -> None:
         """Poll every `interval` seconds until `stop` is set; errors are logged and kept in `last_error`.
-        `on_applied` is called for each step applied; its errors are logged and skip nothing else."""
+        `on_applied` is called for each step applied; its errors are logged and skip nothing else. An error
+        that repeats poll after poll (no run yet, a path still missing) is logged once, then quietly."""
+        said = None
         while not stop.is_set():
             try:
                 applied = self.sync()
+                said = None
             except SyncError as e:  # the next poll tries again
-                log.warning("sync: %s", _bounded(str(e)))
-                applied = []
+                message = _bounded(str(e))
+                log.log(logging.DEBUG if message == said else logging.WARNING, "sync: %s", message)
+                applied, said = [], message
             for a in applied:
                 try:
                     if on_applied is not None:
@@ -382,7 +384,7 @@ class Subscriber:
         """Start reading the delta that would follow the head step, in the background, if this subscriber
         is at the head and that read is not already under way or done."""
         head, run = self.head, self.run
-        if not self.prefetch or head is None or run is None or self.step != head.step:
+        if head is None or run is None or self.step != head.step:
             return
         if head.deltas and len(head.deltas[-1].files) > 1:  # a sharded writer: its next step comes in parts
             return

@@ -2,6 +2,7 @@
 
 import collections
 import json
+import logging
 import os
 import random
 import signal
@@ -542,3 +543,17 @@ def test_a_refused_read_ahead_is_remembered(tmp_path, foreign):
     assert storage.asked[predicted] == 1
     if foreign == "not a patch":
         assert subscriber._ahead[1].result().data == b""
+
+
+def test_a_repeated_sync_error_is_logged_once(tmp_path, caplog):
+    """Following an empty root says "no run yet" once, then quietly, however many polls it makes."""
+    storage = Counting(tmp_path)
+    subscriber, stop = Subscriber(storage), threading.Event()
+    caplog.set_level(logging.DEBUG, logger=subscriber_module.__name__)
+    thread = threading.Thread(target=subscriber.follow, args=(stop, 0.001))
+    thread.start()
+    wait_for(lambda: storage.asked[protocol.HEAD_PATH] >= 5, "five polls")
+    stop.set()
+    thread.join()
+    said = [r for r in caplog.records if "no run in" in r.getMessage()]
+    assert [r.levelno for r in said][:5] == [logging.WARNING] + [logging.DEBUG] * 4
