@@ -4,6 +4,7 @@ Layout (every patch is a valid safetensors file; the header's `__metadata__` hol
 
     format            "deltasync.patch"            version   "2"
     encoding          "compact" | "raw"
+    dtype             "bf16": the weights' (optional: a patch without it is bf16; readers refuse any other)
     step, base_step   the state this patch produces, and the one it applies to
     numel, changed    elements in the whole model, elements this patch changes
     schema            16 hex digits: hash of every tensor's name and shape in the model (see schema_hash)
@@ -39,7 +40,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from deltasync.codec import compact, fingerprint
-from deltasync.codec.bf16 import bits
+from deltasync.codec.bf16 import DTYPE, bits
 from deltasync.codec.changes import TensorChanges, diff, diff_and_moves
 from deltasync.codec.parallel import parallel_map, spans
 
@@ -231,6 +232,7 @@ def encode(
         "format": FORMAT,
         "version": VERSION,
         "encoding": encoding,
+        "dtype": DTYPE,
         "step": str(patch.step),
         "base_step": str(patch.base_step),
         "numel": str(patch.numel),
@@ -353,6 +355,8 @@ def read_info(data: bytes) -> PatchInfo:
         raise PatchError(f"patch format version {meta.get('version')!r}, this reader understands {VERSION!r}")
     if meta.get("encoding") not in ENCODINGS:
         raise PatchError(f"unknown encoding {meta.get('encoding')!r}")
+    if meta.get("dtype", DTYPE) != DTYPE:
+        raise PatchError(f"weights are {meta.get('dtype')!r:.40}; this reader handles {DTYPE} only")
     try:
         tensors = _tensor_list(meta, header, data[8 + header_len :])
         info = PatchInfo(

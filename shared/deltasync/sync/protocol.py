@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from deltasync.codec.bf16 import DTYPE as WEIGHT_DTYPE
 from deltasync.storage import Storage, TooLargeError, check_path
 
 FORMAT_VERSION = 1
@@ -175,6 +176,7 @@ class RunInfo:
 
     model: str
     schema: dict[str, list[int]]  # HF name -> shape, in the trainer's order
+    dtype: str = WEIGHT_DTYPE  # of every weight (the seam another dtype, FP8, would use)
 
     @classmethod
     def of(cls, model: str, state: Mapping[str, torch.Tensor]) -> RunInfo:
@@ -197,12 +199,17 @@ class RunInfo:
     def from_json(cls, data: bytes) -> RunInfo:
         raw = _load(data, RUN_PATH)
         model = _field(raw, "model", str, RUN_PATH)
+        dtype = _field(raw, "dtype", str, RUN_PATH) if "dtype" in raw else WEIGHT_DTYPE  # (older runs)
+        if dtype != WEIGHT_DTYPE:
+            raise ManifestError(
+                f"{RUN_PATH}: weights are {dtype!r:.40}; this reader handles {WEIGHT_DTYPE} only"
+            )
         schema = _field(raw, "schema", dict, RUN_PATH)
         for name, shape in schema.items():
             problem = schema_problem(name, shape)
             if problem:
                 raise ManifestError(f"{RUN_PATH}: bad schema entry {name!r:.80}: {shape!r:.80}: {problem}")
-        return cls(model, schema)
+        return cls(model, schema, dtype)
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,16 @@
 """The publisher's background worker: whatever stops it reaches the caller, a closed publisher takes no step,
 and nothing is acknowledged that a reader would refuse."""
 
+import json
 import uuid
 
 import pytest
 import torch
 
 from deltasync.storage import LocalStorage, open_storage
-from deltasync.sync.protocol import HEAD_PATH, MAX_MANIFEST_BYTES, delta_paths, read_head
+from deltasync.sync.protocol import HEAD_PATH, MAX_MANIFEST_BYTES, RUN_PATH, delta_paths, read_head
 from deltasync.sync.publisher import Publisher, PublisherConfig, StoredDelta
-from deltasync.sync.subscriber import Subscriber
+from deltasync.sync.subscriber import Subscriber, SyncError
 from tests.helpers import make_params, run_steps, wait_for
 
 
@@ -83,3 +84,12 @@ def test_a_worker_that_raises_while_idle_stops_and_says_why():
         worker.submit(lambda _: 1)
     with pytest.raises(RuntimeError, match="boom"):
         worker.close(timeout=60)
+
+
+def test_run_json_records_the_weight_dtype_and_readers_refuse_another(tmp_path):
+    run_steps(tmp_path, 1)
+    run = json.loads((tmp_path / RUN_PATH).read_bytes())
+    assert run["dtype"] == "bf16"
+    (tmp_path / RUN_PATH).write_text(json.dumps(run | {"dtype": "f8_e4m3"}))
+    with pytest.raises(SyncError, match="run.json: weights are 'f8_e4m3'; this reader handles bf16 only"):
+        Subscriber(tmp_path).sync()
