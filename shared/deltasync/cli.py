@@ -17,6 +17,7 @@ import argparse
 import errno
 import json
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -29,6 +30,7 @@ from deltasync import __version__
 from deltasync.codec import patch as patches
 from deltasync.codec.bf16 import as_bf16
 from deltasync.codec.changes import SchemaError, apply_changes
+from deltasync.errors import EXPECTED
 from deltasync.storage import open_regular, open_storage, redact
 from deltasync.sync import protocol
 from deltasync.sync.anchor import ANCHOR_ENCODINGS
@@ -374,7 +376,10 @@ def main(argv: list[str] | None = None) -> int:
             open_storage(args.root).probe()  # unreachable: one line now, not after minutes of retries
         with compile_notice() if args.command in COMPILES else nullcontext():
             result = args.run(args)
-    except Exception as e:  # every failure, bad input or unreachable storage, is one line: no traceback
+    except Exception as e:  # every failure is one line; a bug also shows its traceback, above that line
+        if not isinstance(e, EXPECTED):
+            traceback.print_exc()
+            e = RuntimeError(f"bug: {type(e).__name__}: {e}")
         message = " ".join(str(e).split()) or type(e).__name__
         if isinstance(e, FileNotFoundError) and e.filename:
             message = f"{e.filename}: {e.strerror}"

@@ -37,6 +37,8 @@ from fsspec.implementations.local import LocalFileSystem
 from huggingface_hub import HfApi, get_session
 from huggingface_hub.errors import BucketNotFoundError, EntryNotFoundError
 
+from deltasync.errors import TooLargeError, TransientStorageError, WriterConflict
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -52,19 +54,6 @@ _CREDENTIALS = [
     (re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)\S*@"), r"\1***@"),
     (re.compile(r"hf_[A-Za-z0-9]{8,}"), "hf_***"),  # a Hub token anywhere
 ]
-
-
-class TransientStorageError(Exception):
-    """A storage call failed for a reason other than a missing object; the same call may succeed later."""
-
-
-class WriterConflict(RuntimeError):
-    """Another writer holds the sync root, or took it over: this one must not write (or acknowledge) there."""
-
-
-class TooLargeError(ValueError):
-    """An object larger than the reader's limit, or not a regular file (its size is unknown): hostile or
-    corrupt; retrying cannot help."""
 
 
 def redact(text: str) -> str:

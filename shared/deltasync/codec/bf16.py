@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-DTYPE = "bf16"  # the weight dtype run.json and every patch record; readers refuse any other
-
 
 def as_bf16(t: torch.Tensor) -> torch.Tensor:
     """`t` rounded to bf16 (round-to-nearest-even, what `.to(bfloat16)` does), flat and contiguous."""

@@ -28,8 +28,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from deltasync.codec.bf16 import DTYPE as WEIGHT_DTYPE
-from deltasync.storage import Storage, TooLargeError, check_path
+from deltasync.codec.header import DTYPE as WEIGHT_DTYPE
+from deltasync.errors import ManifestError, TooLargeError
+from deltasync.storage import Storage, check_path
 
 FORMAT_VERSION = 1
 RUN_PATH = "run.json"
@@ -42,10 +43,6 @@ _DATA_FILE = re.compile(
     rf"deltas/step-(\d{{8,}}){_TAG}(?:\.safetensors|/part-(\d{{5}})-of-(\d{{5}})\.safetensors)"
     rf"|anchors/step-(\d{{8,}}){_TAG}/model(?:-\d{{5}}-of-(\d{{5}}))?\.safetensors"
 )
-
-
-class ManifestError(ValueError):
-    """A run.json or head that is malformed or unsafe."""
 
 
 def _stem(step: int, tag: str) -> str:

@@ -43,6 +43,7 @@ from deltasync import telemetry
 from deltasync.codec import fingerprint
 from deltasync.codec.changes import TensorChanges
 from deltasync.codec.patch import Patch, encode, window_changes
+from deltasync.errors import EXPECTED
 from deltasync.storage import Storage, open_storage, retry
 from deltasync.sync.protocol import delta_paths
 from deltasync.sync.publisher import Publisher, PublisherConfig, StoredDelta
@@ -78,6 +79,9 @@ class _Step:
 
 
 def _problem(error: BaseException) -> str:
+    """`error` in one line for the other ranks; a bug is also logged here, with its traceback."""
+    if not isinstance(error, EXPECTED):
+        log.error("sharded publishing failed on a bug", exc_info=error)
     return f"{type(error).__name__}: {error}"
 
 

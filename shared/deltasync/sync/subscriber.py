@@ -34,7 +34,8 @@ import torch
 from deltasync import telemetry
 from deltasync.codec import fingerprint
 from deltasync.codec.changes import TensorChanges, apply_changes
-from deltasync.codec.patch import Patch, PatchError, decode, decode_parts, read_info
+from deltasync.codec.patch import Patch, decode, decode_parts, read_info
+from deltasync.errors import DeltasyncError, PatchError, Refused
 from deltasync.storage import Storage, TooLargeError, TransientStorageError, open_storage, retry
 from deltasync.sync.anchor import read_anchor
 from deltasync.sync.protocol import (
@@ -58,7 +59,7 @@ def _bounded(text: str) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
 
 
-class SyncError(RuntimeError):
+class SyncError(DeltasyncError, RuntimeError):
     """Sync could not reach the requested step; the target still holds the last verified step (or nothing)."""
 
 
@@ -187,6 +188,7 @@ class Subscriber:
         self._bad: set[tuple[str, int]] = set()  # (file, bytes) that failed verification
         self._missing: set[tuple[str, int]] = set()  # (file, bytes) absent though a head named them
         self._unverified_deltas = 0
+        self.bugs = 0  # sync() failures that were no refusal, storage failure or applier refusal (logged)
 
     # ---------------------------------------------------------------------------------------------- API
 
@@ -199,8 +201,10 @@ class Subscriber:
         except SyncError as e:
             self.last_error = _bounded(str(e))
             raise
-        except Exception as e:  # a poll must never kill its caller's thread: report it as a sync failure
-            self.last_error = _bounded(f"{type(e).__name__}: {e}")
+        except Exception as e:  # a bug: never a bad file, and a poll must never kill its caller's thread
+            log.exception("sync of %s failed on a bug", self.storage.url)
+            self.bugs += 1
+            self.last_error = _bounded(f"bug: {type(e).__name__}: {e}")
             raise SyncError(self.last_error) from e
         self.last_error = None
         return applied
@@ -337,7 +341,7 @@ class Subscriber:
                         self._retry(lambda p=path, d=dest: self.storage.download_file(p, d, entry.bytes))
                     size = sum(f.stat().st_size for f in local)
                 if size != entry.bytes:
-                    raise ValueError(f"its files hold {size} bytes, the head lists {entry.bytes}")
+                    raise Refused(f"its files hold {size} bytes, the head lists {entry.bytes}")
                 download_s = time.perf_counter() - start
                 apply_start = time.perf_counter()  # apply_s: decode, verify and write
                 if entry.kind == "anchor":
@@ -348,7 +352,7 @@ class Subscriber:
             except FileNotFoundError:  # planned around from now on, while another path exists
                 self._missing.update((f, entry.bytes) for f in entry.files)
                 raise
-            except ValueError as e:  # PatchError, AnchorError, TooLargeError, a size mismatch: not this file
+            except Refused as e:  # PatchError, AnchorError, TooLargeError, a size mismatch: not this file
                 self._bad.update((f, entry.bytes) for f in entry.files)
                 self._refusal = _bounded(f"{entry.kind} of step {entry.step}: {e}")
                 self._report_refused(entry, head, str(e))
@@ -481,6 +485,7 @@ class Subscriber:
         if self.applier is None or (entry.kind == "delta" and self._unverified_deltas < self.verify_every):
             return
         self._unverified_deltas = 0
+        self.bugs = 0  # sync() failures that were no refusal, storage failure or applier refusal (logged)
         actual = self.applier.fingerprint()
         if actual is not None and actual != self.fingerprint:
             self.step = None

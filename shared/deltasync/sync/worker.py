@@ -13,12 +13,10 @@ import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from deltasync.errors import Stopped
+
 log = logging.getLogger(__name__)
 J = TypeVar("J")
-
-
-class WorkerClosed(RuntimeError):
-    """The worker was closed: it takes no more jobs."""
 
 
 class Worker(Generic[J]):
@@ -45,13 +43,13 @@ class Worker(Generic[J]):
     def submit(self, make: Callable[[J | None], J], wait: bool = False) -> None:
         """Set the pending job to `make(pending)` (the job not taken yet, or None), under the lock: the thread
         takes it whole. `wait`: first wait until the thread has taken the pending job. Raises the thread's
-        error, or WorkerClosed after `close`."""
+        error, or Stopped after `close`."""
         with self.lock:
             if wait:
                 self.lock.wait_for(lambda: self.error is not None or self._pending is None)
             self.raise_if_failed()
             if self._closed:
-                raise WorkerClosed(f"{self.what} is closed")
+                raise Stopped(f"{self.what} is closed")
             self._pending = make(self._pending)
             self.lock.notify_all()
 
@@ -85,7 +83,7 @@ class Worker(Generic[J]):
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
-            raise RuntimeError(f"{self.what} failed: {self.error}") from self.error
+            raise Stopped(f"{self.what} failed: {self.error}") from self.error
 
     def _loop(self) -> None:
         while self.error is None:

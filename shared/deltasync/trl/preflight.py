@@ -23,6 +23,7 @@ import requests
 import torch
 
 from deltasync.codec.patch import schema_hash
+from deltasync.errors import EXPECTED
 from deltasync.storage import Storage, open_storage, redact
 from deltasync.sync.protocol import HEAD_PATH, RUN_PATH, read_head, read_run
 from deltasync.trl.checkpoint import checkpoint_converter
@@ -60,12 +61,12 @@ def preflight(
     try:
         storage.probe()
         stored = storage.sizes([RUN_PATH, HEAD_PATH])
-    except Exception as e:
+    except EXPECTED as e:
         return f"sync root {where} cannot be read: {_reason(e)}"
     if stored[RUN_PATH] is not None:
         try:
             run = read_run(storage)
-        except Exception as e:
+        except EXPECTED as e:
             return f"sync root {where}: {RUN_PATH} cannot be read: {_reason(e)}"
         mismatch = _schema_mismatch(run.schema, schema)
         if mismatch:
@@ -73,7 +74,7 @@ def preflight(
         if stored[HEAD_PATH] is not None:
             try:
                 log.info("sync root %s: continuing its run at step %d", where, read_head(storage).step)
-            except Exception as e:
+            except EXPECTED as e:
                 return f"sync root {where}: {HEAD_PATH} cannot be read: {_reason(e)}"
     for url in replica_urls:
         problem = _check_replica(url.rstrip("/"), model_name, schema)
@@ -86,11 +87,11 @@ def preflight(
     probe = f"{PROBE_PREFIX}{uuid.uuid4().hex}.json"
     try:
         storage.write_bytes(probe, b"{}")
-    except Exception as e:
+    except EXPECTED as e:
         return f"sync root {where} is not writable: {_reason(e)}"
     try:
         storage.delete([probe])
-    except Exception as e:
+    except EXPECTED as e:
         return f"sync root {where}: could not delete the write check {probe}: {_reason(e)}"
     return None
 

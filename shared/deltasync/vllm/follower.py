@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from deltasync.codec.changes import TensorChanges
 from deltasync.codec.fingerprint import format_fingerprint
 from deltasync.codec.patch import raw_entries
+from deltasync.errors import DeltasyncError
 from deltasync.sync.anchor import shard
 from deltasync.sync.subscriber import Applied, Applier, Subscriber
 
@@ -51,7 +52,7 @@ DEV_MODE_HINT = (
 )
 
 
-class WriteRefused(RuntimeError):
+class WriteRefused(DeltasyncError, RuntimeError):
     """The server refused an update (its reason is the message). Unless `EngineApplier.stuck`, it wrote
     nothing."""
 

@@ -557,3 +557,23 @@ def test_a_repeated_sync_error_is_logged_once(tmp_path, caplog):
     thread.join()
     said = [r for r in caplog.records if "no run in" in r.getMessage()]
     assert [r.levelno for r in said][:5] == [logging.WARNING] + [logging.DEBUG] * 4
+
+
+def test_a_bug_while_decoding_is_a_bug_not_a_bad_file(tmp_path, monkeypatch, caplog):
+    """numpy raises ValueError too: a programming error in decoding is logged with its traceback and counted,
+    and the file is not refused (the next sync applies it)."""
+    states = run_steps(tmp_path, 3)
+    subscriber = Subscriber(tmp_path)
+    subscriber.sync(1)
+
+    def broken(*args):
+        raise ValueError("operands could not be broadcast together")
+
+    monkeypatch.setattr(subscriber_module, "decode", broken)
+    with pytest.raises(SyncError, match="bug: ValueError: operands could not be broadcast"):
+        subscriber.sync()
+    assert subscriber.bugs == 1
+    assert any(r.exc_info and "bug" in r.getMessage() for r in caplog.records)
+    monkeypatch.undo()
+    assert [a.step for a in subscriber.sync()] == [2]
+    assert bitwise_equal(subscriber.state, states[2])
