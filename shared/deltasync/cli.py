@@ -21,27 +21,26 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-
-import torch
-from huggingface_hub.utils import logging as hf_logging
-from safetensors.torch import load_file, save_file
+from typing import TYPE_CHECKING
 
 from deltasync import __version__
-from deltasync.codec import patch as patches
-from deltasync.codec.bf16 import as_bf16
-from deltasync.codec.changes import SchemaError, apply_changes
-from deltasync.errors import EXPECTED
-from deltasync.storage import open_regular, open_storage, redact
-from deltasync.sync import protocol
-from deltasync.sync.anchor import ANCHOR_ENCODINGS
-from deltasync.sync.claim import WriterClaim
-from deltasync.sync.gc import collect_garbage
-from deltasync.sync.publisher import Publisher, PublisherConfig, require_floats
-from deltasync.sync.subscriber import Subscriber
+from deltasync.codec.header import ENCODINGS
+from deltasync.errors import EXPECTED, PatchError
+from deltasync.sync.config import ANCHOR_ENCODINGS, PublisherConfig
+
+if TYPE_CHECKING:
+    import torch
+
+# The commands import what they use when they run: `--version` and `--help` import no torch.
 
 
 def load_bf16(path: Path) -> dict[str, torch.Tensor]:
     """A safetensors file, or every `*.safetensors` shard of an HF model folder, as bf16 tensors."""
+    from safetensors.torch import load_file
+
+    from deltasync.codec.bf16 import as_bf16
+    from deltasync.sync.publisher import require_floats
+
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
@@ -67,6 +66,8 @@ def load_bf16(path: Path) -> dict[str, torch.Tensor]:
 
 def read_patch(path: Path) -> bytes:
     """A patch file's bytes; a FIFO or a device is refused rather than waited on or read without end."""
+    from deltasync.storage import open_regular
+
     with open_regular(path) as f:
         return f.read()
 
@@ -76,8 +77,8 @@ def naming(path: Path) -> Iterator[None]:
     """A patch refused inside this block is refused naming its file."""
     try:
         yield
-    except patches.PatchError as e:
-        raise patches.PatchError(f"{path}: {e}") from None
+    except PatchError as e:
+        raise PatchError(f"{path}: {e}") from None
 
 
 @contextmanager
@@ -104,6 +105,9 @@ def compile_notice() -> Iterator[None]:
 
 
 def cmd_diff(args: argparse.Namespace) -> dict:
+    from deltasync.codec import patch as patches
+    from deltasync.codec.changes import SchemaError
+
     old, new = load_bf16(args.old), load_bf16(args.new)
     try:
         patch = patches.make_patch(old, new, step=args.step, base_step=args.base_step)
@@ -115,6 +119,11 @@ def cmd_diff(args: argparse.Namespace) -> dict:
 
 
 def cmd_apply(args: argparse.Namespace) -> dict:
+    from safetensors.torch import save_file
+
+    from deltasync.codec import patch as patches
+    from deltasync.codec.changes import apply_changes
+
     base = load_bf16(args.base)
     data = read_patch(args.patch)
     with naming(args.patch):
@@ -125,9 +134,11 @@ def cmd_apply(args: argparse.Namespace) -> dict:
 
 
 def cmd_inspect(args: argparse.Namespace) -> dict:
+    from deltasync.codec.header import read_info
+
     data = read_patch(args.patch)
     with naming(args.patch):
-        info = patches.read_info(data)
+        info = read_info(data)
     return {
         "step": info.step,
         "base_step": info.base_step,
@@ -146,6 +157,9 @@ def cmd_inspect(args: argparse.Namespace) -> dict:
 
 
 def cmd_push(args: argparse.Namespace) -> dict:
+    from deltasync.sync import protocol
+    from deltasync.sync.publisher import Publisher
+
     config = PublisherConfig(
         anchor_every=args.anchor_every, encoding=args.encoding, anchor_encoding=args.anchor_encoding
     )
@@ -161,6 +175,10 @@ def cmd_push(args: argparse.Namespace) -> dict:
 
 
 def cmd_pull(args: argparse.Namespace) -> dict:
+    from safetensors.torch import save_file
+
+    from deltasync.sync.subscriber import Subscriber
+
     subscriber = Subscriber(args.root, retries=0)
     applied = subscriber.sync(args.step)
     assert subscriber.state is not None  # synced without an error: it holds the step
@@ -171,6 +189,9 @@ def cmd_pull(args: argparse.Namespace) -> dict:
 
 
 def cmd_ls(args: argparse.Namespace) -> None:
+    from deltasync.storage import open_storage
+    from deltasync.sync import protocol
+
     head = protocol.read_head(open_storage(args.root))
     for e in head.entries:
         row = {"step": e.step, "kind": e.kind, "bytes": e.bytes, "changed": e.changed}
@@ -178,6 +199,11 @@ def cmd_ls(args: argparse.Namespace) -> None:
 
 
 def cmd_gc(args: argparse.Namespace) -> dict:
+    from deltasync.storage import open_storage
+    from deltasync.sync import protocol
+    from deltasync.sync.claim import WriterClaim
+    from deltasync.sync.gc import collect_garbage
+
     storage = open_storage(args.root)
     protocol.read_head(storage)  # no run: nothing to claim
     claim = WriterClaim(storage)  # GC deletes: only as the root's one writer
@@ -297,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-o", "--output", metavar="PATCH", type=Path, required=True, help="patch file to write")
     p.add_argument(
-        "--encoding", choices=patches.ENCODINGS, default="compact", help=f"{encoding_help} (default compact)"
+        "--encoding", choices=ENCODINGS, default="compact", help=f"{encoding_help} (default compact)"
     )
     p.add_argument("--step", type=int, default=1, help="step number NEW gets (default 1)")
     p.add_argument("--base-step", type=int, default=0, help="step number of OLD (default 0)")
@@ -325,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--encoding",
-        choices=patches.ENCODINGS,
+        choices=ENCODINGS,
         default=PublisherConfig.encoding,
         help=f"delta encoding: {encoding_help} (default {PublisherConfig.encoding})",
     )
@@ -370,6 +396,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from huggingface_hub.utils import logging as hf_logging
+
+    from deltasync.storage import open_storage, redact
+
     hf_logging.set_verbosity_error()  # the Hub client's retry warnings would bury our one line
     try:
         if getattr(args, "root", None) is not None:

@@ -222,3 +222,15 @@ def test_a_folder_where_a_file_belongs_is_named_and_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{root / 'heads' / 'latest.json'} is not a regular file" in err, err
     assert "storage keeps failing" not in err  # refused, not retried as a transient failure
+
+
+def test_version_and_help_import_no_torch():
+    """They answer at once: the commands import torch (seconds) only when they run."""
+    check = (
+        "import sys\nfrom deltasync.cli import main\n"
+        "for argv in (['--version'], ['--help'], ['push', '--help']):\n"
+        "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+        "print([m for m in ('torch', 'numpy', 'huggingface_hub') if m in sys.modules], file=sys.stderr)"
+    )
+    r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
+    assert r.stderr.strip() == "[]", r.stderr

@@ -7,7 +7,6 @@ import json
 import struct
 from dataclasses import dataclass, field
 
-from deltasync.codec import compact
 from deltasync.errors import PatchError
 
 FORMAT = "deltasync.patch"
@@ -121,6 +120,8 @@ def _tensor_list(meta: dict, header: dict, body: bytes) -> dict[str, dict]:
             tensors[name]["changed"] = entry["shape"][0]
         elif entry["dtype"] == "U8":
             start, end = entry["data_offsets"]
+            from deltasync.codec import compact  # (numpy: not for the command line's help)
+
             changed = compact.stream_changed(body[start:end])
             tensors[name] = {"mode": "compact", "changed": changed}
         elif entry["dtype"] == "BF16" and name in dense:

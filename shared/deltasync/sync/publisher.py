@@ -34,7 +34,8 @@ from deltasync.storage import (
     retry,
 )
 from deltasync.sync.anchor import anchor_encoding, write_anchor
-from deltasync.sync.claim import LEASE_S, WriterClaim, new_holder
+from deltasync.sync.claim import WriterClaim, new_holder
+from deltasync.sync.config import PublisherConfig
 from deltasync.sync.gc import collect_garbage
 from deltasync.sync.protocol import (
     HEAD_PATH,
@@ -54,18 +55,6 @@ from deltasync.sync.worker import Worker
 log = logging.getLogger(__name__)
 Params = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 T = TypeVar("T")
-
-
-@dataclass
-class PublisherConfig:
-    encoding: str = "compact"
-    anchor_every: int = 50  # steps between complete anchors (also earlier once the deltas outweigh one)
-    keep_anchors: int = 2  # GC keeps this many newest anchors and every delta after the oldest of them
-    shard_bytes: int = 2 << 30
-    anchor_encoding: str = "auto"  # plain | packed | auto: packed unless the root is a local folder
-    threads: int | None = None  # codec threads; None: every core this process may run on
-    retry_s: tuple[float, float] = (0.5, 30.0)  # backoff of failed uploads: first and longest wait
-    lease_s: float = LEASE_S  # object stores: a writer's lease lasts this long unless renewed (every quarter)
 
 
 @dataclass(frozen=True)
