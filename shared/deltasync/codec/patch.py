@@ -167,57 +167,12 @@ def encode(
     """
     if encoding not in ENCODINGS:
         raise ValueError(f"unknown encoding {encoding!r}; choose from {', '.join(ENCODINGS)}")
-    schema = {name: list(t.shape) for name, t in old.items()}
-    if windows:
-        if shapes is None:
-            raise ValueError("a patch over windows needs every tensor's whole shape")
-        schema = {name: list(shape) for name, shape in shapes.items()}
-        for name, (start, length) in windows.items():
-            if old[name].numel() != length or not 0 <= start <= start + length <= math.prod(schema[name]):
-                raise ValueError(
-                    f"{name}: window ({start}, {length}) does not fit {old[name].numel()} values"
-                )
-        old = {name: t.reshape(-1) if name in windows else t for name, t in old.items()}
-    entries: dict[str, torch.Tensor] = {}
+    schema, old = _covered(old, windows or {}, shapes)
     extra: dict[str, str] = {}
     if encoding == "raw":
-        too_big = [name for name in patch.changes if old[name].numel() >= 1 << 31]
-        if too_big:
-            raise ValueError(
-                f"{too_big[0]}: raw encoding needs int32 positions, tensor has {old[too_big[0]].numel()}"
-            )
-        entries = raw_entries(patch.changes)
+        entries = _raw_encoding(patch, old)
     else:
-        if not 1 <= chunk <= compact.MAX_CHUNK:
-            raise ValueError(f"chunk {chunk} not in 1..{compact.MAX_CHUNK}")
-        models = compact.Models()
-        symbols: dict[str, list[compact.Symbols]] = {}
-        dense_changed: dict[str, int] = {}
-        chunks = _chunks(patch.changes, old, chunk)
-        for (name, _), s in zip(chunks, parallel_map(_chunk_symbols, chunks, threads), strict=True):
-            symbols.setdefault(name, []).append(s)
-        for name, parts in list(symbols.items()):
-            if sum(s.estimated_bits for s in parts) < 16 * old[name].numel():
-                for s in parts:
-                    compact.tally(models, s)
-            else:
-                del symbols[name]
-        tables = models.tables()
-        work = [s for parts in symbols.values() for s in parts]
-        coded = iter(parallel_map(lambda s: compact.encode_chunk(s, tables), work, threads))
-        streams = {name: compact.join_chunks([next(coded) for _ in parts]) for name, parts in symbols.items()}
-        for name, ch in patch.changes.items():
-            stream = streams.get(name)
-            if stream is not None and len(stream) < 2 * old[name].numel():
-                entries[name] = torch.frombuffer(bytearray(stream), dtype=torch.uint8)
-            else:  # dense is never beaten by more than a few header bytes
-                dense = old[name].detach().clone().reshape(-1)
-                dense[ch.indices.to(dense.device)] = ch.values.to(dense.device)
-                entries[name] = dense.view(old[name].shape).cpu()
-                dense_changed[name] = len(ch)
-        extra["models"] = json.dumps(models.to_json(), separators=(",", ":"))
-        extra["dense"] = json.dumps(dense_changed, separators=(",", ":"))
-        extra["chunk"] = str(chunk)
+        entries, extra = _compact_encoding(patch, old, chunk, threads)
     used = {name: list(w) for name in patch.changes if (w := (windows or {}).get(name)) is not None}
     if used:
         extra["windows"] = json.dumps(used, separators=(",", ":"))
@@ -236,6 +191,73 @@ def encode(
         **extra,
     }
     return save_safetensors(entries, metadata=metadata)
+
+
+def _covered(
+    old: Mapping[str, torch.Tensor],
+    windows: Mapping[str, tuple[int, int]],
+    shapes: Mapping[str, Sequence[int]] | None,
+) -> tuple[dict[str, list[int]], Mapping[str, torch.Tensor]]:
+    """The model's schema, and `old` with each windowed tensor flat (what its entry covers), checked."""
+    if not windows:
+        return {name: list(t.shape) for name, t in old.items()}, old
+    if shapes is None:
+        raise ValueError("a patch over windows needs every tensor's whole shape")
+    schema = {name: list(shape) for name, shape in shapes.items()}
+    for name, (start, length) in windows.items():
+        if old[name].numel() != length or not 0 <= start <= start + length <= math.prod(schema[name]):
+            raise ValueError(f"{name}: window ({start}, {length}) does not fit {old[name].numel()} values")
+    return schema, {name: t.reshape(-1) if name in windows else t for name, t in old.items()}
+
+
+def _raw_encoding(patch: Patch, old: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    too_big = [name for name in patch.changes if old[name].numel() >= 1 << 31]
+    if too_big:
+        raise ValueError(
+            f"{too_big[0]}: raw encoding needs int32 positions, tensor has {old[too_big[0]].numel()}"
+        )
+    return raw_entries(patch.changes)
+
+
+def _compact_encoding(
+    patch: Patch, old: Mapping[str, torch.Tensor], chunk: int, threads: int | None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The compact encoding's entries (a stream per tensor, or its new values dense where that is smaller)
+    and metadata: symbols per chunk, the tables pooled over every coded tensor, then the coded chunks."""
+    if not 1 <= chunk <= compact.MAX_CHUNK:
+        raise ValueError(f"chunk {chunk} not in 1..{compact.MAX_CHUNK}")
+    models = compact.Models()
+    symbols: dict[str, list[compact.Symbols]] = {}
+    chunks = _chunks(patch.changes, old, chunk)
+    for (name, _), s in zip(chunks, parallel_map(_chunk_symbols, chunks, threads), strict=True):
+        symbols.setdefault(name, []).append(s)
+    for name, parts in list(symbols.items()):
+        if sum(s.estimated_bits for s in parts) < 16 * old[name].numel():
+            for s in parts:
+                compact.tally(models, s)
+        else:
+            del symbols[name]
+    tables = models.tables()
+    work = [s for parts in symbols.values() for s in parts]
+    coded = iter(parallel_map(lambda s: compact.encode_chunk(s, tables), work, threads))
+    streams = {name: compact.join_chunks([next(coded) for _ in parts]) for name, parts in symbols.items()}
+    entries: dict[str, torch.Tensor] = {}
+    dense_changed: dict[str, int] = {}
+    for name, ch in patch.changes.items():
+        stream = streams.get(name)
+        if stream is not None and len(stream) < 2 * old[name].numel():
+            entries[name] = torch.frombuffer(bytearray(stream), dtype=torch.uint8)
+        else:  # dense is never beaten by more than a few header bytes
+            dense = old[name].detach().clone().reshape(-1)
+            dense[ch.indices.to(dense.device)] = ch.values.to(dense.device)
+            entries[name] = dense.view(old[name].shape).cpu()
+            dense_changed[name] = len(ch)
+    extra = {
+        "models": json.dumps(models.to_json(), separators=(",", ":")),
+        "dense": json.dumps(dense_changed, separators=(",", ":")),
+        "chunk": str(chunk),
+    }
+    return entries, extra
 
 
 Chunk = tuple[str, tuple]  # (tensor name, (old bits, positions, new bits) of one chunk as numpy arrays)
@@ -323,6 +345,33 @@ def decode(
     unless the patch was made from exactly this state and reproduces its recorded fingerprint.
     """
     info = read_info(data)
+    local = _check_base(info, base)
+    if base_fingerprint is None:
+        base_fingerprint = fingerprint.state_fingerprint(base)
+    if info.base_fingerprint != base_fingerprint:
+        raise PatchError(
+            f"patch applies to state {fingerprint.format_fingerprint(info.base_fingerprint)} "
+            f"(step {info.base_step}), base is {fingerprint.format_fingerprint(base_fingerprint)}"
+        )
+    try:
+        entries = load_safetensors(data)
+    except Exception as e:  # safetensors raises its own error types for every kind of corruption
+        raise PatchError(f"corrupt patch payload: {e}") from None
+    changes, moved = _changes(info, entries, local, threads)
+    others = {n: ch for n, ch in changes.items() if info.tensors[n]["mode"] != "compact"}
+    fp = fingerprint_after(base_fingerprint + moved, base, others, threads)
+    if fp != info.fingerprint:
+        raise PatchError(
+            f"fingerprint mismatch: decoded state is {fingerprint.format_fingerprint(fp)}, "
+            f"patch promises {fingerprint.format_fingerprint(info.fingerprint)}"
+        )
+    numel = sum(t.numel() for t in base.values())
+    return Patch(info.step, info.base_step, numel, base_fingerprint, fp, changes)
+
+
+def _check_base(info: PatchInfo, base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What each entry of the patch covers in `base` (the whole tensor, or the flat window it names), once
+    the patch is checked to be for `base`'s model: its size, names, windows, shapes, counts and schema."""
     numel = sum(t.numel() for t in base.values())
     if info.numel != numel:
         raise PatchError(f"patch is for a model of {info.numel} elements, base has {numel}")
@@ -334,7 +383,6 @@ def decode(
             raise PatchError(
                 f"{name}: window [{start}, {start + length}) is outside its {base[name].numel()} elements"
             )
-    # What each entry covers: the whole tensor, or the flat window it names.
     local = {
         name: base[name].reshape(-1)[info.windows[name][0] : sum(info.windows[name])]
         if name in info.windows
@@ -350,17 +398,14 @@ def decode(
         raise PatchError(
             "patch was made for another model schema (tensor names or shapes differ from the base)"
         )
-    if base_fingerprint is None:
-        base_fingerprint = fingerprint.state_fingerprint(base)
-    if info.base_fingerprint != base_fingerprint:
-        raise PatchError(
-            f"patch applies to state {fingerprint.format_fingerprint(info.base_fingerprint)} "
-            f"(step {info.base_step}), base is {fingerprint.format_fingerprint(base_fingerprint)}"
-        )
-    try:
-        entries = load_safetensors(data)
-    except Exception as e:  # safetensors raises its own error types for every kind of corruption
-        raise PatchError(f"corrupt patch payload: {e}") from None
+    return local
+
+
+def _changes(
+    info: PatchInfo, entries: dict, local: Mapping[str, torch.Tensor], threads: int | None
+) -> tuple[dict[str, TensorChanges], int]:
+    """Every entry's changes, positions in the whole tensor, and the fingerprint's move (mod 2^64) that the
+    compact entries made while decoding (the others' is computed from their changes)."""
     chunks: list[ChunkStream] = []
     decoded: list[tuple[np.ndarray, np.ndarray, int]] = []
     if info.encoding == "compact":
@@ -373,33 +418,21 @@ def decode(
         decoded = parallel_map(lambda work: _decode_chunk(*work, tables), chunks, threads)
     changes = {}
     for name, t in info.tensors.items():
+        start = info.windows.get(name, (0, 0))[0]
         try:
             if t["mode"] == "compact":
                 parts = [d for (n, *_), d in zip(chunks, decoded, strict=True) if n == name]
                 idx = torch.from_numpy(np.concatenate([p[0] for p in parts]))
                 new_bits = torch.from_numpy(np.concatenate([p[1] for p in parts]).view(np.int16))
-                start = info.windows.get(name, (0, 0))[0]
                 changes[name] = _checked(name, t, local[name], idx, new_bits.view(torch.bfloat16), start)
             else:
                 ch = _decode_tensor(name, t, entries, local[name])
-                changes[name] = (
-                    TensorChanges(ch.indices + info.windows[name][0], ch.values)
-                    if name in info.windows
-                    else ch
-                )
+                changes[name] = TensorChanges(ch.indices + start, ch.values) if start else ch
         except PatchError:
             raise
         except (compact.CompactDecodeError, ValueError, RuntimeError, OverflowError) as e:
             raise PatchError(f"{name}: corrupt {t['mode']} data: {e}") from None
-    moved = base_fingerprint + sum(d[2] for d in decoded)  # the compact tensors' moves, found decoding them
-    others = {n: ch for n, ch in changes.items() if info.tensors[n]["mode"] != "compact"}
-    fp = fingerprint_after(moved, base, others, threads)
-    if fp != info.fingerprint:
-        raise PatchError(
-            f"fingerprint mismatch: decoded state is {fingerprint.format_fingerprint(fp)}, "
-            f"patch promises {fingerprint.format_fingerprint(info.fingerprint)}"
-        )
-    return Patch(info.step, info.base_step, numel, base_fingerprint, fp, changes)
+    return changes, sum(d[2] for d in decoded)
 
 
 def decode_parts(

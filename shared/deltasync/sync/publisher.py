@@ -282,52 +282,21 @@ class Publisher:
         retry(lambda: self._publish(jobs[0]), self.config.retry_s, log_as="publishing a step", sleep=wait)
 
     def _publish(self, job: _Pending) -> None:
+        """Encode the step (a delta from the published state, an anchor when due), upload it, then write and
+        read back the head naming it: from then on the step is acknowledged. Telemetry and GC follow."""
         start = time.perf_counter()
         head, old = self._head, self._published
         assert self._run is not None  # known before the first job
         if head is None:
             self.storage.write_bytes(RUN_PATH, self._run.to_json())
-        patch = data = None
-        delta = job.stored  # (files, bytes, changed) of the step's delta, if it has one
-        if delta is None and old is not None:
-            assert head is not None  # the published state is the one the head names
-            patch = make_patch(old, job.state, job.step, head.step, self._published_fp, self.config.threads)
-            data = encode(patch, old, self.config.encoding, self.config.threads)
-            delta = StoredDelta(
-                (delta_path(job.step, self.claim.tag),), len(data), patch.changed, patch.fingerprint
-            )
+        delta, data = self._delta(job, head, old)
         fp = delta.fingerprint if delta else fingerprint.state_fingerprint(job.state)
-        fp_text = fingerprint.format_fingerprint(fp)
-        tag = self.claim.tag  # files only this claim writes: a fenced writer can never overwrite them
         with tempfile.TemporaryDirectory(prefix="deltasync-") as tmp:
-            anchor_files = []
-            due = bool(job.state) if job.stored else self.anchor_due(job.step, delta.bytes if delta else None)
-            if due:
-                is_local = isinstance(self.storage, LocalStorage)
-                encoding = anchor_encoding(self.config.anchor_encoding, is_local)
-                anchor_files = write_anchor(
-                    job.state,
-                    job.step,
-                    fp,
-                    Path(tmp),
-                    self.config.shard_bytes,
-                    encoding,
-                    self.config.threads,
-                    tag,
-                )
+            anchor_files = self._anchor(job, delta, fp, Path(tmp))
             encode_s = time.perf_counter() - start + (job.stored.encode_s if job.stored else 0.0)
-            if self.claim.renew_due():
-                self.claim.renew()
-            current = self._background.submit(self._current_head)  # travels while the data uploads
-            try:
-                if data is not None:  # a delta this publisher encoded
-                    self.storage.write_bytes(delta_path(job.step, tag), data)
-                for local, path in anchor_files:
-                    self.storage.upload_file(local, path)
-            finally:
-                futures.wait([current])
+            current = self._upload(job.step, data, anchor_files)
             anchor_bytes = sum(local.stat().st_size for local, _ in anchor_files)
-        now = time.time()
+        now, fp_text = time.time(), fingerprint.format_fingerprint(fp)
         entries = []
         if delta is not None and head is not None:
             entries.append(
@@ -337,7 +306,7 @@ class Publisher:
             files = tuple(path for _, path in anchor_files)
             entries.append(Entry(job.step, "anchor", files, anchor_bytes, fp_text, now))
         new_head = self._retained(head, entries, job.step, fp_text)
-        self._write_head(new_head, current.result())  # the step is acknowledged from here on
+        self._write_head(new_head, current)  # the step is acknowledged from here on
         upload_s = time.perf_counter() - start - encode_s
         with self._worker.lock:
             self._head, self._published_fp = new_head, fp
@@ -360,14 +329,65 @@ class Publisher:
             base_step=head.step if head else None,
             info=job.info,
         )
-        try:  # the step is published: losing telemetry or leaving garbage must not undo that
-            for r in [*job.skipped, record]:
+        self._report_and_collect([*job.skipped, record], head, new_head, entries)
+
+    def _delta(
+        self, job: _Pending, head: Head | None, old: dict[str, torch.Tensor] | None
+    ) -> tuple[StoredDelta | None, bytes | None]:
+        """The step's delta (a stored one, or one encoded here from the published state `old`, with its
+        bytes), or none: the run's first state, which goes out as an anchor only."""
+        if job.stored is not None or old is None:
+            return job.stored, None
+        assert head is not None  # the published state is the one the head names
+        patch = make_patch(old, job.state, job.step, head.step, self._published_fp, self.config.threads)
+        data = encode(patch, old, self.config.encoding, self.config.threads)
+        path = delta_path(job.step, self.claim.tag)  # only this claim writes it: a fenced writer never can
+        return StoredDelta((path,), len(data), patch.changed, patch.fingerprint), data
+
+    def _anchor(self, job: _Pending, delta: StoredDelta | None, fp: int, tmp: Path) -> list[tuple[Path, str]]:
+        """The step's anchor files in `tmp` (local file, storage path), if one is due."""
+        due = bool(job.state) if job.stored else self.anchor_due(job.step, delta.bytes if delta else None)
+        if not due:
+            return []
+        encoding = anchor_encoding(self.config.anchor_encoding, isinstance(self.storage, LocalStorage))
+        return write_anchor(
+            job.state,
+            job.step,
+            fp,
+            tmp,
+            self.config.shard_bytes,
+            encoding,
+            self.config.threads,
+            self.claim.tag,
+        )
+
+    def _upload(self, step: int, data: bytes | None, anchor_files: list[tuple[Path, str]]) -> bytes | None:
+        """Upload the delta this publisher encoded (`data`) and the anchor's files; returns the head as read
+        meanwhile (the check before the head write travels beside the data)."""
+        if self.claim.renew_due():
+            self.claim.renew()
+        current = self._background.submit(self._current_head)
+        try:
+            if data is not None:
+                self.storage.write_bytes(delta_path(step, self.claim.tag), data)
+            for local, path in anchor_files:
+                self.storage.upload_file(local, path)
+        finally:
+            futures.wait([current])
+        return current.result()
+
+    def _report_and_collect(
+        self, records: list[telemetry.TrainerRecord], head: Head | None, new_head: Head, entries: list[Entry]
+    ) -> None:
+        """Write the step's telemetry and delete what the new head no longer names (the step's own delta too,
+        when retention already dropped it). The step is published: a failure here must not undo that."""
+        try:
+            for r in records:
                 telemetry.write(self.storage, r)
-            # What the head no longer names, and the step's own delta when retention already dropped it
             written = {f for e in entries for f in e.files}
             self.storage.delete(sorted(((head.files() if head else set()) | written) - new_head.files()))
         except TransientStorageError as e:
-            log.warning("step %d published, but telemetry or GC failed: %s", job.step, e)
+            log.warning("step %d published, but telemetry or GC failed: %s", new_head.step, e)
 
     def _write_head(self, head: Head, current: bytes | None) -> None:
         """Write `head` as the only writer (see deltasync.sync.claim). `current`, the head read just before,
