@@ -4,6 +4,9 @@ are sampled from those replicas.
 
     python examples/grpo_bucket.py --model_name_or_path Qwen/Qwen3-0.6B --sync_root hf://buckets/me/sums \
         --inference_url https://me-infer.hf.space --output_dir runs/sums
+
+With `--lora_r 8` it trains a LoRA adapter: each step publishes the adapter alone, and replicas (vLLM with
+`--enable-lora` and DELTASYNC_LORA_ROOT set to the root) serve each step N as the adapter `policy-vN`.
 """
 
 import random
@@ -11,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 from datasets import Dataset
+from peft import LoraConfig
 from transformers import AutoTokenizer
 from trl import TrlParser
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -25,6 +29,7 @@ class BucketArguments:
     inference_url: list[str] = field(metadata={"help": "Each replica's base URL.", "nargs": "+"})
     num_prompts: int = field(default=1000, metadata={"help": "How many sums to generate."})
     rollouts_ahead: float = field(default=0.5, metadata={"help": "Steps' worth of rollouts generated ahead."})
+    lora_r: int = field(default=0, metadata={"help": "Train a LoRA adapter of this rank (0: all weights)."})
 
 
 def sums(n: int, seed: int) -> Dataset:
@@ -44,13 +49,15 @@ def main() -> None:
     name, urls = ours.model_name_or_path, ours.inference_url
     args.vllm_server_base_url = urls[0]
     max_ahead = ds.rollouts_ahead(args, ours.rollouts_ahead)  # sets TRL's queue bounds: before the trainer
-    transfer = ds.BucketWeightTransfer(ours.sync_root, model_id=name)
+    lora = LoraConfig(r=ours.lora_r, target_modules="all-linear") if ours.lora_r else None
+    transfer = ds.BucketWeightTransfer(ours.sync_root, model_id=name, lora_name="policy" if lora else None)
     trainer = AsyncGRPOTrainer(
         model=name, reward_funcs=exact_sum, args=args, train_dataset=sums(ours.num_prompts, args.seed),
-        processing_class=AutoTokenizer.from_pretrained(name), weight_transfer=transfer,
+        processing_class=AutoTokenizer.from_pretrained(name), weight_transfer=transfer, peft_config=lora,
     )  # fmt: skip
     if trainer.accelerator.is_main_process:  # nothing is published unless all is usable
-        ds.check_or_exit(ours.sync_root, ds.schema_of(trainer.model), name, urls)
+        schema = ds.schema_of(trainer.model, adapter=lora is not None)
+        ds.check_or_exit(ours.sync_root, schema, name, urls)
     ds.stamp_rollouts(trainer, transfer, replica_urls=urls, max_ahead=max_ahead, seed=args.seed)
     trainer.train()
 

@@ -17,6 +17,8 @@ from deltasync.sync.protocol import HEAD_PATH, RUN_PATH, Head, step_of
 from deltasync.sync.publisher import Publisher, PublisherConfig
 
 REPO = Path(__file__).resolve().parents[1]
+# Subprocesses given an environment of their own import the code under test (a work tree by PYTHONPATH)
+CODE_UNDER_TEST = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
 
 # Big enough that a chain of 20 deltas weighs less than an anchor (else the publisher anchors earlier).
 SHAPES = {

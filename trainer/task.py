@@ -11,6 +11,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from wordle_env.rules import REVEALED, WON
+
 # The user turn before the environment's opening text (TRL appends `WordleEnv.reset()`'s return to it).
 USER_PROMPT = "Let's play Wordle. Make each guess with the `guess` tool."
 # Qwen3 without thinking, as in TRL's Wordle examples: a guess is the whole answer.
@@ -18,6 +20,16 @@ CHAT_TEMPLATE_KWARGS: dict[str, Any] = {"enable_thinking": False}
 SHORT_BUDGET = 80  # tokens: the `short` reward is 0 at and beyond this many completion tokens
 
 _FEEDBACK = re.compile(r"Feedback:\n((?:[A-Z] ){4}[A-Z])\n((?:[GYX] ){4}[GYX])")
+
+
+def quit_early(messages: list[dict]) -> bool:
+    """The rollout ended on a turn without a guess while its game was still on (the game's last message says
+    when it is over: won, out of guesses or of invalid moves). `stamp_rollouts(quit_early=...)` then never
+    reinforces that turn."""
+    if not messages or messages[-1].get("role") != "assistant" or messages[-1].get("tool_calls"):
+        return False  # the trainer cut the tool loop off mid-game: that is no decision of the policy's
+    replies = [str(m.get("content", "")) for m in messages if m.get("role") == "tool"]
+    return not (replies and any(end in replies[-1] for end in (WON, REVEALED)))
 
 
 def dataset_rows(n: int, seed: int = 0) -> dict[str, list]:

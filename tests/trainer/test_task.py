@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainer.task import partial_reward
+from trainer.task import partial_reward, quit_early
 from wordle_env.rules import Game
 
 
@@ -30,3 +30,16 @@ def test_partial_reward_counts_what_all_the_guesses_found():
         ]
     )
     assert rewards == pytest.approx([0.4, 0.8, 1.0, 0.7, 0.4, 0.0])
+
+
+def test_quit_early_is_a_last_turn_without_a_guess_in_a_game_still_on():
+    answer = {"role": "assistant", "content": "I give up."}  # no tool call
+    guesses = ["crane", "slate", "mound", "pilot", "brick", "fuzzy"]
+    assert "plant" not in guesses
+    assert quit_early([answer])  # no guess at all
+    assert quit_early([*played("plant", "crane"), answer])
+    assert quit_early([*played("plant", *guesses[:5]), answer])
+    assert not quit_early([*played("plant", "crane", "plant"), answer])  # won
+    assert not quit_early([*played("plant", *guesses), answer])  # out of guesses
+    called = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "guess"}}]}
+    assert not quit_early([*played("plant", "crane"), called])  # the trainer's tool-call limit cut it off

@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -158,9 +158,12 @@ def encode(
     chunk: int = compact.CHUNK,
     windows: Mapping[str, tuple[int, int]] | None = None,
     shapes: Mapping[str, Sequence[int]] | None = None,
+    make_symbols: SymbolsMaker | None = None,
 ) -> bytes:
     """Serialize `patch`, made against bf16 state `old`, as safetensors bytes. The compact encoding codes
-    chunks of `chunk` elements on `threads` threads; the bytes do not depend on `threads`.
+    chunks of `chunk` elements on `threads` threads; the bytes do not depend on `threads`. `make_symbols`
+    finds the chunks' symbols (by default deltasync.codec.gpu.chunk_symbols where the changed tensors are on
+    CUDA, else host_symbols: the same symbols).
 
     With `windows` ({name: (start, length)}), `old[name]` holds only those elements of the tensor and the
     patch's positions in it count from `start`; `shapes` (every tensor's whole shape) then gives the schema.
@@ -172,7 +175,7 @@ def encode(
     if encoding == "raw":
         entries = _raw_encoding(patch, old)
     else:
-        entries, extra = _compact_encoding(patch, old, chunk, threads)
+        entries, extra = _compact_encoding(patch, old, chunk, threads, make_symbols)
     used = {name: list(w) for name in patch.changes if (w := (windows or {}).get(name)) is not None}
     if used:
         extra["windows"] = json.dumps(used, separators=(",", ":"))
@@ -220,17 +223,18 @@ def _raw_encoding(patch: Patch, old: Mapping[str, torch.Tensor]) -> dict[str, to
 
 
 def _compact_encoding(
-    patch: Patch, old: Mapping[str, torch.Tensor], chunk: int, threads: int | None
+    patch: Patch,
+    old: Mapping[str, torch.Tensor],
+    chunk: int,
+    threads: int | None,
+    make_symbols: SymbolsMaker | None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The compact encoding's entries (a stream per tensor, or its new values dense where that is smaller)
     and metadata: symbols per chunk, the tables pooled over every coded tensor, then the coded chunks."""
     if not 1 <= chunk <= compact.MAX_CHUNK:
         raise ValueError(f"chunk {chunk} not in 1..{compact.MAX_CHUNK}")
     models = compact.Models()
-    symbols: dict[str, list[compact.Symbols]] = {}
-    chunks = _chunks(patch.changes, old, chunk)
-    for (name, _), s in zip(chunks, parallel_map(_chunk_symbols, chunks, threads), strict=True):
-        symbols.setdefault(name, []).append(s)
+    symbols = (make_symbols or _symbols_maker(patch.changes, old))(patch.changes, old, chunk, threads)
     for name, parts in list(symbols.items()):
         if sum(s.estimated_bits for s in parts) < 16 * old[name].numel():
             for s in parts:
@@ -277,6 +281,35 @@ def _chunks(changes: Mapping[str, TensorChanges], old: Mapping[str, torch.Tensor
 
 def _chunk_symbols(work: Chunk) -> compact.Symbols:
     return compact.to_symbols(*work[1])
+
+
+def host_symbols(
+    changes: Mapping[str, TensorChanges],
+    old: Mapping[str, torch.Tensor],
+    chunk: int,
+    threads: int | None = None,
+) -> dict[str, list[compact.Symbols]]:
+    """The compact symbols of every chunk of every changed tensor, in order, on `threads` host threads."""
+    symbols: dict[str, list[compact.Symbols]] = {}
+    chunks = _chunks(changes, old, chunk)
+    for (name, _), s in zip(chunks, parallel_map(_chunk_symbols, chunks, threads), strict=True):
+        symbols.setdefault(name, []).append(s)
+    return symbols
+
+
+def _symbols_maker(changes: Mapping[str, TensorChanges], old: Mapping[str, torch.Tensor]) -> SymbolsMaker:
+    """Triton's kernels where every changed tensor is on CUDA, else the host's loops (the same symbols)."""
+    if changes and all(old[name].device.type == "cuda" for name in changes):
+        from deltasync.codec import gpu  # not at import time: it loads Triton
+
+        return gpu.chunk_symbols
+    return host_symbols
+
+
+SymbolsMaker = Callable[
+    [Mapping[str, TensorChanges], Mapping[str, torch.Tensor], int, int | None],
+    dict[str, list[compact.Symbols]],
+]
 
 
 def raw_entries(changes: Mapping[str, TensorChanges]) -> dict[str, torch.Tensor]:

@@ -5,6 +5,7 @@
     deltas/step-00000001-e1-1a2b3c4d.safetensors      patches (codec.patch) from the previous published step
     deltas/step-00000002-e1-1a2b3c4d/part-00001-of-00002.safetensors  a step in parts, one per rank (sharded)
     heads/latest.json                                 the newest step and every file a reader may use
+    heads/epoch-00000001.json                         the same head, under its writer's epoch (fencing)
     telemetry/...                                     deltasync.telemetry
     writer.lock                                       who publishes (deltasync.sync.claim: lock or lease)
 
@@ -35,10 +36,12 @@ from deltasync.storage import Storage, check_path
 FORMAT_VERSION = 1
 RUN_PATH = "run.json"
 HEAD_PATH = "heads/latest.json"
+WRITER_PATH = "writer.lock"  # who writes (deltasync.sync.claim): a lock's holder, or a lease with its epoch
 ANCHOR_FORMAT = "deltasync.anchor"
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_INT = (1 << 63) - 1  # steps, sizes, counts, dims: anything larger is corrupt
 _TAG = r"(?:-(e\d{1,19}-[0-9a-f]{8}))?"
+STEP_DIR = re.compile(rf"step-\d{{8,}}{_TAG}")  # an anchor's or a sharded delta's folder
 _DATA_FILE = re.compile(
     rf"deltas/step-(\d{{8,}}){_TAG}(?:\.safetensors|/part-(\d{{5}})-of-(\d{{5}})\.safetensors)"
     rf"|anchors/step-(\d{{8,}}){_TAG}/model(?:-\d{{5}}-of-(\d{{5}}))?\.safetensors"
@@ -102,6 +105,11 @@ def step_of(path: str) -> int | None:
     return parsed[1] if parsed else None
 
 
+def adapter_name(lora_name: str, step: int) -> str:
+    """What requests call the adapter a LoRA root publishes as `step` (TRL's `{lora_name}-v{version}`)."""
+    return f"{lora_name}-v{step}"
+
+
 def check_step(step: int, where: str) -> int:
     """`step` if a head can hold it (what `Head.from_json` accepts), else ValueError naming `where`."""
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_INT:
@@ -121,9 +129,60 @@ def schema_problem(name: object, shape: object) -> str | None:
     return None if ok else "a shape must be a list of integers from 0 to 2**63 - 1"
 
 
+def epoch_head_path(epoch: int) -> str:
+    """Where the writer of `epoch` also puts each head it writes: a key no other writer writes."""
+    return f"heads/epoch-{epoch:08d}.json"
+
+
+def epoch_of_head(path: str) -> int | None:
+    """The epoch of a head stored under its writer's epoch (epoch_head_path), else None."""
+    match = re.fullmatch(r"heads/epoch-(\d{8,19})\.json", path)
+    return int(match[1]) if match else None
+
+
 def read_head(storage: Storage) -> Head:
     """The head of `storage`, size-checked before it is read; FileNotFoundError if there is none."""
-    return Head.from_json(read_manifest(storage, HEAD_PATH))
+    return Head.from_json(read_head_bytes(storage))
+
+
+def read_head_bytes(storage: Storage) -> bytes:
+    """The current head's bytes: `heads/latest.json`, unless the writer lease names a newer epoch whose own
+    head exists (a fenced writer's late write replaced latest.json after the writer that fenced it stopped
+    writing): then that one. FileNotFoundError if there is no head."""
+    data = read_manifest(storage, HEAD_PATH)
+    try:
+        lease_epoch = _epoch(read_manifest(storage, WRITER_PATH))
+    except FileNotFoundError:
+        lease_epoch = None
+    head_epoch = _epoch(data)
+    if lease_epoch is None or head_epoch is None or lease_epoch <= head_epoch:
+        return data
+    newest = _head_of(storage, lease_epoch)
+    if newest is None:  # a new claim that has not written its head yet: the newest before it (rare)
+        found = (epoch_of_head(p) for p in storage.list("heads"))
+        between = [e for e in found if e is not None and head_epoch < e < lease_epoch]
+        for epoch in sorted(between, reverse=True):
+            newest = _head_of(storage, epoch)
+            if newest is not None:
+                break
+    return newest or data
+
+
+def _head_of(storage: Storage, epoch: int) -> bytes | None:
+    try:
+        data = read_manifest(storage, epoch_head_path(epoch))
+    except FileNotFoundError:
+        return None
+    return data if _epoch(data) == epoch else None
+
+
+def _epoch(data: bytes) -> int | None:
+    """The `epoch` field of a head or lease, None if unreadable (the head's parser says why)."""
+    try:
+        epoch = json.loads(data).get("epoch")
+    except (ValueError, RecursionError, AttributeError):
+        return None
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) and 0 <= epoch <= MAX_INT else None
 
 
 def read_run(storage: Storage) -> RunInfo:
@@ -173,24 +232,30 @@ class RunInfo:
 
     model: str
     schema: dict[str, list[int]]  # HF name -> shape, in the trainer's order
+    # A LoRA root (its states are adapters of `model`): {"name": the adapter's name, "adapter_config": PEFT's
+    # adapter_config.json}. None: full weights.
+    lora: dict | None = None
     dtype: str = WEIGHT_DTYPE  # of every weight (the seam another dtype, FP8, would use)
 
     @classmethod
-    def of(cls, model: str, state: Mapping[str, torch.Tensor]) -> RunInfo:
+    def of(cls, model: str, state: Mapping[str, torch.Tensor], lora: dict | None = None) -> RunInfo:
         """The run of `state`; ValueError naming the tensor if a reader would refuse its schema."""
         schema = {name: list(t.shape) for name, t in state.items()}
         for name, shape in schema.items():
             problem = schema_problem(name, shape)
             if problem:
                 raise ValueError(f"tensor {name!r}: {problem}")
-        return cls(model, schema)
+        return cls(model, schema, lora)
 
     @property
     def numel(self) -> int:
         return sum(math.prod(shape) for shape in self.schema.values())
 
     def to_json(self) -> bytes:
-        return json.dumps({"version": FORMAT_VERSION, **asdict(self)}, indent=1).encode()
+        raw = {"version": FORMAT_VERSION, **asdict(self)}
+        if self.lora is None:  # a full-weight root's run.json is as it always was
+            del raw["lora"]
+        return json.dumps(raw, indent=1).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> RunInfo:
@@ -206,7 +271,11 @@ class RunInfo:
             problem = schema_problem(name, shape)
             if problem:
                 raise ManifestError(f"{RUN_PATH}: bad schema entry {name!r:.80}: {shape!r:.80}: {problem}")
-        return cls(model, schema, dtype)
+        lora = _field(raw, "lora", dict, RUN_PATH) if "lora" in raw else None
+        if lora is not None:
+            _field(lora, "name", str, f"{RUN_PATH} lora")
+            _field(lora, "adapter_config", dict, f"{RUN_PATH} lora")
+        return cls(model, schema, lora, dtype)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,8 @@ from deltasync.sync.protocol import (
     check_step,
     delta_path,
     delta_paths,
+    epoch_head_path,
+    read_head_bytes,
     read_manifest,
     read_run,
 )
@@ -83,9 +85,15 @@ class Publisher:
     """Publishes successive states of one model to the sync root `root` (URL, path or Storage), as its only
     writer: raises WriterConflict naming the holder if another publisher has the root."""
 
-    def __init__(self, root: str | Path | Storage, model: str = "", config: PublisherConfig | None = None):
+    def __init__(
+        self,
+        root: str | Path | Storage,
+        model: str = "",
+        config: PublisherConfig | None = None,
+        lora: dict | None = None,
+    ):
         self.storage = root if isinstance(root, Storage) else open_storage(root)
-        self.model = model
+        self.model, self.lora = model, lora  # lora: run.json's mark of a LoRA root (RunInfo.lora)
         self.config = config or PublisherConfig()
         self._spare: dict[str, torch.Tensor] | None = None  # a buffer the worker gave back
         self._run: RunInfo | None = None
@@ -94,6 +102,10 @@ class Publisher:
         self._published_fp = 0
         self._stored = False  # publish_stored() was called: the ranks, not this publisher, hold the state
         self._head_bytes: set[bytes | None] = {None}  # what the head may be now: what we wrote (or none)
+        # Telemetry of published steps and files no head names any more: sent with the next step's data (one
+        # request on the Hub), or by flush(), close() and the idle loop.
+        self._due: list[tuple[str, bytes | Path]] = []
+        self._garbage: list[str] = []
         # Head reads that travel while the data uploads, and lease checks beside read-backs.
         self._background = futures.ThreadPoolExecutor(1, thread_name_prefix="deltasync-publisher-check")
         holder = new_holder()  # one name across retries: a lease written by a failed attempt is its own
@@ -109,7 +121,7 @@ class Publisher:
             "deltasync-publisher",
             f"publisher to {self.storage.url}",
             self._publish_with_retries,
-            idle=self._renew_lease,  # keeps the lease alive (on the worker: publish() never waits for it)
+            idle=self._idle,  # on the worker: publish() never waits for it
             idle_s=self.config.lease_s / 8,
         )
 
@@ -195,8 +207,30 @@ class Publisher:
         return chosen
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every handed-over state is published; raises the worker's error if it failed."""
+        """Wait until every handed-over state is published, with its telemetry; raises the worker's error if
+        it failed."""
         self._worker.flush(timeout)
+        self._send_due()
+
+    def _take_due(self) -> tuple[list[tuple[str, bytes | Path]], list[str]]:
+        with self._worker.lock:
+            due, garbage, self._due, self._garbage = self._due, self._garbage, [], []
+        return due, garbage
+
+    def _give_back(self, due: list[tuple[str, bytes | Path]], garbage: list[str]) -> None:
+        with self._worker.lock:
+            self._due, self._garbage = due + self._due, garbage + self._garbage
+
+    def _send_due(self) -> None:
+        """Write the telemetry and delete the garbage still due (best effort: the steps are published)."""
+        due, garbage = self._take_due()
+        if not (due or garbage):
+            return
+        try:
+            self.storage.write_many(due, garbage)
+        except TransientStorageError as e:
+            self._give_back(due, garbage)
+            log.warning("telemetry or GC of published steps failed, retrying later: %s", e)
 
     def close(self, timeout: float | None = None) -> None:
         """Publish what is pending, stop the worker and let the next writer in; publish() then raises."""
@@ -206,6 +240,7 @@ class Publisher:
         finally:
             if stopped:
                 if self._worker.error is None:
+                    self._send_due()
                     self._restore_head()
                 self.claim.release()
                 self._background.shutdown()
@@ -223,7 +258,7 @@ class Publisher:
 
     def _allocate(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self._run is None:
-            self._run = RunInfo.of(self.model, params)
+            self._run = RunInfo.of(self.model, params, self.lora)
         pin = any(t.is_cuda for t in params.values())  # D2H copies into pinned memory do not stall
         return {n: torch.empty(s, dtype=torch.bfloat16, pin_memory=pin) for n, s in self._run.schema.items()}
 
@@ -245,6 +280,10 @@ class Publisher:
     def _retrying(self, call: Callable[[], T]) -> T:
         """`call()`, retried a few times on transient storage errors (for the constructor's reads)."""
         return retry(call, self.config.retry_s, attempts=6, log_as=f"opening {self.storage.url}")
+
+    def _idle(self) -> None:
+        self._renew_lease()
+        self._send_due()
 
     def _renew_lease(self) -> None:
         """Renew the lease when due; fenced (WriterConflict), the worker stops and publish() raises it."""
@@ -329,7 +368,12 @@ class Publisher:
             base_step=head.step if head else None,
             info=job.info,
         )
-        self._report_and_collect([*job.skipped, record], head, new_head, entries)
+        # The step is published: its telemetry and garbage go out with the next request (never undoing it).
+        # What the head no longer names, and the step's own delta when retention already dropped it:
+        written = {f for e in entries for f in e.files}
+        with self._worker.lock:
+            self._due += [(r.path(), telemetry.to_json(r)) for r in [*job.skipped, record]]
+            self._garbage += sorted(((head.files() if head else set()) | written) - new_head.files())
 
     def _delta(
         self, job: _Pending, head: Head | None, old: dict[str, torch.Tensor] | None
@@ -362,32 +406,25 @@ class Publisher:
         )
 
     def _upload(self, step: int, data: bytes | None, anchor_files: list[tuple[Path, str]]) -> bytes | None:
-        """Upload the delta this publisher encoded (`data`) and the anchor's files; returns the head as read
-        meanwhile (the check before the head write travels beside the data)."""
-        if self.claim.renew_due():
-            self.claim.renew()
+        """Upload the delta this publisher encoded (`data`) and the anchor's files, in one request with the
+        lease's renewal and earlier steps' telemetry and garbage; returns the head as read meanwhile (the
+        check before the head write travels beside the data)."""
+        lease = self.claim.renewal()  # written with the data: no request of its own
         current = self._background.submit(self._current_head)
+        upload: list[tuple[str, bytes | Path]] = [(path, local) for local, path in anchor_files]
+        if data is not None:
+            upload.insert(0, (delta_path(step, self.claim.tag), data))
+        owed, garbage = self._take_due()
         try:
-            if data is not None:
-                self.storage.write_bytes(delta_path(step, self.claim.tag), data)
-            for local, path in anchor_files:
-                self.storage.upload_file(local, path)
+            self.storage.write_many(upload + owed + ([lease[:2]] if lease else []), garbage)
+        except BaseException:
+            self._give_back(owed, garbage)
+            raise
         finally:
             futures.wait([current])
+        if lease:
+            self.claim.renewed(lease[2])
         return current.result()
-
-    def _report_and_collect(
-        self, records: list[telemetry.TrainerRecord], head: Head | None, new_head: Head, entries: list[Entry]
-    ) -> None:
-        """Write the step's telemetry and delete what the new head no longer names (the step's own delta too,
-        when retention already dropped it). The step is published: a failure here must not undo that."""
-        try:
-            for r in records:
-                telemetry.write(self.storage, r)
-            written = {f for e in entries for f in e.files}
-            self.storage.delete(sorted(((head.files() if head else set()) | written) - new_head.files()))
-        except TransientStorageError as e:
-            log.warning("step %d published, but telemetry or GC failed: %s", new_head.step, e)
 
     def _write_head(self, head: Head, current: bytes | None) -> None:
         """Write `head` as the only writer (see deltasync.sync.claim). `current`, the head read just before,
@@ -398,7 +435,9 @@ class Publisher:
         self._check_current(current)
         self.claim.check_live()
         self._head_bytes.add(data)  # if the read-back fails transiently, a retry finds this head
-        self.storage.write_bytes(HEAD_PATH, data)
+        # Also under this writer's epoch, which only it writes: a fenced writer's late write to latest.json
+        # cannot hide it from readers (deltasync.sync.protocol.read_head_bytes).
+        self.storage.write_many([(epoch_head_path(self.claim.epoch), data), (HEAD_PATH, data)])
         confirmed = self._background.submit(self.claim.confirm)  # beside the read-back: one latency
         try:
             current = self._current_head()
@@ -450,8 +489,11 @@ class Publisher:
         earlier writers: the head is rewritten with this claim's epoch, so their next head write fails."""
         from deltasync.sync.subscriber import Subscriber  # the reader's verified path to the head state
 
-        data = self._current_head()
-        self._head_bytes = {data}
+        try:  # the head readers take: a fenced writer's late write may hide the last writer's
+            data: bytes | None = read_head_bytes(self.storage)
+        except FileNotFoundError:
+            data = None
+        self._head_bytes = {data, self._current_head()}
         if data is None:
             return
         head = Head.from_json(data)

@@ -12,6 +12,9 @@ root that vLLM replicas follow (examples/grpo_bucket.py is a whole script):
 - `BucketWeightTransfer` (transfer.py): TRL's `weight_transfer=` protocol; each sync becomes the next step of
   the root, encoded and uploaded in the background, under the checkpoint's tensor names (checkpoint.py: MoE
   experts, fused in transformers, one tensor per expert as vLLM loads them).
+- Adapter mode (`BucketWeightTransfer(..., lora_name="policy")` with TRL's `peft_config=`): each sync
+  publishes the LoRA adapter alone, and every request names the adapter version it wants (`policy-vN`), which
+  vLLM replicas fetch from the root with the `deltasync` LoRA resolver (`deltasync.vllm.lora`).
 - `stamp_rollouts` (rollout.py): TRL's rollout worker stamps each rollout with the weight version of the
   replica that served it, spreads rollouts over several replicas, holds generation close to training
   (`max_ahead`, see `rollouts_ahead`), and each step's telemetry record gets its rewards and staleness; it

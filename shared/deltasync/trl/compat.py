@@ -38,8 +38,17 @@ class HookedRolloutLoop(_AsyncRolloutLoop):
       the rollout's task);
     - `after_rollout(completion_ids, sequences)` gets a finished rollout's tokens and training rows, and
       `rollout_finished(server)` is told when a rollout ends, finished or failed;
-    - `after_scoring(group, samples)` gets a scored group's samples before TRL queues them.
+    - `after_scoring(group, samples)` gets a scored group's samples before TRL queues them;
+    - `request_model()` names the model of each request (TRL's: the model, or `{lora_name}-v{model_version}`),
+      read once per request, in the rollout's task.
     """
+
+    @property
+    def _request_model(self) -> str:
+        return self.request_model()
+
+    def request_model(self) -> str:
+        return _AsyncRolloutLoop._request_model.fget(self)  # type: ignore[attr-defined]
 
     async def before_rollout(self, group_id: int) -> None:
         """Called in the rollout's own task before its first request."""

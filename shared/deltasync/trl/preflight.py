@@ -27,6 +27,7 @@ from deltasync.errors import EXPECTED
 from deltasync.storage import Storage, open_storage, redact
 from deltasync.sync.protocol import HEAD_PATH, RUN_PATH, read_head, read_run
 from deltasync.trl.checkpoint import checkpoint_converter
+from deltasync.trl.transfer import adapter_tensors
 
 log = logging.getLogger(__name__)
 TOKEN_ENV = "INFERENCE_API_TOKEN"
@@ -35,10 +36,13 @@ MAX_ANSWER_BYTES = 1 << 20
 PROBE_PREFIX = "preflight-"
 
 
-def schema_of(model: torch.nn.Module) -> dict[str, list[int]]:
+def schema_of(model: torch.nn.Module, adapter: bool = False) -> dict[str, list[int]]:
     """The tensors a BucketWeightTransfer publishes for `model` and their shapes: what the sync root's
     run.json records. They are the parameters TRL's AsyncGRPOTrainer sends (trainable ones, tied weights
-    once), under their checkpoint names (`deltasync.trl.checkpoint`: MoE experts one tensor per expert)."""
+    once), under their checkpoint names (`deltasync.trl.checkpoint`: MoE experts one tensor per expert), or
+    with `adapter` (adapter mode) a PEFT model's adapter tensors."""
+    if adapter:
+        return {name: list(t.shape) for name, t in adapter_tensors(model)}
     sent = [
         (name.removeprefix("module.").replace("_checkpoint_wrapped_module.", ""), p.to("meta"))
         for name, p in model.named_parameters()

@@ -16,7 +16,14 @@ nothing about when the replica applied it. `VersionedRolloutLoop` keeps TRL's lo
   steps ahead of training and its rollouts go stale),
 - counts what it generated (`RolloutCounters`), so the trainer can tell per step how much of it was trained,
 - optionally leaves out of the loss a final turn cut off by `max_completion_length` (`mask_truncated`: TRL's
-  GRPOTrainer flag `mask_truncated_completions`, which the async trainer lacks).
+  GRPOTrainer flag `mask_truncated_completions`, which the async trainer lacks),
+- optionally never reinforces giving up: `quit_early(messages)` (the task's) tells a rollout whose last
+  turn ended it before its task did (e.g. no guess while the game was still on); where such a rollout's
+  advantage is positive, that turn is left out of the loss. TRL trains every turn with its rollout's
+  advantage, so an early quit in a game that beat its group was reinforced, and quitting spread until no game
+  was played at all,
+- in adapter mode (a transfer with a LoRA adapter), names each request's adapter version
+  (`{lora_name}-v{step}`), which is then the turn's exact weight version, whatever the server.
 
 `stamp_rollouts(trainer, transfer, ...)` installs it on an AsyncGRPOTrainer built with a BucketWeightTransfer.
 """
@@ -32,10 +39,12 @@ import os
 import random
 import re
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from deltasync.sync.protocol import MAX_INT
+import numpy as np
+
+from deltasync.sync.protocol import MAX_INT, adapter_name
 from deltasync.trl import compat
 from deltasync.trl.compat import HookedRolloutLoop, RolloutGroup, RolloutSample, TrainingSequence
 from deltasync.trl.transfer import BucketWeightTransfer
@@ -121,6 +130,7 @@ class VersionedRolloutLoop(HookedRolloutLoop):
         counters: RolloutCounters | None = None,
         seed: int | None = None,
         mask_truncated: bool = False,
+        quit_early: Callable[[list[dict]], bool] | None = None,
         replica_urls: Sequence[str] = (),
         **kwargs: Any,
     ):
@@ -141,6 +151,7 @@ class VersionedRolloutLoop(HookedRolloutLoop):
         self.max_ahead = max_ahead  # 0: no bound beyond TRL's own
         self.counters = counters
         self.mask_truncated = mask_truncated
+        self.quit_early = quit_early
         self._ahead = 0  # rollouts of admitted groups not scored yet (then they are queued until trained)
         self.held_back = 0  # times a group found no room and waited: generation running ahead of training
         self._admitted: set[int] = set()
@@ -168,6 +179,17 @@ class VersionedRolloutLoop(HookedRolloutLoop):
     def request_headers(self) -> Mapping[str, str]:
         return self._headers
 
+    def request_model(self) -> str:
+        """Adapter mode: the adapter of the published step TRL's version stands for, which is then this
+        turn's weight version (exact, whatever the server)."""
+        if self.lora_name is None:
+            return self.model_name
+        step = self.model_version - 1 + self.version_base
+        seen = _turn_versions.get()
+        if seen is not None:
+            seen.append(step)
+        return adapter_name(self.lora_name, step)
+
     def on_response(self, headers: Mapping[str, str]) -> None:
         seen = _turn_versions.get()
         if seen is not None:
@@ -185,6 +207,8 @@ class VersionedRolloutLoop(HookedRolloutLoop):
     def after_scoring(self, group: RolloutGroup, samples: list[RolloutSample]) -> None:
         # TRL emits one sample per training row, conversation by conversation, row by row.
         rows = [sequence for sequences in group.completions_sequences for sequence in sequences]
+        if self.quit_early is not None:
+            self._mask_quits(group, samples)
         for sample, row in zip(samples, rows, strict=True):
             version = self._rollout_versions.pop(row.rollout_id, None)
             reward = sample.metrics["reward"]
@@ -200,8 +224,18 @@ class VersionedRolloutLoop(HookedRolloutLoop):
         if self.counters is not None:
             self.counters.add(len(samples), sum(len(ids) for ids in group.completions_ids))
 
+    def _mask_quits(self, group: RolloutGroup, samples: list[RolloutSample]) -> None:
+        """Leave out of the loss the last turn of each rollout that quit early with a positive advantage."""
+        assert self.quit_early is not None
+        end = 0
+        for messages, sequences in zip(group.completions, group.completions_sequences, strict=True):
+            end += len(sequences)  # the rollout's rows end here; its last turn is in its last row
+            last = samples[end - 1]
+            if last.advantage > 0 and self.quit_early(messages):
+                mask_last_turn(last.completion_mask)
 
-def mask_last_turn(mask: list[int]) -> None:
+
+def mask_last_turn(mask: list[int] | np.ndarray) -> None:
     """Take a row's last turn (the trailing run of 1s of its `completion_mask`) out of the loss."""
     start = len(mask)
     while start and mask[start - 1]:
@@ -284,6 +318,8 @@ def stamp_rollouts(
     kwargs = {"replica_urls": [u.rstrip("/") for u in replica_urls], "counters": counters, **loop_kwargs}
     if model_name:
         kwargs["model_name"] = model_name
+    if transfer.adapter is not None:  # adapter mode: each request names the adapter of its step
+        kwargs["lora_name"] = transfer.lora_name
     # The base is the cold sync's step (TRL's model version 1), known before the worker starts.
     compat.use_loop(worker, VersionedRolloutLoop, version_base=0, **kwargs)
     previous = transfer.on_first_step

@@ -13,12 +13,19 @@ goes on. For a model whose parameters are not its checkpoint's tensors (MoE expe
 vLLM loads (`deltasync.trl.checkpoint`); dense models publish their parameters as handed.
 `pause`/`resume` do nothing: replicas apply steps on their own schedule, and inference never waits for the
 trainer.
+
+Adapter mode (`lora_name` set, and `use_model` given a PEFT LoRA model): each sync publishes the adapter's
+tensors (PEFT's saved names, `get_peft_model_state_dict`), not the merged weights TRL hands over, on the same
+protocol; run.json marks the root as a LoRA root of `model_id` (`RunInfo.lora`: the adapter's name and its
+adapter_config.json). Replicas serve step N as the adapter `{lora_name}-v{N}` (`deltasync.vllm.lora`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -39,6 +46,7 @@ class BucketWeightTransfer:
     info: called at each sync for the step's numbers (reward, staleness) that go into its telemetry record.
     guard: a context manager held around each publish, e.g. to defer Ctrl-C until the copy is whole.
     on_first_step: told the step of the cold sync, before rollouts start.
+    lora_name: adapter mode's name (see the module docstring).
     """
 
     def __init__(
@@ -49,8 +57,9 @@ class BucketWeightTransfer:
         info: Callable[[], Mapping[str, float]] | None = None,
         guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         on_first_step: Callable[[int], None] | None = None,
+        lora_name: str | None = None,
     ):
-        self.root, self.model_id, self.config = root, model_id, config
+        self.root, self.model_id, self.config, self.lora_name = root, model_id, config, lora_name
         self.info, self.guard, self.on_first_step = info, guard, on_first_step
         self.publisher: Publisher | None = None
         self.closed = False
@@ -62,14 +71,22 @@ class BucketWeightTransfer:
         ] = []  # the last sync's tensors (live: the trainer's weights)
         self.shapes: dict[str, tuple[int, ...]] = {}  # published names and shapes
         self.to_checkpoint: Converter | None = None
+        self.adapter: torch.nn.Module | None = None  # adapter mode: the PEFT model whose adapter is published
+        self.lora: dict | None = None  # adapter mode: run.json's `lora`
 
     def use_model(self, model: torch.nn.Module) -> None:
-        """Publish `model`'s parameters under its checkpoint's names and layout (see the module docstring)."""
-        self.to_checkpoint = checkpoint_converter(model)
+        """Publish `model`'s parameters under its checkpoint's names and layout, or in adapter mode its
+        adapter (see the module docstring)."""
+        if not self.lora_name:
+            self.to_checkpoint = checkpoint_converter(model)
+        elif hasattr(model, "peft_config"):
+            self.adapter, self.lora = model, lora_info(model, self.lora_name, self.model_id)
+        else:
+            raise ValueError(f"lora_name={self.lora_name!r} publishes a PEFT adapter: train with peft_config")
 
     def init_weight_transfer(self) -> None:
         if self.publisher is None:
-            self.publisher = Publisher(self.root, model=self.model_id, config=self.config)
+            self.publisher = Publisher(self.root, model=self.model_id, config=self.config, lora=self.lora)
 
     def pause(self) -> None:
         """Nothing to pause: replicas keep generating and apply the step when it lands."""
@@ -82,7 +99,9 @@ class BucketWeightTransfer:
         start = time.perf_counter()
         self.init_weight_transfer()
         assert self.publisher is not None  # opened by init_weight_transfer
-        self.sent = list(iterator)  # the live tensors: publish() copies them before it returns
+        sent = list(iterator)  # the live tensors: publish() copies them before it returns
+        # Adapter mode: TRL merged the adapter into the weights it hands over; its own tensors are unchanged.
+        self.sent = adapter_tensors(self.adapter) if self.adapter is not None else sent
         params = self._checkpoint(self.sent)
         self.shapes = {name: tuple(t.shape) for name, t in params}
         if self.first_step is None and self._is_published_head(params):
@@ -120,3 +139,24 @@ class BucketWeightTransfer:
             return False
         state = ((name, t.to(torch.bfloat16)) for name, t in params)  # one tensor at a time
         return format_fingerprint(state_fingerprint(state)) == head.fingerprint
+
+
+def lora_info(model: torch.nn.Module, lora_name: str, base_model: str) -> dict:
+    """run.json's `lora` for `model`'s active adapter, refused (ValueError, TRL's own checks) when vLLM could
+    not serve it as a LoRA adapter; its adapter_config.json as PEFT writes it, naming `base_model`."""
+    from trl.experimental.async_grpo.async_grpo_trainer import validate_lora_for_vllm_sync
+
+    config = validate_lora_for_vllm_sync(model)  # type: ignore[arg-type]  # a PeftModel (use_model checks)
+    with tempfile.TemporaryDirectory() as folder:
+        config.save_pretrained(folder)
+        adapter_config = json.loads((Path(folder) / "adapter_config.json").read_text())
+    adapter_config["base_model_name_or_path"] = base_model
+    return {"name": lora_name, "adapter_config": adapter_config}
+
+
+def adapter_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The active adapter's tensors under the names PEFT saves them (live: the trainer's)."""
+    from peft import get_peft_model_state_dict
+
+    # vLLM serves no embedding LoRA (lora_info refuses it); the check would look the base model up online
+    return list(get_peft_model_state_dict(model, save_embedding_layers=False).items())

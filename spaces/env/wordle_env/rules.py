@@ -92,6 +92,11 @@ def invalid_reason(word: str | None, previous: list[str]) -> str | None:
     return None
 
 
+# The game's last reply holds one of these: won, or over with the secret word revealed.
+WON = "Congratulations! You guessed the word correctly!"
+REVEALED = "The secret word was:"
+
+
 def feedback(word: str, marks: str) -> str:
     """TextArena's feedback block: `Feedback:\\nC R A N E\\nG Y X X G`."""
     return f"Feedback:\n{' '.join(word.upper())}\n{' '.join(marks)}"
@@ -155,9 +160,7 @@ class Game:
             self.done = self.invalid_moves > INVALID_MOVE_ALLOWANCE
             message = f"You attempted an invalid move. Reason: {reason} "
             if self.done:
-                message += (
-                    f"Too many invalid moves: the game is over. The secret word was: **{self.answer}**."
-                )
+                message += f"Too many invalid moves: the game is over. {REVEALED} **{self.answer}**."
             else:
                 forgiven = f"{self.invalid_moves} of {INVALID_MOVE_ALLOWANCE} invalid moves forgiven"
                 message += f"Please resubmit a valid move ({forgiven})."
@@ -168,11 +171,11 @@ class Game:
         self.marks.append(marks)
         message = f"You submitted [{word}].\n{feedback(word, marks)}\n"
         if self.won:
-            message += "Congratulations! You guessed the word correctly!"
+            message += WON
         else:
             left = MAX_GUESSES - len(self.guesses)
             message += f"You have {left} guesses left."
             if not left:
-                message += f"\nThe turn limit has been reached. The secret word was: **{self.answer}**."
+                message += f"\nThe turn limit has been reached. {REVEALED} **{self.answer}**."
         self.done = self.won or len(self.guesses) == MAX_GUESSES
         return Turn(message, marks, repeats, float(self.won), self.done)

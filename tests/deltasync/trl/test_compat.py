@@ -47,6 +47,12 @@ def test_rollout_loop_session_and_server_url():
     assert assigns(_AsyncRolloutLoop.__init__, "vllm_server_url")
 
 
+def test_rollout_loop_request_model():
+    # a property, read once per request to name its model; adapter mode names `{lora_name}-v{version}`
+    assert isinstance(_AsyncRolloutLoop._request_model, property)
+    assert '"model": self._request_model,' in inspect.getsource(_AsyncRolloutLoop._generate_one_turn)
+
+
 def test_rollout_loop_metrics_queue():
     assert assigns(_AsyncRolloutLoop.__init__, "_metrics_queue")
 

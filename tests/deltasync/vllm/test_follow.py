@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deltasync import telemetry
-from tests.helpers import ServedRun, assert_bitwise_equal, wait_for
+from tests.helpers import CODE_UNDER_TEST, ServedRun, assert_bitwise_equal, wait_for
 from trainer.processes import free_port, placement, start_process, stop_process, wait_healthy
 from trainer.tiny_model import build_tiny_model
 
@@ -98,6 +98,7 @@ def stock_server(model_dir: Path, tmp: Path, *flags: str, cpus=CPUS.server, env:
     argv += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager"]
     argv += ["--weight-transfer-config", json.dumps({"backend": "deltasync"}), *flags]
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **CPUS.server_env(), **(env or {})}
+    env.update(CODE_UNDER_TEST)
     proc = start_process(argv, tmp / "server.log", env, cpus=cpus)
     url = f"http://127.0.0.1:{port}"
     try:

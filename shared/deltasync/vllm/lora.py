@@ -1,0 +1,122 @@
+"""vLLM LoRA resolver for a LoRA sync root: a request naming `{lora_name}-v{N}` gets the adapter published
+as step N, downloaded and verified bit for bit (the step's fingerprint) first.
+
+A stock server turns it on with the root in its environment (the `vllm.general_plugins` entry point registers
+it, `deltasync.vllm.plugin`):
+
+    export DELTASYNC_LORA_ROOT=hf://buckets/me/run VLLM_ALLOW_RUNTIME_LORA_UPDATING=1
+    python -m vllm.entrypoints.openai.api_server --model BASE --enable-lora --max-lora-rank 8 --max-loras 6
+
+DELTASYNC_LORA_CACHE: where verified adapters are written in PEFT's format (adapter_model.safetensors and
+adapter_config.json), one folder per name and fingerprint (default: a temporary folder). vLLM reads them when
+it loads an adapter, also again after evicting it (`--max-loras`, `--max-cpu-loras`), so they stay.
+
+A name the root does not publish, a step not published yet (or no longer retained), a file that fails
+verification or a root of another base model resolve to nothing: vLLM answers 404 (the rollout worker
+retries), and the reason is logged as one line. Nothing is ever served under a name but the verified step it
+names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+from safetensors.torch import save_file
+from vllm.lora.request import LoRARequest
+from vllm.lora.resolver import LoRAResolver, LoRAResolverRegistry
+
+from deltasync.codec.fingerprint import format_fingerprint
+from deltasync.errors import Refused  # why a name resolves to nothing (one line)
+from deltasync.storage import redact
+from deltasync.sync.protocol import adapter_name
+from deltasync.sync.subscriber import Subscriber, SyncError
+
+log = logging.getLogger(__name__)
+ROOT_ENV = "DELTASYNC_LORA_ROOT"
+CACHE_ENV = "DELTASYNC_LORA_CACHE"
+RESOLVER = "deltasync"  # its name in vLLM's registry
+VERSIONED = re.compile(r"(.+)-v(\d{1,18})")
+
+
+class DeltasyncLoRAResolver(LoRAResolver):
+    """Resolves `{lora_name}-v{N}` from the LoRA sync root `root` into folders under `cache`."""
+
+    def __init__(self, root: str, cache: Path | None = None):
+        self.root, self.cache = root, cache  # None: a temporary folder, made when first needed
+        self.where = redact(root)
+        # One reader, kept between resolutions: the next version replays one delta from the last one.
+        self.reader = Subscriber(root, prefetch=False)
+        self.lock = threading.Lock()
+        self.resolved: list[str] = []  # the names resolved, oldest first
+        self.last_error: str | None = None  # why the last name that resolved to nothing did
+
+    async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
+        match = VERSIONED.fullmatch(lora_name)
+        if match is None:
+            return None
+        try:
+            path = await asyncio.to_thread(self.fetch, base_model_name, match[1], int(match[2]))
+        except Refused as e:
+            self.last_error = f"LoRA adapter {lora_name}: {e}"
+            log.warning("%s", self.last_error)
+            return None
+        self.resolved.append(lora_name)
+        return LoRARequest(lora_name, 1, str(path), base_model_name=base_model_name)  # vLLM sets the id
+
+    def fetch(self, base_model: str, lora_name: str, step: int) -> Path:
+        """The folder holding step `step` of the root, verified, as the PEFT adapter `{lora_name}-v{step}`."""
+        with self.lock:
+            try:
+                self.reader.sync(step)
+            except SyncError as e:
+                head = self.reader.head
+                if head is not None and step > head.step:
+                    raise Refused(f"step {step} is not in {self.where} yet (head {head.step})") from None
+                raise Refused(str(e)) from None
+            run, state = self.reader.run, self.reader.state
+            assert run is not None and state is not None  # read by a successful sync
+            if run.lora is None:
+                raise Refused(f"{self.where} holds full weights of {run.model}, not a LoRA adapter")
+            if run.lora["name"] != lora_name:
+                raise Refused(f"{self.where} publishes the adapter {run.lora['name']!r}, not {lora_name!r}")
+            if run.model != base_model:
+                raise Refused(f"{self.where} holds an adapter of {run.model}, not of {base_model}")
+            name = adapter_name(lora_name, step)
+            if self.cache is None:
+                self.cache = Path(tempfile.mkdtemp(prefix="deltasync-lora-"))
+            folder = self.cache / f"{name}-{format_fingerprint(self.reader.fingerprint)}"
+            if not folder.is_dir():
+                self._write(folder, state, run.lora["adapter_config"])
+            log.info("LoRA adapter %s: step %d of %s, verified", name, step, self.where)
+            return folder
+
+    def _write(self, folder: Path, state: dict, adapter_config: dict) -> None:
+        """PEFT's format, written aside and renamed into place: vLLM never reads a half-written adapter."""
+        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=self.cache))
+        try:
+            save_file(state, staging / "adapter_model.safetensors")
+            (staging / "adapter_config.json").write_text(json.dumps(adapter_config, indent=1))
+            staging.rename(folder)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def register_resolver() -> None:
+    """Register the resolver when the server's environment names a root (DELTASYNC_LORA_ROOT)."""
+    root = os.environ.get(ROOT_ENV)
+    if not root or RESOLVER in LoRAResolverRegistry.get_supported_resolvers():  # loaded before
+        return
+    cache = os.environ.get(CACHE_ENV)
+    if cache:
+        Path(cache).mkdir(parents=True, exist_ok=True)
+    LoRAResolverRegistry.register_resolver(
+        RESOLVER, DeltasyncLoRAResolver(root, Path(cache) if cache else None)
+    )

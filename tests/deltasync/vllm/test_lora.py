@@ -1,0 +1,151 @@
+"""The `deltasync` LoRA resolver against LoRA roots published by hand (adapters in PEFT's format, no vLLM
+engine): each `{lora_name}-v{N}` resolves to the verified step N, written as a PEFT adapter; anything else
+resolves to nothing, with one line saying why."""
+
+import asyncio
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from deltasync.sync.protocol import ManifestError, RunInfo
+from deltasync.sync.publisher import Publisher
+from deltasync.vllm.lora import DeltasyncLoRAResolver
+from tests.helpers import assert_bitwise_equal, bf16
+
+BASE = "tiny-base"
+NAME = "policy"
+HIDDEN, RANK = 64, 8
+ADAPTER_CONFIG = {
+    "peft_type": "LORA",
+    "task_type": "CAUSAL_LM",
+    "r": RANK,
+    "lora_alpha": 16,
+    "target_modules": ["q_proj", "v_proj"],
+    "bias": "none",
+    "base_model_name_or_path": BASE,
+}
+
+
+def adapter(seed: int) -> dict[str, torch.Tensor]:
+    """An adapter's tensors under the names PEFT saves them."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(2):
+        for module in ("q_proj", "v_proj"):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = 0.1 * torch.randn(RANK, HIDDEN, generator=g)
+            tensors[f"{prefix}.lora_B.weight"] = 0.01 * torch.randn(HIDDEN, RANK, generator=g)
+    return tensors
+
+
+def publish(root, steps: int, model: str = BASE, lora: dict | None = None) -> list[dict]:
+    """`steps` versions of an adapter, each trained a little from the last; their bf16 states."""
+    lora = {"name": NAME, "adapter_config": ADAPTER_CONFIG} if lora is None else lora
+    tensors, states = adapter(0), []
+    with Publisher(root, model=model, lora=lora or None) as publisher:
+        for step in range(steps):
+            if step:
+                for t in tensors.values():
+                    t += 0.05 * t.abs() * torch.randn(t.shape, generator=torch.Generator().manual_seed(step))
+            publisher.publish(tensors, step=step)
+            publisher.flush()
+            states.append(bf16(tensors))
+    return states
+
+
+def resolve(resolver: DeltasyncLoRAResolver, name: str, base: str = BASE):
+    return asyncio.run(resolver.resolve_lora(base, name))
+
+
+@pytest.fixture
+def resolver(tmp_path):
+    (tmp_path / "cache").mkdir()
+    return DeltasyncLoRAResolver(str(tmp_path / "root"), tmp_path / "cache")
+
+
+def test_each_version_resolves_to_its_step_in_peft_format(tmp_path, resolver):
+    states = publish(tmp_path / "root", 3)
+    for step in (2, 0, 1):  # forward, back to the anchor, forward again
+        request = resolve(resolver, f"{NAME}-v{step}")
+        assert request.lora_name == f"{NAME}-v{step}" and request.base_model_name == BASE
+        folder = tmp_path / "cache" / request.lora_path
+        assert_bitwise_equal(load_file(folder / "adapter_model.safetensors"), states[step])
+        assert json.loads((folder / "adapter_config.json").read_text()) == ADAPTER_CONFIG
+    assert len(list((tmp_path / "cache").iterdir())) == 3  # one folder per version, nothing staged left
+
+
+def test_a_version_not_published_yet_resolves_to_nothing(tmp_path, resolver, caplog):
+    publish(tmp_path / "root", 2)
+    with caplog.at_level(logging.WARNING, "deltasync.vllm.lora"):
+        assert resolve(resolver, f"{NAME}-v2") is None
+    assert [r.getMessage() for r in caplog.records] == [f"LoRA adapter {NAME}-v2: step 2 is not in "
+                                                        f"{tmp_path / 'root'} yet (head 1)"]  # fmt: skip
+    assert not list((tmp_path / "cache").iterdir())
+
+
+def test_an_empty_root_resolves_to_nothing(tmp_path, resolver, caplog):
+    with caplog.at_level(logging.WARNING, "deltasync.vllm.lora"):
+        assert resolve(resolver, f"{NAME}-v0") is None
+    assert "no run in" in caplog.records[0].getMessage()
+
+
+def test_a_corrupt_adapter_file_is_refused_and_nothing_is_served(tmp_path, resolver, caplog):
+    states = publish(tmp_path / "root", 3)
+    root = tmp_path / "root"
+    for path in [*root.glob("deltas/step-00000002*"), *root.glob("anchors/step-00000002*/*")]:  # all it has
+        data = bytearray(path.read_bytes())
+        data[-9] ^= 0x40  # a bit of the values: the file still parses, its fingerprint does not hold
+        path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, "deltasync.vllm.lora"):
+        assert resolve(resolver, f"{NAME}-v2") is None
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"LoRA adapter {NAME}-v2: ") and "\n" not in line
+    assert not list((tmp_path / "cache").glob(f"{NAME}-v2-*"))
+    # The versions before it are still served, verified.
+    folder = tmp_path / "cache" / resolve(resolver, f"{NAME}-v1").lora_path
+    assert_bitwise_equal(load_file(folder / "adapter_model.safetensors"), states[1])
+
+
+@pytest.mark.parametrize(
+    ("name", "base", "reason"),
+    [
+        (f"{NAME}-v0", "another-base", f"holds an adapter of {BASE}, not of another-base"),
+        ("other-v0", BASE, f"publishes the adapter '{NAME}', not 'other'"),
+    ],
+)
+def test_a_foreign_adapter_is_refused(tmp_path, resolver, caplog, name, base, reason):
+    publish(tmp_path / "root", 1)
+    with caplog.at_level(logging.WARNING, "deltasync.vllm.lora"):
+        assert resolve(resolver, name, base) is None
+    assert reason in caplog.records[0].getMessage()
+    assert not list((tmp_path / "cache").iterdir())
+
+
+def test_a_full_weight_root_serves_no_adapter(tmp_path, resolver, caplog):
+    publish(tmp_path / "root", 1, lora={})
+    with caplog.at_level(logging.WARNING, "deltasync.vllm.lora"):
+        assert resolve(resolver, f"{NAME}-v0") is None
+    assert "holds full weights of tiny-base, not a LoRA adapter" in caplog.records[0].getMessage()
+
+
+def test_names_without_a_version_are_left_to_other_resolvers(tmp_path, resolver, caplog):
+    publish(tmp_path / "root", 1)
+    with caplog.at_level(logging.WARNING, "deltasync.vllm.lora"):
+        assert resolve(resolver, NAME) is None
+        assert resolve(resolver, f"{NAME}-vX") is None
+    assert not caplog.records
+
+
+def test_run_json_marks_a_lora_root_and_refuses_a_bad_mark():
+    lora = {"name": NAME, "adapter_config": ADAPTER_CONFIG}
+    run = RunInfo.of(BASE, {"a": torch.zeros(2)}, lora)
+    assert RunInfo.from_json(run.to_json()) == run
+    assert "lora" not in json.loads(RunInfo.of(BASE, {"a": torch.zeros(2)}).to_json())  # as before
+    for bad in ([], {"name": NAME}, {"name": 3, "adapter_config": {}}):
+        raw = json.loads(run.to_json())
+        raw["lora"] = bad
+        with pytest.raises(ManifestError, match="lora"):
+            RunInfo.from_json(json.dumps(raw).encode())
