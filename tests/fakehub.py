@@ -140,7 +140,7 @@ class FakeHub:
         self.feed_buffer = 10_000
         self.feed_session_s = 600.0
         self.keepalive_s = 15.0
-        self.changes: list[Change] = []
+        self.changes: list[Change] = []  # a new list per reset: the feed's sessions from before end
         self.stale_s = 0.0
         self.stale_every = 1  # 2: every other read in the window is stale (two caches, one caught up)
         self._stale_reads = 0
@@ -380,6 +380,8 @@ class FakeHub:
                     after = int(cursor)
                     if after + 1 < oldest and self.changes:  # older than the replay buffer
                         return _sse([("reset", {"reason": "cursor too old"})])
+                    if after > len(self.changes):  # not one of ours (a Hub reset since)
+                        return _sse([("reset", {"reason": "unknown cursor"})])
                 elif since:
                     t = parse_datetime(since).timestamp()
                     replay = [c for c in self.changes if c.at >= t - 1e-3]
@@ -489,7 +491,7 @@ class FakeHub:
 
     async def _stream(self, bucket: str, after: int, request: Request):
         """One feed session: the changes after seq `after` (replay), `ready`, then live changes."""
-        started, cursor = self.clock(), after
+        started, cursor, changes = self.clock(), after, self.changes
 
         def batches(upto: int) -> list[bytes]:
             out, pending = [], [c for c in self.changes[cursor:upto] if c.bucket == bucket]
@@ -508,7 +510,9 @@ class FakeHub:
         last_sent = time.monotonic()
         while True:
             await asyncio.sleep(0.02)
-            if self.closing or self.fail_status is not None or await request.is_disconnected():
+            if self.closing or self.fail_status is not None or changes is not self.changes:
+                return
+            if await request.is_disconnected():
                 return
             with self._lock:
                 end = len(self.changes)

@@ -24,7 +24,7 @@ class Clock:
         self.t += seconds
 
 
-def eventually(condition, timeout: float = 10.0) -> None:
+def eventually(condition, timeout: float = 30.0) -> None:
     """Wait for `condition()` (a thread's work) or fail: a bound on a hang, not a timing assertion."""
     deadline = time.monotonic() + timeout
     while not condition():

@@ -3,16 +3,18 @@ lease) and writes that land while the client sees an error. No acknowledged step
 out of order or goes backwards, and fencing holds."""
 
 import threading
+import time
 
 import pytest
 import torch
 
-from deltasync.storage import HubBucketStorage, WriterConflict
-from deltasync.sync.protocol import read_head
+from deltasync import telemetry
+from deltasync.storage import HubBucketStorage, LocalStorage, RateLimited, WriterConflict
+from deltasync.sync.protocol import HEAD_PATH, read_head
 from deltasync.sync.publisher import Publisher, PublisherConfig
-from deltasync.sync.subscriber import Subscriber, TensorsApplier
+from deltasync.sync.subscriber import Subscriber, SyncError, TensorsApplier
 from tests.deltasync.storage.test_hub import Clock, eventually
-from tests.helpers import bf16, bitwise_equal, make_params, train_step
+from tests.helpers import bf16, bitwise_equal, make_params, run_steps, train_step
 
 
 def replica(follow: bool):
@@ -108,3 +110,30 @@ def test_a_lost_lease_answer_still_fences_a_second_writer(fake_hub):
         with pytest.raises(WriterConflict, match="another publisher"):
             Publisher(HubBucketStorage("user/sync", "run", follow=False), model="tiny")
         assert read_head(storage).step == 0
+
+
+class LimitedOnce(LocalStorage):
+    """A root whose first head read is refused over a quota until `until`."""
+
+    def __init__(self, root, until: float):
+        super().__init__(root)
+        self.until: float | None = until
+
+    def _read_bytes(self, path, limit):
+        if path == HEAD_PATH and self.until is not None:
+            until, self.until = self.until, None
+            raise RateLimited(f"{self.url}: rate limited until {until:.0f}", until)
+        return super()._read_bytes(path, limit)
+
+
+def test_a_rate_limit_is_said_at_once_and_in_the_record_of_the_step_it_held_back(tmp_path):
+    run_steps(tmp_path, 2)
+    until = time.time() + 60
+    subscriber = Subscriber(LimitedOnce(tmp_path, until), replica="r1", retries=4, backoff_s=30)
+    with pytest.raises(SyncError, match="rate limited until"):  # at once: no retry inside the quota window
+        subscriber.sync()
+    assert subscriber.rate_limited_until == until and "rate limited until" in subscriber.last_error
+    subscriber.sync()
+    files = [tmp_path / f"telemetry/replicas/r1/step-{s:08d}.json" for s in (0, 1)]
+    records = [telemetry.from_json(telemetry.ReplicaRecord, f.read_bytes()) for f in files]
+    assert [r.rate_limited_until for r in records] == [until, until] and subscriber.last_error is None
