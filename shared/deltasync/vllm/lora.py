@@ -34,6 +34,7 @@ from vllm.lora.request import LoRARequest
 from vllm.lora.resolver import LoRAResolver, LoRAResolverRegistry
 
 from deltasync.codec.fingerprint import format_fingerprint
+from deltasync.errors import Refused  # why a name resolves to nothing (one line)
 from deltasync.storage import redact
 from deltasync.sync.protocol import adapter_name
 from deltasync.sync.subscriber import Subscriber, SyncError
@@ -43,10 +44,6 @@ ROOT_ENV = "DELTASYNC_LORA_ROOT"
 CACHE_ENV = "DELTASYNC_LORA_CACHE"
 RESOLVER = "deltasync"  # its name in vLLM's registry
 VERSIONED = re.compile(r"(.+)-v(\d{1,18})")
-
-
-class Refused(Exception):
-    """Why a name resolves to nothing (one line)."""
 
 
 class DeltasyncLoRAResolver(LoRAResolver):
