@@ -83,13 +83,16 @@ def minilm_trajectory(lr: float, steps: int) -> Trajectory:
         state = new
 
 
-QWEN3 = {"qwen3-0.6b": (1024, 3072), "qwen3-1.7b": (2048, 6144)}  # hidden and MLP sizes; both have 28 layers
+# hidden and MLP sizes, query heads; 0.6B and 1.7B have 28 layers and tied embeddings, 8B 36 and an lm_head
+QWEN3 = {"qwen3-0.6b": (1024, 3072, 16), "qwen3-1.7b": (2048, 6144, 16), "qwen3-8b": (4096, 12288, 32)}
 
 
 def qwen3_shapes(layers: int, model: str = "qwen3-0.6b") -> dict[str, tuple[int, ...]]:
-    """A Qwen3 model's tensors (tied embeddings, as in 0.6B and 1.7B), first `layers` decoder layers."""
-    (hidden, inter), heads, kv, head_dim, vocab = QWEN3[model], 16, 8, 128, 151936
+    """A Qwen3 model's tensors, first `layers` decoder layers."""
+    (hidden, inter, heads), kv, head_dim, vocab = QWEN3[model], 8, 128, 151936
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if model == "qwen3-8b":
+        shapes["lm_head.weight"] = (vocab, hidden)
     for i in range(layers):
         p = f"model.layers.{i}."
         shapes |= {

@@ -1,18 +1,26 @@
 """The library's CUDA paths on a GPU, each against a floor measured in the same run; the codec on the host.
 
-    python -m bench.cuda [--layers 28] [--density 0.01] [--repeat 10]
-                         [--only detect,write,engine,publish,codec]
+    python -m bench.cuda [--model 0.6b|8b] [--layers N] [--density 0.01] [--repeat 10]
+                         [--only detect,step,write,engine,publish,codec]
 
-A Qwen3-0.6B-shaped bf16 state (bench.codec.qwen3_shapes: real shapes, tied embeddings; N(0, 0.02) weights,
-norms at 1) made on the GPU, and a step that moves `--density` of its elements, at random positions, by one
-bf16 ulp up or down (what Adam's small steps do to bf16 weights). Times are medians of `--repeat` runs, each
-from a synchronized device to a synchronized device. Parts:
+A Qwen3-0.6B- or Qwen3-8B-shaped bf16 state (bench.codec.qwen3_shapes: real shapes, 0.6B with tied
+embeddings, 8B with an lm_head; N(0, 0.02) weights, norms at 1) made on the GPU, and a step that moves
+`--density` of its elements, at random positions, by one bf16 ulp up or down (what Adam's small steps do to
+bf16 weights). Times are medians of `--repeat` runs, each from a synchronized device to a synchronized
+device. Parts:
 
 - detect: change detection and fingerprint updates with both states on the GPU (deltasync.codec.changes
   `diff`, deltasync.codec.patch `fingerprint_after` and `make_patch`, `apply_changes`, and a full
-  `state_fingerprint`), against one `ne` pass over the same tensors and one device-to-device copy of the
-  model's bf16 bytes. "host syncs" counts the synchronizing CUDA calls of one run (torch's sync debug mode,
-  one codec thread): per call, not per tensor, is the goal.
+  `state_fingerprint`; on CUDA `diff`, `make_patch` and `state_fingerprint` run deltasync.codec.gpu's Triton
+  kernels), against one `ne` pass over the same tensors and one device-to-device copy of the model's bf16
+  bytes. "host syncs" counts the synchronizing CUDA calls of one run (torch's sync debug mode, one codec
+  thread): per call, not per tensor, is the goal.
+- step: the trainer's whole step with the previous copy on the GPU, against the same `ne` pass: blocked
+  (`make_patch`: after it the weights may change), the compact `encode` (classes and ranks on the GPU, the
+  rANS coder on every host core), bytes ready (both), rolling the previous copy forward (`apply_changes`);
+  beside the host path's `encode` of the same patch (old weights copied to the host), whose bytes must be
+  the same; and the host's decode of the GPU's bytes, checked bit for bit. The replica's rows (decode on the
+  workers, follower RSS) wait for the replica's GPU decoder.
 - write: the writes themselves into live CUDA parameters laid out as vLLM holds them (one `index_put_` per
   HF tensor into its destination view, rows of vLLM's fused qkv_proj and gate_up_proj), and a raw patch
   file read to the device and parsed (`raw_changes`). Floor: one `index_put_` of the same count into one
@@ -36,8 +44,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import statistics
+import struct
 import tempfile
 import time
 import types
@@ -56,11 +66,11 @@ from deltasync.codec.parallel import default_threads
 State = dict[str, torch.Tensor]
 
 
-def make_states(layers: int, density: float, device: str, seed: int = 0) -> tuple[State, State]:
+def make_states(model: str, layers: int, density: float, device: str, seed: int = 0) -> tuple[State, State]:
     """A random bf16 state and the state one step later (see the module's docstring)."""
     g = torch.Generator(device).manual_seed(seed)
     old, new = {}, {}
-    for name, shape in qwen3_shapes(layers).items():
+    for name, shape in qwen3_shapes(layers, model).items():
         if len(shape) == 1:
             t = torch.ones(shape, device=device, dtype=torch.bfloat16)
         else:
@@ -172,6 +182,75 @@ def detect_part(old: State, new: State, repeat: int) -> None:
         syncs = host_syncs(lambda call=call: call(1))
         rows.append([label, ms(s), f"**{s / ne_s:.1f}x**", f"{s / copy_s:.1f}x", syncs])
     table(["call", "time", "vs `ne` pass", "vs D2D copy", f"host syncs (of {len(old)} tensors)"], rows)
+
+
+# ----------------------------------------------------------------------------------------------- step
+
+
+def canonical(data: bytes) -> tuple[dict, bytes]:
+    """A patch's parsed header and its payload (safetensors writes `__metadata__` keys in no fixed order)."""
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def step_part(old: State, new: State, repeat: int) -> None:
+    numel = sum(t.numel() for t in old.values())
+    old_bits, new_bits = [bits(t) for t in old.values()], [bits(t) for t in new.values()]
+    ne_s = median_s(lambda: [a != b for a, b in zip(old_bits, new_bits, strict=True)], repeat)
+    base_fp = state_fingerprint(old)
+    patch = patches.make_patch(old, new, 1, 0, base_fp)
+    assert patch.fingerprint == state_fingerprint({n: t.cpu() for n, t in new.items()}), (
+        "make_patch: fingerprint"
+    )
+    data = patches.encode(patch, old, "compact")
+    on_host = patches.encode(patch, old, "compact", make_symbols=patches.host_symbols)
+    assert canonical(data) == canonical(on_host), "encode: the GPU's bytes differ from the host path's"
+    target = {n: t.to("cpu", copy=True) for n, t in old.items()}
+    apply_changes(target, patches.decode(data, target, base_fp).changes)
+    assert all(torch.equal(bits(target[n]), bits(new[n]).cpu()) for n in new), "host decode: wrong state"
+    del target
+    previous = {n: t.clone() for n, t in old.items()}
+
+    def bytes_ready(threads: int | None = None) -> bytes:
+        return patches.encode(patches.make_patch(old, new, 1, 0, base_fp, threads), old, "compact", threads)
+
+    calls = {
+        "**blocked**: `make_patch` (after it the weights may change)": (
+            lambda threads=None: patches.make_patch(old, new, 1, 0, base_fp, threads),
+            "<= 20x `ne`",
+        ),
+        "compact `encode` (GPU classes and ranks, host rANS)": (
+            lambda threads=None: patches.encode(patch, old, "compact", threads),
+            "",
+        ),
+        "**bytes ready**: `make_patch` + `encode`": (bytes_ready, "<= 300 ms at 8B"),
+        "roll the previous copy forward: `apply_changes`": (
+            lambda threads=None: apply_changes(previous, patch.changes, threads),
+            "",
+        ),
+        "host path's `encode` of the same patch (old weights to the host)": (
+            lambda threads=None: patches.encode(
+                patch, old, "compact", threads, make_symbols=patches.host_symbols
+            ),
+            "the same bytes",
+        ),
+    }
+    rows = []
+    for label, (call, goal) in calls.items():
+        call()  # warm-up (Triton compiles each kernel once per process)
+        s = median_s(call, min(repeat, 3) if "host path" in label else repeat)
+        syncs = host_syncs(lambda call=call: call(1))
+        rows.append([label, ms(s), f"{s / ne_s:.1f}x", syncs, goal])
+    changed = patch.changed
+    print(
+        f"### The trainer's step on the GPU, previous copy on the GPU ({2 * numel / 1e9:.1f} GB: 2 B per "
+        f"parameter): {changed:,} changed elements ({changed / numel:.2%}), compact patch "
+        f"{len(data) / 1e6:.1f} MB, the same bytes as the host path's\n\n"
+        f"Floor: one `ne` pass over the same tensors {ms(ne_s)}. Median of {repeat}. Not built yet, so not "
+        f"measured: the replica's rows (compact bytes in host memory to written and verified on the workers, "
+        f"follower peak RSS).\n"
+    )
+    table(["call", "time", "vs `ne` pass", "host syncs", "goal"], rows)
 
 
 # ----------------------------------------------------------------------------------------------- write
@@ -332,7 +411,7 @@ def vllm_stand_ins() -> None:
 class FusedQwen3(torch.nn.Module):
     """A stand-in for vLLM's Qwen3 on CUDA: its parameters (vllm_views' fused qkv_proj and gate_up_proj),
     and a `load_weights` that copies each HF tensor into its view as vLLM's stacked-parameter loader does
-    and skips the tied lm_head."""
+    and skips a tied lm_head."""
 
     def __init__(self, old: State) -> None:
         super().__init__()
@@ -344,7 +423,7 @@ class FusedQwen3(torch.nn.Module):
     def load_weights(self, weights) -> set[str]:
         loaded = set()
         for name, tensor in weights:
-            if name == "lm_head.weight":
+            if name == "lm_head.weight" and name not in self.views:  # tied to the embeddings
                 continue
             self.views[name].copy_(tensor)  # KeyError for a name this model has not: vLLM raises too
             loaded.add(name)
@@ -362,10 +441,11 @@ def engine_part(old: State, new: State, repeat: int) -> None:
 
     layers = sum(n.endswith("input_layernorm.weight") for n in old)
     hidden, inter = old["model.norm.weight"].shape[0], old["model.layers.0.mlp.up_proj.weight"].shape[0]
+    heads = old["model.layers.0.self_attn.q_proj.weight"].shape[0] // 128
     hf_config = Qwen3Config(
-        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=16,
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=8, head_dim=128, vocab_size=old["model.embed_tokens.weight"].shape[0],
-        tie_word_embeddings=True,
+        tie_word_embeddings="lm_head.weight" not in old,
     )  # fmt: skip
     model = FusedQwen3(old)
     model_config = types.SimpleNamespace(hf_config=hf_config)
@@ -445,6 +525,10 @@ def publish_part(old: State, new: State, repeat: int) -> None:
 
     rows = []
     for label, cast in (("bf16", torch.bfloat16), ("fp32 (cast to bf16 in the copy)", torch.float32)):
+        needed = 2 * sum(t.numel() for t in old.values()) * cast.itemsize
+        if torch.cuda.mem_get_info()[0] < 1.1 * needed:
+            print(f"publish, {label}: skipped, two such states need {needed / 1e9:.0f} GB of GPU memory\n")
+            continue
         states = [{n: t.to(cast) for n, t in s.items()} for s in (old, new)]
         params = states[0]
         pin = torch.cuda.is_available()
@@ -499,7 +583,7 @@ def codec_part(old: State, new: State, repeat: int) -> None:
     ne_s = min(median_s(ne_pass, 1) for _ in range(5))
     base_fp = state_fingerprint(old)
     rows = []
-    for threads in sorted({default_threads(), 1}, reverse=True):
+    for threads in sorted({default_threads(), 1 if numel < 2e9 else default_threads()}, reverse=True):
         encode_s, decode_s = [], []
         for _ in range(repeat):
             start = time.perf_counter()
@@ -528,6 +612,7 @@ def codec_part(old: State, new: State, repeat: int) -> None:
 
 PARTS = {
     "detect": detect_part,
+    "step": step_part,
     "write": write_part,
     "engine": engine_part,
     "publish": publish_part,
@@ -537,7 +622,8 @@ PARTS = {
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=28, help="decoder layers (Qwen3-0.6B has 28)")
+    ap.add_argument("--model", choices=("0.6b", "8b"), default="0.6b", help="Qwen3-0.6B or Qwen3-8B shapes")
+    ap.add_argument("--layers", type=int, help="decoder layers (default: the model's, 28 or 36)")
     ap.add_argument("--density", type=float, default=0.01, help="share of elements one step changes")
     ap.add_argument("--repeat", type=int, default=10, help="runs per measurement (codec: best of 3)")
     ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {', '.join(PARTS)}")
@@ -554,13 +640,15 @@ def main() -> None:
         parts = [p for p in parts if p == "codec"]
         if not parts:
             return
+    model = f"qwen3-{a.model}"
+    layers = a.layers if a.layers is not None else 36 if a.model == "8b" else 28
     device = torch.cuda.get_device_name() if cuda else "no GPU"
     print(
         f"bench.cuda, {datetime.date.today()}: {device}, {default_threads()} CPU cores, "
         f"torch {torch.__version__}; "
-        f"Qwen3-0.6B shapes, {a.layers} layers, density {a.density:g}\n"
+        f"Qwen3-{a.model.upper()} shapes, {layers} layers, density {a.density:g}\n"
     )
-    old, new = make_states(a.layers, a.density, "cuda" if cuda else "cpu")
+    old, new = make_states(model, layers, a.density, "cuda" if cuda else "cpu")
     for part in parts:
         PARTS[part](old, new, 3 if part == "codec" else a.repeat)
 

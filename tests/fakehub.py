@@ -9,34 +9,91 @@ in the process that uses the client.
 Space repos (for the deploy command): create, README metadata validation, commits of regular (base64) files,
 the file tree, variables, secrets and hardware requests. Files are kept in memory.
 
-Not modelled: pagination, copies, listing/moving/settings of buckets, the live event feed, visibility, rate
-limits; LFS/Xet files in repos (preupload answers "regular" for every file), model and dataset repos, Space
-runtimes and builds.
+The Hub's terms, as huggingface_hub 2.4 meets them:
+- quotas: per token, per fixed window (`window_s`, 300 s) and per class (`api`: every `/api/` route;
+  `resolvers`: `/buckets/.../resolve/`), `quotas` defaulting to the free tier (1,000 / 5,000). Every answer
+  carries the `RateLimit` / `RateLimit-Policy` headers; over quota the answer is a 429 with `r=0` and the
+  seconds to the window's end (the client's `parse_ratelimit_headers`). `counts` holds every window's
+  requests per class (and `limited` its 429s), so tests and benchmarks can hold budgets;
+- tree listings come in pages of `page_size` entries linked by the `Link: <...>; rel="next"` header;
+- the bucket change feed `GET /api/buckets/{id}/events` (`feed = False`: 404, not served), in the wire format
+  of huggingface_hub's `_bucket_live_follow`: replayed `changes` (from `?cursor=` or `?since=`), then `ready`
+  with the cursor, then one `changes` event per batch as it lands, `: keep-alive` comments every
+  `keepalive_s` (real seconds), a `reset` for a cursor older than the last `feed_buffer` changes, and a
+  `reconnect` with the cursor once a session has lasted `feed_session_s`;
+- faults: `stale_s` (reads of a path overwritten less than that long ago see its previous entry: listings,
+  paths-info and resolve; every `stale_every`th such read; not for `fresh_tokens`), `lose_responses(n,
+  status)` (the next n batches land, but are answered `status`), `fail_status` (every request fails).
+A test clock (`clock`, default `time.time`) or short windows keep tests fast; the client itself sleeps in real
+time until a 429's window ends.
+
+Not modelled: copies, listing/moving/settings of buckets, visibility; LFS/Xet files in repos (preupload
+answers "regular" for every file), model and dataset repos, Space runtimes and builds.
 """
 
+import asyncio
 import base64
+import collections
 import contextlib
 import hashlib
+import itertools
 import json
+import math
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from urllib.parse import urlencode
 
 import yaml
 from fastapi import FastAPI, HTTPException, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
+from huggingface_hub.utils import parse_datetime
 
 from trainer.processes import serving_in_thread
 
 USER = "user"  # whom the token belongs to: the `me` namespace
+FREE_TIER = {"api": 1000, "resolvers": 5000}  # requests per 5-minute window (hub-docs: rate limits)
+PRO_TIER = {"api": 2500, "resolvers": 12000}
 
 
-def _now() -> str:
+def _iso(t: float) -> str:
     # The client's parse_datetime wants exactly this shape (it rejects "+00:00").
-    dt = datetime.now(UTC)
+    dt = datetime.fromtimestamp(t, UTC)
     return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
+
+
+def request_class(path: str) -> str | None:
+    """The quota a request counts against: `api`, `resolvers`, or None (not counted)."""
+    if path.startswith("/api/"):
+        return "api"
+    if "/resolve/" in path:
+        return "resolvers"
+    return None
+
+
+@dataclass
+class Window:
+    """The requests of one fixed window, per class, and how many of them were refused (429)."""
+
+    start: float
+    counts: collections.Counter[str] = field(default_factory=collections.Counter)
+    limited: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+@dataclass
+class Change:
+    """One entry of a bucket's change feed."""
+
+    seq: int
+    at: float
+    bucket: str
+    batch: int  # the seq of its batch's first change: one feed event per batch
+    change: dict
+    wall: float = field(default_factory=time.time)  # when it landed, on the real clock
 
 
 @dataclass
@@ -57,26 +114,97 @@ class FakeHub:
 
     def __init__(self, cas_dir: Path, token: str = "hf_fake_token"):
         self.token = token
+        self.tokens = {token}  # accepted: each has its own windows (one per component, to count them apart)
         self.cas_url = f"local://{cas_dir}"
-        self.buckets: dict[str, dict[str, dict]] = {}  # bucket id -> path -> file entry (wire format)
-        self.spaces: dict[str, Space] = {}  # Space id -> what was created, committed and configured
-        self.requests: list[str] = []  # "METHOD /path" of every request, so tests can count round trips
-        self.fail_status: int | None = None  # when set, every request fails with it (an outage)
         self.endpoint = ""
         self._serving = contextlib.ExitStack()
+        self._lock = threading.Lock()  # the server's threads and the test's share the state below
+        self._sizes: dict[str, int] = {}  # xet hash -> size (the CAS is read once per hash)
+        self.closing = False
+        self.reset()
         self.app = self._build_app()
 
     def reset(self) -> None:
-        self.buckets.clear()
-        self.spaces.clear()
-        self.requests.clear()
-        self.fail_status = None
+        """An empty Hub on the default terms (free tier, 5-minute windows, feed served, no faults)."""
+        self.buckets: dict[str, dict[str, dict]] = {}  # bucket id -> path -> file entry (wire format)
+        self.previous: dict[tuple[str, str], tuple[float, dict]] = {}  # overwritten at, entry before
+        self.spaces: dict[str, Space] = {}  # Space id -> what was created, committed and configured
+        self.requests: list[str] = []  # "METHOD /path" of every request, so tests can count round trips
+        self.fail_status: int | None = None  # when set, every request fails with it (an outage)
+        self.clock: Callable[[], float] = time.time
+        self.quotas: dict[str, int] = dict(FREE_TIER)
+        self.window_s = 300.0
+        self.windows: dict[tuple[str, int], Window] = {}  # (token, window index) -> its requests
+        self.page_size = 1000
+        self.feed = True
+        self.feed_buffer = 10_000
+        self.feed_session_s = 600.0
+        self.keepalive_s = 15.0
+        self.changes: list[Change] = []
+        self.stale_s = 0.0
+        self.stale_every = 1  # 2: every other read in the window is stale (two caches, one caught up)
+        self._stale_reads = 0
+        self.fresh_tokens: set[str] = set()
+        self._lost: tuple[int, int] = (0, 500)
+        self.updated_at: dict[str, float] = {}
+
+    def lose_responses(self, n: int, status: int = 500) -> None:
+        """The next `n` batch requests land, but are answered `status` (the client sees an error)."""
+        self._lost = (n, status)
+
+    def counts(self, cls: str, token: str | None = None) -> list[int]:
+        """Requests of class `cls` in each window so far (of `token`, default all), oldest first."""
+        per_window: collections.Counter[int] = collections.Counter()
+        for (bearer, index), window in self.windows.items():
+            if token is None or bearer == f"Bearer {token}":
+                per_window[index] += window.counts[cls]
+        return [per_window[i] for i in sorted(per_window)]
+
+    def limited(self) -> int:
+        """429 answers so far."""
+        return sum(sum(w.limited.values()) for w in self.windows.values())
+
+    def total(self, cls: str) -> int:
+        return sum(w.counts[cls] for w in self.windows.values())
+
+    def _count(self, token: str, cls: str) -> tuple[int, float, Window]:
+        """Count a request; returns (requests left in the window, seconds to its end, the window)."""
+        now = self.clock()
+        index = math.floor(now / self.window_s)
+        window = self.windows.setdefault((token, index), Window(index * self.window_s))
+        window.counts[cls] += 1
+        left = self.quotas[cls] - window.counts[cls]
+        return int(max(left, 0)) if left >= 0 else -1, (index + 1) * self.window_s - now, window
 
     def start(self) -> None:
         self.endpoint = self._serving.enter_context(serving_in_thread(self.app))
 
     def stop(self) -> None:
+        self.closing = True  # ends the feed's open streams, which would hold the server's shutdown
         self._serving.close()
+
+    def size(self, xet_hash: str) -> int:
+        if xet_hash not in self._sizes:
+            self._sizes[xet_hash] = len(self.read(xet_hash))
+        return self._sizes[xet_hash]
+
+    def entry(self, bucket: str, path: str, request: Request) -> dict | None:
+        """What a read of `path` sees now: its previous entry while an overwrite is within `stale_s` (except
+        for the tokens in `fresh_tokens`: a writer that reads its own writes)."""
+        entry = self.buckets[bucket].get(path)
+        before = self.previous.get((bucket, path))
+        fresh = (request.headers.get("authorization") or "").removeprefix("Bearer ") in self.fresh_tokens
+        if entry is not None and before is not None and self.clock() < before[0] + self.stale_s and not fresh:
+            self._stale_reads += 1
+            if self._stale_reads % self.stale_every == 0:  # behind a cache that has not caught up
+                return before[1]
+        return entry
+
+    def _record(self, bucket: str, changes: list[dict]) -> None:
+        now, batch = self.clock(), len(self.changes) + 1
+        self.updated_at[bucket] = now
+        for change in changes:
+            self.changes.append(Change(len(self.changes) + 1, now, bucket, batch, change))
 
     def read(self, xet_hash: str) -> bytes:
         """A file's bytes, read back out of the local CAS."""
@@ -106,15 +234,34 @@ class FakeHub:
         app = FastAPI()
 
         @app.middleware("http")
-        async def auth_and_faults(request: Request, call_next):
+        async def auth_quota_and_faults(request: Request, call_next):
             self.requests.append(f"{request.method} {request.url.path}")
             if self.fail_status is not None:
                 return JSONResponse({"error": "injected failure"}, status_code=self.fail_status)
-            if request.headers.get("authorization") != f"Bearer {self.token}":
+            authorization = request.headers.get("authorization") or ""
+            if authorization.removeprefix("Bearer ") not in self.tokens:
                 # This message keeps the client from reading a 401 as "repository not found".
                 headers = {"X-Error-Message": "Invalid credentials in Authorization header"}
                 return JSONResponse({"error": "unauthorized"}, status_code=401, headers=headers)
-            return await call_next(request)
+            cls = request_class(request.url.path)
+            if cls is None:
+                return await call_next(request)
+            with self._lock:
+                left, reset_s, window = self._count(authorization, cls)
+                if left < 0:
+                    window.limited[cls] += 1
+            headers = {
+                "RateLimit": f'"{cls}";r={max(left, 0)};t={math.ceil(reset_s)}',
+                "RateLimit-Policy": f'"fixed window";"{cls}";q={self.quotas[cls]};w={self.window_s:.0f}',
+            }
+            if left < 0:
+                message = (
+                    f"You have exceeded the rate limit for {cls} requests; retry in {math.ceil(reset_s)} s"
+                )
+                return JSONResponse({"error": message}, status_code=429, headers=headers)
+            response = await call_next(request)
+            response.headers.update(headers)
+            return response
 
         @app.post("/api/buckets/{ns}/{name}")
         async def create(ns: str, name: str):
@@ -132,7 +279,8 @@ class FakeHub:
             return {
                 "id": f"{ns}/{name}",
                 "private": True,
-                "createdAt": _now(),
+                "createdAt": _iso(0.0),
+                "updatedAt": _iso(self.updated_at.get(f"{ns}/{name}", 0.0)),
                 "size": size,
                 "totalFiles": len(files),
             }
@@ -141,7 +289,7 @@ class FakeHub:
         @app.get("/api/buckets/{ns}/{name}/xet-read-token")
         async def xet_token(ns: str, name: str):
             self._bucket(ns, name)
-            exp = int(time.time()) + 3600
+            exp = int(time.time()) + 3600  # hf_xet checks it against the real clock
             # hf_xet reads the JSON body; huggingface_hub's own helper reads the headers.
             headers = {
                 "X-Xet-Cas-Url": self.cas_url,
@@ -152,34 +300,58 @@ class FakeHub:
 
         @app.post("/api/buckets/{ns}/{name}/batch")
         async def batch(ns: str, name: str, request: Request):
-            files, failed = self._bucket(ns, name), []
-            for line in (await request.body()).decode().splitlines():
-                op = json.loads(line)
-                if op["type"] == "addFile":
-                    files[op["path"]] = {
-                        "type": "file",
-                        "path": op["path"],
-                        "xetHash": op["xetHash"],
-                        "size": len(self.read(op["xetHash"])),
-                        "mtime": _now(),
-                        "uploadedAt": _now(),
-                    }
-                elif op["type"] != "deleteFile" or files.pop(op["path"], None) is None:
-                    failed.append({"path": op["path"], "error": f"{op['type']} failed"})
+            files, failed, changes = self._bucket(ns, name), [], []
+            ops = [json.loads(line) for line in (await request.body()).decode().splitlines()]
+            sizes = {op["xetHash"]: self.size(op["xetHash"]) for op in ops if op["type"] == "addFile"}
+            with self._lock:
+                now = _iso(self.clock())
+                for op in ops:
+                    path = op["path"]
+                    if op["type"] == "addFile":
+                        entry = {
+                            "type": "file",
+                            "path": path,
+                            "xetHash": op["xetHash"],
+                            "size": sizes[op["xetHash"]],
+                            "mtime": now,
+                            "uploadedAt": now,
+                        }
+                        before = files.get(path)
+                        if before is not None:
+                            self.previous[(f"{ns}/{name}", path)] = (self.clock(), before)
+                        files[path] = entry
+                        fields = {k: entry[k] for k in ("path", "size", "xetHash", "uploadedAt", "mtime")}
+                        changes.append({**fields, "op": "add" if before is None else "update"})
+                    elif op["type"] != "deleteFile" or files.pop(path, None) is None:
+                        failed.append({"path": path, "error": f"{op['type']} failed"})
+                    else:
+                        self.previous.pop((f"{ns}/{name}", path), None)
+                        changes.append({"path": path, "op": "delete"})
+                if changes:
+                    self._record(f"{ns}/{name}", changes)
+                lost, status = self._lost
+                if lost:
+                    self._lost = (lost - 1, status)
+            if lost:
+                return JSONResponse({"error": "the response was lost"}, status_code=status)
             return {"failed": failed}
 
         @app.post("/api/buckets/{ns}/{name}/paths-info")
         async def paths_info(ns: str, name: str, request: Request):
-            files = self._bucket(ns, name)
-            return [files[p] for p in (await request.json())["paths"] if p in files]
+            self._bucket(ns, name)
+            found = [self.entry(f"{ns}/{name}", p, request) for p in (await request.json())["paths"]]
+            return [e for e in found if e is not None]
 
         @app.get("/api/buckets/{ns}/{name}/tree")
         @app.get("/api/buckets/{ns}/{name}/tree/{prefix:path}")
-        async def tree(ns: str, name: str, prefix: str = "", recursive: bool = False):
+        async def tree(
+            ns: str, name: str, request: Request, prefix: str = "", recursive: bool = False, cursor: int = 0
+        ):
             out, folders = [], set()
-            for path, entry in sorted(self._bucket(ns, name).items()):
+            for path in sorted(self._bucket(ns, name)):
                 if not path.startswith(prefix):  # a plain string prefix, as the client documents
                     continue
+                entry = self.entry(f"{ns}/{name}", path, request)
                 rest = path[len(prefix) :].lstrip("/")
                 if recursive or "/" not in rest:
                     out.append(entry)
@@ -188,7 +360,35 @@ class FakeHub:
                     if folder not in folders:
                         folders.add(folder)
                         out.append({"type": "directory", "path": folder, "uploadedAt": entry["uploadedAt"]})
-            return out
+            page, headers = out[cursor : cursor + self.page_size], {}
+            if cursor + self.page_size < len(out):  # the next page's URL, as the Hub links it
+                query = urlencode({"recursive": recursive, "cursor": cursor + self.page_size})
+                headers["Link"] = f'<{str(request.url).split("?")[0]}?{query}>; rel="next"'
+            return JSONResponse(page, headers=headers)
+
+        @app.get("/api/buckets/{ns}/{name}/events")
+        async def events(ns: str, name: str, request: Request, cursor: str | None = None, since: str = ""):
+            bucket = f"{ns}/{name}"
+            if not self.feed:
+                raise HTTPException(404, "the change feed is not served here")
+            self._bucket(ns, name)
+            with self._lock:
+                oldest = self.changes[-self.feed_buffer].seq if len(self.changes) >= self.feed_buffer else 1
+                if cursor is not None:
+                    if not cursor.isdigit():
+                        raise HTTPException(400, "bad cursor")
+                    after = int(cursor)
+                    if after + 1 < oldest and self.changes:  # older than the replay buffer
+                        return _sse([("reset", {"reason": "cursor too old"})])
+                elif since:
+                    t = parse_datetime(since).timestamp()
+                    replay = [c for c in self.changes if c.at >= t - 1e-3]
+                    after = replay[0].seq - 1 if replay else len(self.changes)
+                    if replay and replay[0].seq < oldest:
+                        return _sse([("reset", {"reason": "since too old"})])
+                else:
+                    after = len(self.changes)
+            return StreamingResponse(self._stream(bucket, after, request), media_type="text/event-stream")
 
         @app.post("/api/repos/create")
         async def create_repo(request: Request):
@@ -270,7 +470,8 @@ class FakeHub:
 
         @app.api_route("/buckets/{ns}/{name}/resolve/{path:path}", methods=["GET", "HEAD"])
         async def resolve(ns: str, name: str, path: str, request: Request):
-            entry = self._bucket(ns, name).get(path)
+            self._bucket(ns, name)
+            entry = self.entry(f"{ns}/{name}", path, request)
             if entry is None:
                 return Response(status_code=404, headers={"X-Error-Code": "EntryNotFound"})
             headers = {
@@ -285,3 +486,49 @@ class FakeHub:
             )
 
         return app
+
+    async def _stream(self, bucket: str, after: int, request: Request):
+        """One feed session: the changes after seq `after` (replay), `ready`, then live changes."""
+        started, cursor = self.clock(), after
+
+        def batches(upto: int) -> list[bytes]:
+            out, pending = [], [c for c in self.changes[cursor:upto] if c.bucket == bucket]
+            for _, group in itertools.groupby(pending, key=lambda c: c.batch):  # one event per batch request
+                group = list(group)
+                payload = {"cursor": str(group[-1].seq), "changes": [c.change for c in group]}
+                out.append(_event("changes", payload))
+            return out
+
+        with self._lock:
+            end = len(self.changes)
+            replay = batches(end)
+        yield b"".join(replay)
+        cursor = end
+        yield _event("ready", {"cursor": str(cursor)} if cursor else {})
+        last_sent = time.monotonic()
+        while True:
+            await asyncio.sleep(0.02)
+            if self.closing or self.fail_status is not None or await request.is_disconnected():
+                return
+            with self._lock:
+                end = len(self.changes)
+                live = batches(end)
+            if live:
+                cursor = end
+                yield b"".join(live)
+                last_sent = time.monotonic()
+            elif time.monotonic() - last_sent >= self.keepalive_s:
+                yield b": keep-alive\n\n"
+                last_sent = time.monotonic()
+            if self.clock() - started >= self.feed_session_s:
+                yield _event("reconnect", {"cursor": str(cursor)})
+                return
+
+
+def _event(name: str, payload: dict) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(payload)}\n\n".encode()
+
+
+def _sse(events: list[tuple[str, dict]]) -> StreamingResponse:
+    body = b"".join(_event(name, payload) for name, payload in events)
+    return StreamingResponse(iter([body]), media_type="text/event-stream")

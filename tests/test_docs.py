@@ -133,7 +133,7 @@ REPO_PATH = re.compile(rf"(?<![\w/.-])(?:\.\./)*((?:{TOP_FOLDERS})/[\w./-]*)")
 
 @pytest.mark.parametrize("doc", DOCS, ids=ids(DOCS))
 def test_repository_paths_exist(doc: Path):
-    """Paths into the repository named in code (`shared/deltasync/storage.py`, `tests/spaces/...`)."""
+    """Paths into the repository named in code (`shared/deltasync/storage/`, `tests/spaces/...`)."""
     missing = []
     for _, code in code_snippets(doc.read_text()):
         for path in REPO_PATH.findall(code):

@@ -58,6 +58,7 @@ REPLICA_COLUMNS = [
 ]
 SHOWN_PROBLEMS = 50
 MAX_REQUEST_BYTES = 64 << 10  # the page's event calls carry a version number; the API takes no body
+RATE_LIMIT_SHOWN_S = 600.0  # a replica's rate limit stays on the page this long after it ended
 ASCII_PUNCTUATION = re.compile(f"([{re.escape(string.punctuation)}])")  # what Markdown lets one escape
 pio.templates.default = "plotly_white"  # set once: a per-figure template= costs a deep copy on every refresh
 CSS = """
@@ -399,6 +400,18 @@ def status_markdown(summary: dict[str, Any], refresh_s: float) -> str:
                 f"{fmt_seconds(row['silent_s'])} ago "
                 f"(holds step {row['step']}, {row['behind_steps']} behind)."
             )
+    if summary.get("rate_limited_until"):
+        lines.append(
+            f"⚠ **Rate limited** by the Hub until {_clock(summary['rate_limited_until'])}: "
+            "this page shows the last data read until then."
+        )
+    for row in summary["replicas"]:
+        until = row.get("rate_limited_until")
+        if until is not None and time.time() - until < RATE_LIMIT_SHOWN_S:
+            lines.append(
+                f"⚠ Replica **{markdown_text(row['replica'])}** was rate limited until {_clock(until)} "
+                f"(its step {row['step']} waited for it)."
+            )
     if summary["problem_count"]:
         lines.append(f"⚠ {summary['problem_count']} invalid telemetry files skipped (listed below).")
     if summary["unread"]:
@@ -427,6 +440,10 @@ def replicas_frame(summary: dict[str, Any]) -> pd.DataFrame:
 
 def _or_blank(value: Any) -> Any:
     return "" if value is None else value
+
+
+def _clock(t: float) -> str:
+    return f"{datetime.fromtimestamp(t, UTC):%H:%M:%S} UTC"
 
 
 def _when(t: float | None, now: float) -> str:

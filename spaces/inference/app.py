@@ -159,6 +159,7 @@ def sync_status(cfg: Settings, subscriber: Subscriber, applier: EngineApplier, i
         "weight_version": applier.version,
         "paused_until_anchor": applier.stuck,
         "last_error": subscriber.last_error,
+        "rate_limited_until": subscriber.storage.rate_limited_until,  # the Hub refuses requests until then
         "readback": applier.readback,
         "last_write": applier.last_write,
         # how the workers write each tensor: in place ("direct", MoE experts "packed") or by vLLM's loader

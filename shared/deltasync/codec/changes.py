@@ -65,8 +65,8 @@ def diff(
     """Elements of `new` (any float dtype, cast to bf16) whose bf16 bit pattern differs from `old` (bf16).
 
     Bitwise comparison, so NaN payloads and -0.0 count. On the host, spans of every tensor are compared on
-    `threads` threads (see deltasync.codec.parallel); on CUDA this syncs with the host once for all tensors
-    (to size the outputs), not once per tensor.
+    `threads` threads (see deltasync.codec.parallel); on CUDA (Triton's kernels: deltasync.codec.gpu) this
+    syncs with the host once for all tensors (to size the outputs), not once per tensor.
     """
     return diff_and_moves(old, new, threads)[0]
 
@@ -78,18 +78,18 @@ def diff_and_moves(
 ) -> tuple[dict[str, TensorChanges], dict[str, int]]:
     """`diff`, and how the changes of each host tensor move the fingerprint of `old` (see
     deltasync.codec.fingerprint; summed while comparing, when the old values are at hand). Tensors on
-    accelerators have no entry in the moves."""
+    accelerators other than CUDA have no entry in the moves."""
     from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
 
     new = dict(new.items() if isinstance(new, Mapping) else new)
     check_schema(old, new)
-    on_host, on_device = {}, {}  # on_host: name -> (old bits, new bits); on_device: name -> (mask, new bits)
+    on_host, on_device = {}, {}  # name -> (old bits, new bits)
     for name, t in new.items():
         new_bits, old_bits = bits(as_bf16(t)), bits(old[name])
         if old_bits.device.type == new_bits.device.type == "cpu":  # compiled passes, no mask
             on_host[name] = (old_bits.numpy(), new_bits.numpy())
         else:
-            on_device[name] = (new_bits != old_bits, new_bits)
+            on_device[name] = (old_bits, new_bits)
 
     def compare(work: tuple[str, int, int]) -> tuple[np.ndarray, np.ndarray, int]:
         name, lo, hi = work
@@ -107,12 +107,21 @@ def diff_and_moves(
         values = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
         found[name] = TensorChanges(torch.from_numpy(idx), torch.from_numpy(values).view(torch.bfloat16))
         moves[name] = sum(p[2] for p in parts) & fingerprint.MASK64
-    if on_device:  # one host sync for all tensors, to size the outputs
-        counts = torch.stack([torch.count_nonzero(m) for m, _ in on_device.values()]).tolist()
-        for (name, (mask, new_bits)), count in zip(on_device.items(), counts, strict=True):
+    cuda = {name: (a, b.to(a.device)) for name, (a, b) in on_device.items() if a.device.type == "cuda"}
+    if cuda:
+        from deltasync.codec import gpu  # not at import time: it loads Triton
+
+        found_on_cuda, moves_on_cuda = gpu.scan(cuda)
+        found |= found_on_cuda  # (tensors with changes only)
+        moves |= moves_on_cuda
+    others = {name: pair for name, pair in on_device.items() if name not in cuda}
+    if others:  # one host sync for all tensors, to size the outputs
+        masks = [new_bits != old_bits for old_bits, new_bits in others.values()]
+        counts = torch.stack([torch.count_nonzero(m) for m in masks]).tolist()
+        for (name, (_, new_bits)), mask, count in zip(others.items(), masks, counts, strict=True):
             idx = torch.nonzero_static(mask, size=count).squeeze(1)
             found[name] = TensorChanges(idx, new_bits[idx].view(torch.bfloat16))
-    changes = {name: found[name] for name in new if len(found[name])}
+    changes = {name: found[name] for name in new if name in found and len(found[name])}
     return changes, {name: moves[name] for name in changes if name in moves}
 
 

@@ -125,6 +125,24 @@ def to_symbols(old_bits: np.ndarray, idx: np.ndarray, new_bits: np.ndarray) -> S
     return Symbols(bounds, starts, rice, q, r, v, q_hist, v_hist, position_bits + 1.5 * idx.size)
 
 
+def ranked_symbols(
+    bounds: list[int],
+    position_bits: float,
+    cls: np.ndarray,
+    ranks: np.ndarray,
+    sizes: np.ndarray,
+    old: np.ndarray,
+    new_bits: np.ndarray,
+) -> Symbols:
+    """What to_symbols makes of one chunk, from the classes chosen (`bounds` and their cost `position_bits`),
+    each change's class, in-class rank and old pattern (position order) and each class's size in the chunk,
+    found elsewhere (on a GPU: deltasync.codec.gpu)."""
+    from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
+
+    starts, rice, q, r, v, q_hist, v_hist = kernels.ranked_symbols(cls, ranks, sizes, old, new_bits)
+    return Symbols(bounds, starts, rice, q, r, v, q_hist, v_hist, position_bits + 1.5 * cls.size)
+
+
 def tally(models: Models, s: Symbols) -> None:
     models.q += s.q_hist
     models.v += s.v_hist

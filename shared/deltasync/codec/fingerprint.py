@@ -52,7 +52,8 @@ def _weighted_sum(name: str, rows: np.ndarray, row_sums: np.ndarray) -> int:
 
 
 @cache
-def _r1_on(device: torch.device) -> torch.Tensor:
+def r1_on(device: torch.device) -> torch.Tensor:
+    """R1 (int64) on `device`."""
     return R1_TORCH.to(device)
 
 
@@ -61,7 +62,7 @@ def _row_sums(t: torch.Tensor) -> torch.Tensor:
     b = bits(t)
     n_rows = -(-b.numel() // ROW)
     padded = torch.nn.functional.pad(b, (0, n_rows * ROW - b.numel())) if b.numel() % ROW else b
-    r1 = _r1_on(b.device)
+    r1 = r1_on(b.device)
     sums = [(chunk.to(torch.int64) * r1).sum(1) for chunk in padded.view(n_rows, ROW).split(_ROWS_PER_CHUNK)]
     return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int64, device=b.device)
 
@@ -87,13 +88,22 @@ def tensor_fingerprint(name: str, t: torch.Tensor) -> int:
 
 
 def state_fingerprint(state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Fingerprint of a whole bf16 state (on accelerators: one copy to the host per device)."""
-    names, sums = [], []
+    """Fingerprint of a whole bf16 state (on CUDA: one fused kernel pass, deltasync.codec.gpu; on other
+    accelerators: one copy of row sums to the host per device)."""
+    names, sums, on_cuda = [], [], []
     for name, t in state.items() if isinstance(state, Mapping) else state:  # keeps row sums, not tensors
+        if t.device.type == "cuda":
+            on_cuda.append((name, t))
+            continue
         names.append(name)
         sums.append(_row_sums(t))
     rows = to_host(sums)
-    return sum(_weighted_sum(n, np.arange(r.size), r) for n, r in zip(names, rows, strict=True)) & MASK64
+    total = sum(_weighted_sum(n, np.arange(r.size), r) for n, r in zip(names, rows, strict=True))
+    if on_cuda:
+        from deltasync.codec import gpu  # not at import time: it loads Triton
+
+        total += gpu.state_fingerprint(on_cuda)
+    return total & MASK64
 
 
 def delta(name: str, positions: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:

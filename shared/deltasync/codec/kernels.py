@@ -279,6 +279,14 @@ def encode_symbols(old_bits, limits, idx, new_bits):
         sizes[0] = old_bits.size
     else:
         cls, ranks, sizes, old = _ranks(old_bits, limits, idx)
+    return ranked_symbols(cls, ranks, sizes, old, new_bits)
+
+
+@_inline  # (callable from Python too)
+def ranked_symbols(cls, ranks, sizes, old, new_bits):
+    """encode_symbols' results from each change's class, in-class rank and old pattern (in position order)
+    and each class's size: found by encode_symbols here, or by a GPU pass (deltasync.codec.gpu)."""
+    k = cls.size
     starts = np.zeros(MAX_CLASSES + 1, np.int64)
     for j in range(k):
         starts[cls[j] + 1] += 1

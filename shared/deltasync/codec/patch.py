@@ -30,7 +30,7 @@ import hashlib
 import json
 import math
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -164,9 +164,12 @@ def encode(
     chunk: int = compact.CHUNK,
     windows: Mapping[str, tuple[int, int]] | None = None,
     shapes: Mapping[str, Sequence[int]] | None = None,
+    make_symbols: SymbolsMaker | None = None,
 ) -> bytes:
     """Serialize `patch`, made against bf16 state `old`, as safetensors bytes. The compact encoding codes
-    chunks of `chunk` elements on `threads` threads; the bytes do not depend on `threads`.
+    chunks of `chunk` elements on `threads` threads; the bytes do not depend on `threads`. `make_symbols`
+    finds the chunks' symbols (by default deltasync.codec.gpu.chunk_symbols where the changed tensors are on
+    CUDA, else host_symbols: the same symbols).
 
     With `windows` ({name: (start, length)}), `old[name]` holds only those elements of the tensor and the
     patch's positions in it count from `start`; `shapes` (every tensor's whole shape) then gives the schema.
@@ -197,11 +200,8 @@ def encode(
         if not 1 <= chunk <= compact.MAX_CHUNK:
             raise ValueError(f"chunk {chunk} not in 1..{compact.MAX_CHUNK}")
         models = compact.Models()
-        symbols: dict[str, list[compact.Symbols]] = {}
+        symbols = (make_symbols or _symbols_maker(patch.changes, old))(patch.changes, old, chunk, threads)
         dense_changed: dict[str, int] = {}
-        chunks = _chunks(patch.changes, old, chunk)
-        for (name, _), s in zip(chunks, parallel_map(_chunk_symbols, chunks, threads), strict=True):
-            symbols.setdefault(name, []).append(s)
         for name, parts in list(symbols.items()):
             if sum(s.estimated_bits for s in parts) < 16 * old[name].numel():
                 for s in parts:
@@ -260,6 +260,35 @@ def _chunks(changes: Mapping[str, TensorChanges], old: Mapping[str, torch.Tensor
 
 def _chunk_symbols(work: Chunk) -> compact.Symbols:
     return compact.to_symbols(*work[1])
+
+
+def host_symbols(
+    changes: Mapping[str, TensorChanges],
+    old: Mapping[str, torch.Tensor],
+    chunk: int,
+    threads: int | None = None,
+) -> dict[str, list[compact.Symbols]]:
+    """The compact symbols of every chunk of every changed tensor, in order, on `threads` host threads."""
+    symbols: dict[str, list[compact.Symbols]] = {}
+    chunks = _chunks(changes, old, chunk)
+    for (name, _), s in zip(chunks, parallel_map(_chunk_symbols, chunks, threads), strict=True):
+        symbols.setdefault(name, []).append(s)
+    return symbols
+
+
+def _symbols_maker(changes: Mapping[str, TensorChanges], old: Mapping[str, torch.Tensor]) -> SymbolsMaker:
+    """Triton's kernels where every changed tensor is on CUDA, else the host's loops (the same symbols)."""
+    if changes and all(old[name].device.type == "cuda" for name in changes):
+        from deltasync.codec import gpu  # not at import time: it loads Triton
+
+        return gpu.chunk_symbols
+    return host_symbols
+
+
+SymbolsMaker = Callable[
+    [Mapping[str, TensorChanges], Mapping[str, torch.Tensor], int, int | None],
+    dict[str, list[compact.Symbols]],
+]
 
 
 def raw_entries(changes: Mapping[str, TensorChanges]) -> dict[str, torch.Tensor]:

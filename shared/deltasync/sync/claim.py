@@ -4,8 +4,8 @@ One writer per sync root, in three layers:
 - a claim held for the publisher's life: on a local folder (a path, `file://` or `local://`) an flock on
   `writer.lock`, exclusive between processes of this host and released by the kernel if the holder dies; on
   object stores and other fsspec URLs, which offer no conditional write through the APIs used here, a lease
-  in `writer.lock` (holder, epoch, expiry; renewed every quarter of `lease_s`) that a second publisher reads
-  and respects, then reads back after taking it;
+  in `writer.lock` (holder, epoch, expiry; renewed every quarter of `lease_s`; left expired on release) that
+  a second publisher reads and respects, then reads back after taking it;
 - fencing: each claim takes an epoch larger than any before it, rewrites the head with it at once, and names
   its step files with its tag (`e<epoch>-<claim>`), so two writers never write the same data object;
 - acknowledgement: a publisher re-reads the head before writing it (it must be the head it wrote last), and
@@ -15,15 +15,15 @@ One writer per sync root, in three layers:
 What each backend guarantees:
 - local folder: a second writer is refused outright; nothing below applies.
 - object stores and fsspec URLs: at most one writer acknowledges a step, and a fenced writer's step files are
-  garbage (GC removes them), never damage. What remains is the head itself, written without a condition: a
-  writer that stops for longer than its lease inside the head write (after its last check) can still replace
-  the current writer's head once, with a complete head of its own (the root stays readable and writable). It
-  then finds the lease gone and never acknowledges; the current writer puts its own head back (it has a
-  larger epoch) at its next head write, lease renewal or close. Readers in between may apply the fenced
-  writer's step; they reload from an anchor when the head moves on (they trust fingerprints, not step
-  numbers). Two claims racing within one request of each other can both read back their own lease; the
-  acknowledgement's lease check then lets at most one of them acknowledge. Leases assume clocks that agree
-  within a small fraction of `lease_s`.
+  garbage (GC removes them), never damage. The head itself is written without a condition: a writer that
+  stops for longer than its lease inside the head write (after its last check) can still land its head on
+  heads/latest.json. That hides nothing: each writer also writes its heads under its own epoch, a released
+  lease stays behind (expired) naming its epoch, and readers take the head of the lease's epoch when it is
+  newer than latest.json's (deltasync.sync.protocol.read_head_bytes); replicas never take a head older than
+  one they have seen. The fenced writer finds the lease gone and never acknowledges; the current writer puts
+  latest.json back at its next head write, lease renewal or close. Two claims racing within one request of
+  each other can both read back their own lease; the acknowledgement's lease check then lets at most one of
+  them acknowledge. Leases assume clocks that agree within a small fraction of `lease_s`.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ import time
 import uuid
 
 from deltasync.storage import Storage, TransientStorageError, WriterConflict
+from deltasync.sync.protocol import WRITER_PATH
 
 log = logging.getLogger(__name__)
-WRITER_PATH = "writer.lock"
 LEASE_S = 120.0  # object stores: a writer's lease lasts this long unless renewed (every quarter)
 
 
@@ -120,6 +120,25 @@ class WriterClaim:
                 other = lease["holder"] if lease else "a writer that removed the lease"
                 raise WriterConflict(f"{self.storage.url}: another publisher ({other}) took over")
 
+    def renewal(self) -> tuple[str, bytes, float] | None:
+        """(path, content, when) of the lease that extends this claim, for the caller to write with its next
+        request and then confirm with `renewed(when)`: the current lease was checked to be this claim's.
+        None when nothing is due, or when the lease lapsed: then it was taken again here, with its read-back
+        (WriterConflict if another writer has it)."""
+        if not self.renew_due():
+            return None
+        if time.time() >= self._renewed_at + self.lease_s:
+            self.renew()
+            return None
+        self._check_lease("took over")
+        now = time.time()
+        lease = {"holder": self.holder, "epoch": self.epoch, "expires_at": now + self.lease_s}
+        return WRITER_PATH, json.dumps(lease).encode(), now
+
+    def renewed(self, when: float) -> None:
+        """The lease from `renewal()` (made at `when`) was written."""
+        self._renewed_at = when
+
     def renew(self, taking: bool = False) -> None:
         """Extend the lease (a lock needs nothing); WriterConflict if another writer took it over. A lease
         that lapsed (a long step) but is still ours is taken again like a new claim: written, read back."""
@@ -151,7 +170,10 @@ class WriterClaim:
         self._released = True
         try:
             lease = self._lease()
-            if lease and lease["holder"] == self.holder:
-                self.storage.delete([WRITER_PATH])
+            if (
+                lease and lease["holder"] == self.holder
+            ):  # expired at once, but its epoch stays: see read_head
+                closed = {"holder": self.holder, "epoch": self.epoch, "expires_at": 0}
+                self.storage.write_bytes(WRITER_PATH, json.dumps(closed).encode())
         except TransientStorageError as e:  # the lease then expires by itself
             log.warning("could not release the writer lease of %s: %s", self.storage.url, e)

@@ -5,6 +5,7 @@
     deltas/step-00000001-e1-1a2b3c4d.safetensors      patches (codec.patch) from the previous published step
     deltas/step-00000002-e1-1a2b3c4d/part-00001-of-00002.safetensors  a step in parts, one per rank (sharded)
     heads/latest.json                                 the newest step and every file a reader may use
+    heads/epoch-00000001.json                         the same head, under its writer's epoch (fencing)
     telemetry/...                                     deltasync.telemetry
     writer.lock                                       who publishes (deltasync.sync.claim: lock or lease)
 
@@ -33,10 +34,12 @@ from deltasync.storage import Storage, TooLargeError, check_path
 FORMAT_VERSION = 1
 RUN_PATH = "run.json"
 HEAD_PATH = "heads/latest.json"
+WRITER_PATH = "writer.lock"  # who writes (deltasync.sync.claim): a lock's holder, or a lease with its epoch
 ANCHOR_FORMAT = "deltasync.anchor"
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_INT = (1 << 63) - 1  # steps, sizes, counts, dims: anything larger is corrupt
 _TAG = r"(?:-(e\d{1,19}-[0-9a-f]{8}))?"
+STEP_DIR = re.compile(rf"step-\d{{8,}}{_TAG}")  # an anchor's or a sharded delta's folder
 _DATA_FILE = re.compile(
     rf"deltas/step-(\d{{8,}}){_TAG}(?:\.safetensors|/part-(\d{{5}})-of-(\d{{5}})\.safetensors)"
     rf"|anchors/step-(\d{{8,}}){_TAG}/model(?:-\d{{5}}-of-(\d{{5}}))?\.safetensors"
@@ -126,9 +129,60 @@ def schema_problem(name: object, shape: object) -> str | None:
     return None if ok else "a shape must be a list of integers from 0 to 2**63 - 1"
 
 
+def epoch_head_path(epoch: int) -> str:
+    """Where the writer of `epoch` also puts each head it writes: a key no other writer writes."""
+    return f"heads/epoch-{epoch:08d}.json"
+
+
+def epoch_of_head(path: str) -> int | None:
+    """The epoch of a head stored under its writer's epoch (epoch_head_path), else None."""
+    match = re.fullmatch(r"heads/epoch-(\d{8,19})\.json", path)
+    return int(match[1]) if match else None
+
+
 def read_head(storage: Storage) -> Head:
     """The head of `storage`, size-checked before it is read; FileNotFoundError if there is none."""
-    return Head.from_json(read_manifest(storage, HEAD_PATH))
+    return Head.from_json(read_head_bytes(storage))
+
+
+def read_head_bytes(storage: Storage) -> bytes:
+    """The current head's bytes: `heads/latest.json`, unless the writer lease names a newer epoch whose own
+    head exists (a fenced writer's late write replaced latest.json after the writer that fenced it stopped
+    writing): then that one. FileNotFoundError if there is no head."""
+    data = read_manifest(storage, HEAD_PATH)
+    try:
+        lease_epoch = _epoch(read_manifest(storage, WRITER_PATH))
+    except FileNotFoundError:
+        lease_epoch = None
+    head_epoch = _epoch(data)
+    if lease_epoch is None or head_epoch is None or lease_epoch <= head_epoch:
+        return data
+    newest = _head_of(storage, lease_epoch)
+    if newest is None:  # a new claim that has not written its head yet: the newest before it (rare)
+        found = (epoch_of_head(p) for p in storage.list("heads"))
+        between = [e for e in found if e is not None and head_epoch < e < lease_epoch]
+        for epoch in sorted(between, reverse=True):
+            newest = _head_of(storage, epoch)
+            if newest is not None:
+                break
+    return newest or data
+
+
+def _head_of(storage: Storage, epoch: int) -> bytes | None:
+    try:
+        data = read_manifest(storage, epoch_head_path(epoch))
+    except FileNotFoundError:
+        return None
+    return data if _epoch(data) == epoch else None
+
+
+def _epoch(data: bytes) -> int | None:
+    """The `epoch` field of a head or lease, None if unreadable (the head's parser says why)."""
+    try:
+        epoch = json.loads(data).get("epoch")
+    except (ValueError, RecursionError, AttributeError):
+        return None
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) and 0 <= epoch <= MAX_INT else None
 
 
 def read_run(storage: Storage) -> RunInfo:

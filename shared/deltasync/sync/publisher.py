@@ -46,7 +46,9 @@ from deltasync.sync.protocol import (
     RunInfo,
     check_step,
     delta_path,
+    epoch_head_path,
     parse_data_path,
+    read_head_bytes,
     read_manifest,
     read_run,
 )
@@ -116,6 +118,10 @@ class Publisher:
         self._published_fp = 0
         self._stored = False  # publish_stored() was called: the ranks, not this publisher, hold the state
         self._head_bytes: set[bytes | None] = {None}  # what the head may be now: what we wrote (or none)
+        # Telemetry of published steps and files no head names any more: sent with the next step's data (one
+        # request on the Hub), or by flush(), close() and the idle loop.
+        self._due: list[tuple[str, bytes | Path]] = []
+        self._garbage: list[str] = []
         # Head reads that travel while the data uploads, and lease checks beside read-backs.
         self._background = futures.ThreadPoolExecutor(1, thread_name_prefix="deltasync-publisher-check")
         holder = new_holder()  # one name across retries: a lease written by a failed attempt is its own
@@ -210,12 +216,34 @@ class Publisher:
         return step
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every handed-over state is published; raises the worker's error if it failed."""
+        """Wait until every handed-over state is published, with its telemetry; raises the worker's error if
+        it failed."""
         with self._cond:
             ok = self._cond.wait_for(lambda: self._error or not (self._pending or self._busy), timeout)
             self._raise_if_failed()
             if not ok:
                 raise TimeoutError(f"publisher still uploading after {timeout} s")
+        self._send_due()
+
+    def _take_due(self) -> tuple[list[tuple[str, bytes | Path]], list[str]]:
+        with self._cond:
+            due, garbage, self._due, self._garbage = self._due, self._garbage, [], []
+        return due, garbage
+
+    def _give_back(self, due: list[tuple[str, bytes | Path]], garbage: list[str]) -> None:
+        with self._cond:
+            self._due, self._garbage = due + self._due, garbage + self._garbage
+
+    def _send_due(self) -> None:
+        """Write the telemetry and delete the garbage still due (best effort: the steps are published)."""
+        due, garbage = self._take_due()
+        if not (due or garbage):
+            return
+        try:
+            self.storage.write_many(due, garbage)
+        except TransientStorageError as e:
+            self._give_back(due, garbage)
+            log.warning("telemetry or GC of published steps failed, retrying later: %s", e)
 
     def close(self, timeout: float | None = None) -> None:
         """Publish what is pending, then stop the worker and let the next writer in."""
@@ -228,6 +256,7 @@ class Publisher:
             self._thread.join(timeout)
             if not self._thread.is_alive():
                 if self._error is None:
+                    self._send_due()
                     self._restore_head()
                 self.claim.release()
                 self._background.shutdown()
@@ -277,6 +306,7 @@ class Publisher:
                 job, self._pending, self._busy = self._pending, None, self._pending is not None
             if job is None:  # idle: keep the lease alive (outside the lock: publish() never waits for it)
                 self._renew_lease()
+                self._send_due()
                 continue
             try:
                 self._publish_with_retries(job)
@@ -366,16 +396,21 @@ class Publisher:
                     tag,
                 )
             encode_s = time.perf_counter() - start + (job.stored.encode_s if job.stored else 0.0)
-            if self.claim.renew_due():
-                self.claim.renew()
+            lease = self.claim.renewal()  # written with the data: no request of its own
             current = self._background.submit(self._current_head)  # travels while the data uploads
+            upload: list[tuple[str, bytes | Path]] = [(path, local) for local, path in anchor_files]
+            if data is not None:  # a delta this publisher encoded
+                upload.insert(0, (delta_path(job.step, tag), data))
+            owed, garbage = self._take_due()  # earlier steps' telemetry and garbage: the same request
             try:
-                if data is not None:  # a delta this publisher encoded
-                    self.storage.write_bytes(delta_path(job.step, tag), data)
-                for local, path in anchor_files:
-                    self.storage.upload_file(local, path)
+                self.storage.write_many(upload + owed + ([lease[:2]] if lease else []), garbage)
+            except BaseException:
+                self._give_back(owed, garbage)
+                raise
             finally:
                 futures.wait([current])
+            if lease:
+                self.claim.renewed(lease[2])
             anchor_bytes = sum(local.stat().st_size for local, _ in anchor_files)
         now = time.time()
         entries = []
@@ -410,14 +445,12 @@ class Publisher:
             base_step=head.step if head else None,
             info=job.info,
         )
-        try:  # the step is published: losing telemetry or leaving garbage must not undo that
-            for r in [*job.skipped, record]:
-                telemetry.write(self.storage, r)
-            # What the head no longer names, and the step's own delta when retention already dropped it
-            written = {f for e in entries for f in e.files}
-            self.storage.delete(sorted(((head.files() if head else set()) | written) - new_head.files()))
-        except TransientStorageError as e:
-            log.warning("step %d published, but telemetry or GC failed: %s", job.step, e)
+        # The step is published: its telemetry and garbage go out with the next request (never undoing it).
+        # What the head no longer names, and the step's own delta when retention already dropped it:
+        written = {f for e in entries for f in e.files}
+        with self._cond:
+            self._due += [(r.path(), telemetry.to_json(r)) for r in [*job.skipped, record]]
+            self._garbage += sorted(((head.files() if head else set()) | written) - new_head.files())
 
     def _write_head(self, head: Head, current: bytes | None) -> None:
         """Write `head` as the only writer (see deltasync.sync.claim). `current`, the head read just before,
@@ -427,7 +460,9 @@ class Publisher:
         self._check_current(current)
         self.claim.check_live()
         self._head_bytes.add(data)  # if the read-back fails transiently, a retry finds this head
-        self.storage.write_bytes(HEAD_PATH, data)
+        # Also under this writer's epoch, which only it writes: a fenced writer's late write to latest.json
+        # cannot hide it from readers (deltasync.sync.protocol.read_head_bytes).
+        self.storage.write_many([(epoch_head_path(self.claim.epoch), data), (HEAD_PATH, data)])
         confirmed = self._background.submit(self.claim.confirm)  # beside the read-back: one latency
         try:
             current = self._current_head()
@@ -479,8 +514,11 @@ class Publisher:
         earlier writers: the head is rewritten with this claim's epoch, so their next head write fails."""
         from deltasync.sync.subscriber import Subscriber  # the reader's verified path to the head state
 
-        data = self._current_head()
-        self._head_bytes = {data}
+        try:  # the head readers take: a fenced writer's late write may hide the last writer's
+            data: bytes | None = read_head_bytes(self.storage)
+        except FileNotFoundError:
+            data = None
+        self._head_bytes = {data, self._current_head()}
         if data is None:
             return
         head = Head.from_json(data)

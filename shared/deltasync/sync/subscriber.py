@@ -35,17 +35,16 @@ from deltasync import telemetry
 from deltasync.codec import fingerprint
 from deltasync.codec.changes import TensorChanges, apply_changes
 from deltasync.codec.patch import Patch, PatchError, decode, decode_parts, read_info
-from deltasync.storage import Storage, TransientStorageError, open_storage, retry
+from deltasync.storage import RateLimited, Storage, TransientStorageError, open_storage, retry
 from deltasync.sync.anchor import read_anchor
 from deltasync.sync.protocol import (
-    HEAD_PATH,
     Entry,
     Head,
     ManifestError,
     RunInfo,
     delta_path,
     parse_data_path,
-    read_manifest,
+    read_head_bytes,
     read_run,
 )
 
@@ -187,6 +186,7 @@ class Subscriber:
         self.history: collections.deque[Applied] = collections.deque(maxlen=256)
         self._bad: set[tuple[str, int]] = set()  # (file, bytes) that failed verification
         self._unverified_deltas = 0
+        self.rate_limited_until: float | None = None  # when the last rate limit met ended (or ends)
 
     # ---------------------------------------------------------------------------------------------- API
 
@@ -211,7 +211,8 @@ class Subscriber:
         interval: float = 1.0,
         on_applied: Callable[[Applied], None] | None = None,
     ) -> None:
-        """Poll every `interval` seconds until `stop` is set; errors are logged and kept in `last_error`.
+        """Sync at every change the storage reports (or every `interval` seconds where it reports none) until
+        `stop` is set; errors are logged and kept in `last_error`.
         `on_applied` is called for each step applied; its errors are logged and skip nothing else."""
         while not stop.is_set():
             try:
@@ -225,7 +226,10 @@ class Subscriber:
                         on_applied(a)
                 except Exception:
                     log.exception("on_applied for step %d failed", a.step)
-            stop.wait(interval)
+            if self.last_error is None:  # on a change feed: the next head or delta, without a request
+                self.storage.wait_for_change(stop, interval, under=("heads/", "deltas/"))
+            else:  # a failure is retried, but not before a rate limit ends
+                stop.wait(max(interval, (self.storage.rate_limited_until or 0.0) - time.time()))
 
     # ------------------------------------------------------------------------------------------ planning
 
@@ -247,9 +251,10 @@ class Subscriber:
                     raise SyncError(f"{e}, though the head names it") from None
 
     def _read_head(self) -> Head:
-        """The head: one bounded read per poll, parsed only when its bytes changed."""
+        """The head: one bounded read per poll, parsed only when its bytes changed; never one older (by writer
+        epoch, then step) than the newest seen, so a replica never goes backwards."""
         try:
-            data = self._retry(lambda: read_manifest(self.storage, HEAD_PATH))
+            data = self._retry(lambda: read_head_bytes(self.storage))
             head = self.head if data == self._head_data and self.head else Head.from_json(data)
             if self.run is None:
                 self.run = self._retry(lambda: read_run(self.storage))
@@ -257,6 +262,8 @@ class Subscriber:
             raise SyncError(f"no run in {self.storage.url} yet") from None
         except ManifestError as e:
             raise SyncError(f"refused the head of {self.storage.url}: {e}") from None
+        if self.head is not None and (head.epoch, head.step) < (self.head.epoch, self.head.step):
+            return self.head  # older than one seen: a stale read, or a fenced writer's late write
         self.head, self._head_data = head, data
         return head
 
@@ -466,7 +473,10 @@ class Subscriber:
 
     def _retry(self, call):
         try:
-            return retry(call, (self.backoff_s, float("inf")), attempts=self.retries + 1)
+            return retry(call, (self.backoff_s, float("inf")), self.retries + 1, wait_out_limits=False)
+        except RateLimited as e:  # said at once (status, telemetry); follow() waits until it ends
+            self.rate_limited_until = e.until
+            raise SyncError(str(e)) from None
         except TransientStorageError as e:
             raise SyncError(f"storage keeps failing: {e}") from None
 
@@ -474,7 +484,13 @@ class Subscriber:
 
     def _report(self, a: Applied) -> None:
         if self.replica is not None:
-            self._write_record(telemetry.ReplicaRecord(replica=self.replica, verified=True, **asdict(a)))
+            limited = self.rate_limited_until  # a rate limit held this step back
+            limited = limited if limited is not None and limited > a.published_at else None
+            self._write_record(
+                telemetry.ReplicaRecord(
+                    replica=self.replica, verified=True, rate_limited_until=limited, **asdict(a)
+                )
+            )
 
     def _report_refused(self, entry: Entry, head: Head, error: str) -> None:
         if self.replica is None:

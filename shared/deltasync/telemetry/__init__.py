@@ -25,7 +25,7 @@ MAX_INFO_KEYS = 64
 MAX_INFO_KEY_CHARS = 128
 # published_at and applied_at, unix seconds: from 1970 to 2286, a range every date formatter can show.
 TIME_RANGE = (0.0, 1e10)
-TIME_FIELDS = ("published_at", "applied_at")
+TIME_FIELDS = ("published_at", "applied_at", "rate_limited_until")
 
 
 class RecordError(ValueError):
@@ -76,6 +76,7 @@ class ReplicaRecord:
     changed: int = 0
     pause_s: float | None = None  # generation paused for the write (inference servers only)
     error: str | None = None
+    rate_limited_until: float | None = None  # the storage's request quota held this step back until then
 
     @property
     def lag_s(self) -> float:
@@ -113,7 +114,7 @@ def from_json(cls: type[Record], data: bytes, where: str = "record") -> Record:
         if name in fields:  # newer writers may add fields: ignore them
             values[name] = _check(cls, name, str(fields[name].type), value, where)
     for name in TIME_FIELDS:
-        if name in values and not TIME_RANGE[0] <= values[name] <= TIME_RANGE[1]:
+        if values.get(name) is not None and not TIME_RANGE[0] <= values[name] <= TIME_RANGE[1]:
             raise RecordError(f"{where}: field {name!r} is {values[name]!r}, not a unix time in {TIME_RANGE}")
     problem = info_problem(values.get("info", {}))
     if problem:

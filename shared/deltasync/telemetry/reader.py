@@ -1,11 +1,14 @@
 """Incremental reading of a sync root's telemetry (deltasync.telemetry) for the dashboard and scripts.
 
-A poll reads only files it has not seen. Listing `telemetry/` costs as much as the history (30,000 files at
-10,000 steps; many paged requests on the Hub), so a poll lists only if listing keeps under `listing_share` of
-the wall time (every poll for a short run, every few seconds for a long one); other polls probe, with one
-`sizes()` call, the next few step names of each writer already known. Listings find the rest: new replicas, a
-replica that jumped ahead to an anchor, stray files. Records are untrusted: a bad one (malformed, huge, not a
-regular file) is skipped and reported in one line naming it, never fatal, and never blocks a poll.
+A poll reads only files it has not seen. Where the storage follows a change feed (a Hub bucket), the feed
+names the new files: a poll then lists nothing and, while nothing changes, sends no request; it lists once at
+start and whenever the feed lost its place. Elsewhere, listing `telemetry/` costs as much as the history
+(30,000 files at 10,000 steps; many paged requests on the Hub), so a poll lists only if listing keeps under
+`listing_share` of the wall time (every poll for a short run, every few seconds for a long one); other polls
+probe, with one `sizes()` call, the next few step names of each writer already known. Listings find the rest:
+new replicas, a replica that jumped ahead to an anchor, stray files. Records are untrusted: a bad one
+(malformed, huge, not a regular file) is skipped and reported in one line naming it, never fatal, and never
+blocks a poll.
 """
 
 from __future__ import annotations
@@ -83,15 +86,23 @@ class TelemetryReader:
         read them meanwhile (a slow bucket blocks no one); one thread at a time fetches and applies."""
         paths, probes = [], []
         start = time.monotonic()
-        if self._listing_s is None or (start - self._listed_at) * self.listing_share >= self._listing_s:
+        changed = self.storage.changes(TELEMETRY_DIR)
+        if changed is not None:  # the change feed names what is new: no listing, no probe, no request
+            paths = [p for p in changed if p not in self._seen or p in self._refused_sizes]
+        elif (
+            self._listing_s is None
+            or self.storage.follows_changes  # the feed lost its place (or starts): list once, then follow it
+            or (start - self._listed_at) * self.listing_share >= self._listing_s
+        ):
             paths = [p for p in self.storage.list(TELEMETRY_DIR) if p not in self._seen]
             self._listed_at = time.monotonic()
             self._listing_s = self._listed_at - start
         else:
             probes = [p for p in self._next_paths() if p not in self._seen]
-        sizes = self.storage.sizes(probes + list(self._refused_sizes))
-        paths += [p for p in probes if sizes[p] is not None]
-        paths += [p for p, size in self._refused_sizes.items() if sizes[p] not in (None, size)]
+        if changed is None:
+            sizes = self.storage.sizes(probes + list(self._refused_sizes))
+            paths += [p for p in probes if sizes[p] is not None]
+            paths += [p for p, size in self._refused_sizes.items() if sizes[p] not in (None, size)]
         paths = list(dict.fromkeys([*self._unread, *paths]))
         self._unread.clear()
         if self.readers > 1 and len(paths) > 1:
@@ -215,6 +226,7 @@ class TelemetryReader:
         full = sum(r.full_bytes for r in published)
         return {
             "root": self.storage.url,
+            "rate_limited_until": self.storage.rate_limited_until,  # this reader's own requests are refused
             "steps": len(published),
             "latest_step": head,
             "anchors": len(published) - len(deltas),
@@ -309,4 +321,5 @@ def _replica_row(
         "applied": len(applied),
         "refused": len(refused),
         "last_error": last_refusal.error if last_refusal else None,
+        "rate_limited_until": last_report.rate_limited_until,  # its last step was held back until then
     }

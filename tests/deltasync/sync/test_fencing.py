@@ -105,24 +105,34 @@ def test_a_paused_writer_never_damages_or_acknowledges(window):
     assert reader.step == 4 and bitwise_equal(reader.state, bf16(b_params))
 
 
+def stopped_in_head_write(url: str, config: PublisherConfig, steps: int) -> tuple[Publisher, Pausing]:
+    """Writer A after publishing steps 0 to `steps` - 1, stopped inside the head write of step `steps` until
+    its lease lapsed."""
+    params = make_params()
+    a_storage = Pausing(url, protocol.HEAD_PATH)
+    a = Publisher(a_storage, model="tiny", config=config)
+    for step in range(steps + 1):
+        if step:
+            train_step(params, step)
+        a_storage.armed = step == steps
+        a.publish(params, step=step)
+        if step < steps:
+            a.flush()
+    assert a_storage.paused.wait(60)
+    wait_for(lambda: lease_lapsed(url), "the paused writer's lease to lapse")
+    return a, a_storage
+
+
 def replace_lease(config: PublisherConfig, lease_s: float) -> PublisherConfig:
     return PublisherConfig(**{**config.__dict__, "lease_s": lease_s})
 
 
 def test_a_fenced_head_is_replaced_by_the_current_writers_next_step():
-    """The fenced writer's head (a smaller epoch) is taken back at the current writer's next head write."""
+    """The fenced writer's head (a smaller epoch) never hides the current writer's (its head under its
+    epoch), and latest.json is taken back at the current writer's next head write."""
     url = f"memory://fencing-{uuid.uuid4().hex}"
     config = PublisherConfig(keep_anchors=10_000, lease_s=LEASE_S)
-    params = make_params()
-    a_storage = Pausing(url, protocol.HEAD_PATH)
-    a = Publisher(a_storage, model="tiny", config=config)
-    a.publish(params, step=0)
-    a.flush()
-    a_storage.armed = True
-    train_step(params, 1)
-    a.publish(params, step=1)
-    assert a_storage.paused.wait(60)
-    wait_for(lambda: lease_lapsed(url), "the paused writer's lease to lapse")
+    a, a_storage = stopped_in_head_write(url, config, steps=1)
     b_params = make_params(seed=7)
     b = Publisher(url, model="tiny", config=replace_lease(config, 60.0))
     b.publish(b_params, step=1)
@@ -130,8 +140,9 @@ def test_a_fenced_head_is_replaced_by_the_current_writers_next_step():
     a_storage.resume.set()
     with pytest.raises(RuntimeError, match="another publisher"):
         a.close(60)
-    fenced = protocol.read_head(open_storage(url))
-    assert fenced.epoch < b.claim.epoch  # A's head replaced B's once: complete, readable
+    fenced = protocol.Head.from_json(open_storage(url).read_bytes(protocol.HEAD_PATH))
+    assert fenced.epoch < b.claim.epoch  # A's head replaced latest.json once: complete, readable
+    assert protocol.read_head(open_storage(url)).epoch == b.claim.epoch  # readers still take B's
     assert Subscriber(url).sync()
     train_step(b_params, 2)
     b.publish(b_params, step=2)
@@ -183,3 +194,31 @@ def test_steps_and_names_a_reader_would_refuse_are_refused_before_writing(tmp_pa
     reader = Subscriber(root)
     reader.sync()
     assert reader.step == protocol.MAX_INT
+
+
+def test_a_paused_writers_late_head_never_hides_a_closed_writers_acknowledged_step():
+    """The window a head without a condition leaves: A stops inside its head write for longer than its lease,
+    B claims the root, acknowledges step 3 and closes; then A's head lands on heads/latest.json. Readers and
+    the next writer still take B's step 3 (B's head under its epoch), never A's."""
+    url = f"memory://fencing-{uuid.uuid4().hex}"
+    config = PublisherConfig(keep_anchors=10_000, lease_s=LEASE_S)
+    a, a_storage = stopped_in_head_write(url, config, steps=3)
+    b_params = make_params(seed=7)
+    with Publisher(url, model="tiny", config=replace_lease(config, 60.0)) as b:
+        b.publish(b_params, step=3)  # acknowledged, then B closes
+    a_storage.resume.set()
+    with pytest.raises(RuntimeError, match="another publisher|lapsed"):
+        a.close(60)
+    assert protocol.Head.from_json(open_storage(url).read_bytes(protocol.HEAD_PATH)).epoch == a.claim.epoch
+    b_step_3 = bf16(b_params)
+    reader = Subscriber(url)
+    reader.sync()
+    assert reader.step == 3 and bitwise_equal(reader.state, b_step_3)  # B's step, not A's
+    train_step(b_params, 4)
+    with Publisher(url, model="tiny", config=config) as c:  # resumes from B's step 3
+        assert c.last_step == 3 and bitwise_equal(c._published, b_step_3)
+        c.publish(b_params, step=4)
+    for step, state in ((3, b_step_3), (4, bf16(b_params))):
+        reader = Subscriber(url)
+        reader.sync(step)
+        assert bitwise_equal(reader.state, state), step

@@ -135,7 +135,8 @@ def test_hub_lease_refuses_a_second_writer_and_fences_a_stale_one(fake_hub):
     reader = Subscriber(root)
     reader.sync()
     assert reader.step == 1 and bitwise_equal(reader.state, bf16(make_params(2)))
-    assert storage.sizes([WRITER_PATH])[WRITER_PATH] is None  # released
+    closed = json.loads(storage.read_bytes(WRITER_PATH))  # released: expired, naming the last epoch
+    assert closed == {"holder": second.claim.holder, "epoch": second.claim.epoch, "expires_at": 0}
 
 
 class Stalling(LocalStorage):

@@ -1,0 +1,394 @@
+"""A sync root in a Hugging Face Hub bucket, through huggingface_hub's bucket API and the bucket change feed.
+
+The Hub counts requests per token in fixed 5-minute windows, per class: API calls (`/api/...`: paths-info,
+listings, writes, Xet tokens) and resolver calls (`/buckets/.../resolve/...`: file reads), the latter with a
+quota five times larger. So this backend:
+- reads small files (`read_bytes`: heads, deltas, telemetry) with one resolver GET, bounded by the caller's
+  limit from the size the answer announces, and no paths-info;
+- follows the bucket's change feed (`GET /api/buckets/{id}/events`, through huggingface_hub's own client)
+  once a reader waits for changes (`wait_for_change`): every change names its path, size and Xet hash, so
+  stats are answered from what the feed said, a read fetches exactly the content the feed announced (an
+  answer with another hash is a stale read: retried, never returned), an unchanged file read again costs
+  nothing, and a waiting reader wakes on the change itself, with no request while nothing changes;
+- without the feed (not served, refused, or down) polls no faster than its request budget allows;
+- on a 429 raises `RateLimited` with the time the quota's window ends (from the `RateLimit` header) and
+  reports it in `rate_limited_until` instead of sleeping inside the call.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2
+from huggingface_hub import BucketFile, HfApi, get_session
+from huggingface_hub.errors import BucketBatchError, BucketNotFoundError, EntryNotFoundError
+from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, parse_ratelimit_headers
+
+from deltasync.storage.base import (
+    RateLimited,
+    Storage,
+    TransientStorageError,
+    atomic_file,
+    check_path,
+)
+from deltasync.storage.compat import BucketFileChange, BucketFollower
+
+_HUB_MISSING = (BucketNotFoundError, EntryNotFoundError)
+WINDOW_S = 300.0  # the Hub's quota window
+POLL_BUDGET = 1000  # resolver calls per window a poller may spend without the feed (free tier: 5,000)
+POLL_REQUESTS = 3  # what one poll costs: the head, the lease and the next delta, each one resolver GET
+STAT_TTL_S = 30.0  # a stat not confirmed by the feed is asked again after this (listings lag on the Hub)
+MEMO_BYTES = 64 << 10  # files up to this size are kept by Xet hash: reading one again costs nothing
+MEMO_FILES = 256
+LOG_ENTRIES = 100_000  # changes kept for readers that have not looked yet
+
+
+@dataclass(frozen=True)
+class _Stat:
+    size: int
+    xet_hash: str
+
+
+class _Feed:
+    """What the change feed says about the bucket's paths, kept by the feed's thread."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.stats: dict[str, tuple[_Stat | None, float]] = {}  # key -> stat (None: absent), expiry
+        self.generation = 0  # one more per change: stats asked before a change to their key are dropped
+        self.touched: dict[str, int] = {}
+        self.log: list[str] = []  # keys changed, in order ("": anything may have changed)
+        self.dropped = 0  # entries trimmed from the log's front
+        self.cursors: dict[str, int] = {}  # each consumer's position in the log (counting the dropped)
+        self.follower: BucketFollower | None = None
+
+    def log_change(self, key: str) -> None:
+        self.log.append(key)
+        if len(self.log) > LOG_ENTRIES:
+            half = len(self.log) // 2
+            del self.log[:half]
+            self.dropped += half
+
+    def news(self, consumer: str) -> list[str] | None:
+        """The keys changed since `consumer` last asked, or None if that is not known (a first call, or
+        the log lost its place). Call with `cond` held."""
+        at = self.cursors.get(consumer)
+        self.cursors[consumer] = self.dropped + len(self.log)
+        if at is None or at < self.dropped:
+            return None
+        news = self.log[at - self.dropped :]
+        return None if "" in news else news
+
+    @property
+    def live(self) -> bool:
+        follower = self.follower
+        return follower is not None and follower.subscribed and follower.is_alive()
+
+    def on_changes(self, changes: list[BucketFileChange]) -> None:
+        with self.cond:
+            for change in changes:
+                known, _ = self.stats.get(change.path, (None, 0.0))
+                size, xet_hash = change.size, change.xet_hash
+                if known is not None:  # an update names only the fields that changed
+                    size, xet_hash = size if size is not None else known.size, xet_hash or known.xet_hash
+                if change.op == "delete":
+                    self.stats[change.path] = (None, math.inf)
+                elif size is not None and xet_hash is not None:
+                    self.stats[change.path] = (_Stat(size, xet_hash), math.inf)
+                else:  # not enough to go on: asked when next needed
+                    self.stats.pop(change.path, None)
+                self.generation += 1
+                self.touched[change.path] = self.generation
+                self.log_change(change.path)
+            self.cond.notify_all()
+
+    def on_reconcile(self) -> None:
+        """The feed lost its place: forget everything, and wake every waiter (anything may have changed)."""
+        with self.cond:
+            self.stats.clear()
+            self.generation += 1
+            self.touched.clear()
+            self.touched[""] = self.generation  # older asked stats are all dropped
+            self.log_change("")
+            self.cond.notify_all()
+
+
+class HubBucketStorage(Storage):
+    """A Hugging Face Hub bucket, or a folder in one, through huggingface_hub's bucket API.
+
+    A write uploads through Xet, then one batch call points the path at the new content, so readers see the
+    old or the new file. The bucket is created (private) on the first write. `token` goes to HfApi and the
+    requests made here, nowhere else; None means HF_TOKEN or the login cache. `follow=False` never opens the
+    change feed; `poll_budget` is the resolver calls per 5-minute window that polling may spend without it.
+    """
+
+    def __init__(
+        self,
+        bucket_id: str,
+        prefix: str = "",
+        token: str | None = None,
+        follow: bool = True,
+        poll_budget: int = POLL_BUDGET,
+    ):
+        self.bucket_id = check_path(bucket_id)
+        self.prefix = check_path(prefix) + "/" if prefix else ""
+        self.url = f"hf://buckets/{bucket_id}" + (f"/{prefix}" if prefix else "")
+        self.api = HfApi(token=token)
+        self._token = token
+        self._bucket_exists = False
+        self.follow, self.poll_budget = follow, poll_budget
+        self._feed = _Feed()
+        self._memo: collections.OrderedDict[str, bytes] = collections.OrderedDict()  # xet hash -> content
+        self._limited_until = 0.0
+        self._lock = threading.Lock()
+
+    def _key(self, path: str) -> str:
+        return self.prefix + path
+
+    # ------------------------------------------------------------------------------ the feed and quotas
+
+    @property
+    def live(self) -> bool:
+        """Whether the change feed is followed now (stats and waits then cost no request)."""
+        return self._feed.live
+
+    @property
+    def poll_s(self) -> float:
+        """The shortest interval between polls without the feed that keeps within `poll_budget`."""
+        return WINDOW_S * POLL_REQUESTS / self.poll_budget
+
+    @property
+    def rate_limited_until(self) -> float | None:
+        return self._limited_until if self._limited_until > time.time() else None
+
+    def wait_for_change(self, stop: threading.Event, poll_s: float, under: tuple[str, ...] = ("",)) -> None:
+        self._start_feed()
+        feed, keys = self._feed, tuple(self.prefix + u for u in under)
+        deadline = time.monotonic() + max(poll_s, self.poll_s)
+        with feed.cond:
+            while True:
+                news = feed.news("wait")
+                if news is None or any(k.startswith(keys) for k in news) or stop.is_set():
+                    return
+                if not feed.live and time.monotonic() >= deadline:
+                    return  # no feed: a poll
+                feed.cond.wait(0.25)  # also checks `stop` and whether the feed went down
+
+    @property
+    def follows_changes(self) -> bool:
+        follower = self._feed.follower
+        return self.follow and (follower is None or follower.is_alive())
+
+    def changes(self, under: str) -> list[str] | None:
+        self._start_feed()
+        feed, folder = self._feed, self._key(under) + "/"
+        with feed.cond:
+            news = feed.news(f"changes {under}") if feed.live else None
+            if news is None:
+                if not feed.live:  # what it logs meanwhile may miss changes: start over once it follows
+                    feed.cursors.pop(f"changes {under}", None)
+                return None
+        keys = dict.fromkeys(k for k in news if k.startswith(folder))
+        return [k[len(self.prefix) :] for k in keys]
+
+    def _start_feed(self) -> None:
+        with self._lock:
+            follower = self._feed.follower
+            if not self.follow or (follower is not None and follower.is_alive()):
+                return
+            if follower is not None and not follower.subscribed:
+                return  # it gave up before it ever followed: not served or refused here; poll
+            me = weakref.ref(self)
+            self._feed.follower = BucketFollower(
+                endpoint=self.api.endpoint,
+                bucket_id=self.bucket_id,
+                token=self._token,
+                on_changes=self._feed.on_changes,
+                on_reconcile=self._feed.on_reconcile,
+                is_alive=lambda: me() is not None,
+            )
+            self._feed.follower.start()
+
+    def _refuse_while_limited(self) -> None:
+        """RateLimited, without a request, while the last 429's window lasts."""
+        until = self.rate_limited_until
+        if until is not None:
+            at = time.strftime("%H:%M:%S UTC", time.gmtime(until))
+            raise RateLimited(f"{self.url}: rate limited until {at}", until)
+
+    def _request(self, method: str, url: str, **kwargs) -> httpx2.Response:
+        """One request of ours (not the client's, which sleeps through a 429 by itself)."""
+        self._refuse_while_limited()
+        response = get_session().request(method, url, headers=build_hf_headers(token=self._token), **kwargs)
+        self._check(response)
+        return response
+
+    def _check(self, response: httpx2.Response) -> None:
+        if response.status_code == 429:
+            limit = parse_ratelimit_headers(response.headers)
+            wait = limit.reset_in_seconds if limit is not None else 60
+            self._limited_until = max(self._limited_until, time.time() + wait)
+            self._refuse_while_limited()
+        if response.status_code >= 400:
+            response.read()
+            hf_raise_for_status(response)
+
+    # ------------------------------------------------------------------------------------------- stats
+
+    def _stats(self, paths: list[str]) -> dict[str, _Stat | None]:
+        """Each path's size and Xet hash (None: absent): from the feed where it knows, else one paths-info."""
+        feed, now, out = self._feed, time.time(), {}
+        with feed.cond:
+            for p in paths:
+                stat, expires = feed.stats.get(self._key(p), (None, 0.0))
+                if expires > now:
+                    out[p] = stat
+            asked_at = feed.generation
+        missing = [p for p in paths if p not in out]
+        if not missing:
+            return out
+        live = feed.live
+        try:
+            answer = self._request(
+                "POST",
+                f"{self.api.endpoint}/api/buckets/{self.bucket_id}/paths-info",
+                json={"paths": [self._key(p) for p in missing]},
+            ).json()
+        except BucketNotFoundError:
+            answer = []
+        found = {f["path"]: _Stat(f["size"], f["xetHash"]) for f in answer if f.get("type") == "file"}
+        with feed.cond:
+            stale = feed.touched.get("", 0) > asked_at  # reconciled meanwhile
+            for p in missing:
+                out[p] = stat = found.get(self._key(p))
+                changed = feed.touched.get(self._key(p), 0) > asked_at
+                if live and not stale and not changed:  # else the feed knows better, or nothing
+                    feed.stats[self._key(p)] = (stat, now + STAT_TTL_S)
+        return out
+
+    def _sizes(self, paths: list[str]) -> dict[str, int | None]:
+        return {p: s.size if s else None for p, s in self._stats(paths).items()}
+
+    # ------------------------------------------------------------------------------------------- reads
+
+    def _read_bytes(self, path: str, limit: int | None) -> bytes:
+        expected = self._stats([path])[path] if self.live else None
+        if self.live:
+            if expected is None:
+                raise FileNotFoundError(path)
+            if limit is not None:
+                self._refuse_over(path, expected.size, limit)
+            with self._lock:
+                if expected.xet_hash in self._memo:
+                    self._memo.move_to_end(expected.xet_hash)
+                    return self._memo[expected.xet_hash]
+        data, xet_hash = self._get(path, limit)
+        if expected is not None and xet_hash != expected.xet_hash:  # the Hub served an older version
+            raise TransientStorageError(f"{self.url}: {path} is not yet readable as the feed announced it")
+        if xet_hash and len(data) <= MEMO_BYTES:
+            with self._lock:
+                self._memo[xet_hash] = data
+                while len(self._memo) > MEMO_FILES:
+                    self._memo.popitem(last=False)
+        return data
+
+    def _get(self, path: str, limit: int | None) -> tuple[bytes, str]:
+        """The content (at most `limit` + 1 bytes) and Xet hash, with one resolver GET."""
+        url = f"{self.api.endpoint}/buckets/{self.bucket_id}/resolve/{self._key(path)}"
+        headers = build_hf_headers(token=self._token)
+        self._refuse_while_limited()
+        with get_session().stream("GET", url, headers=headers, follow_redirects=True) as response:
+            if response.status_code == 404:
+                raise FileNotFoundError(path)
+            self._check(response)
+            size = response.headers.get("x-linked-size") or response.headers.get("content-length")
+            if limit is not None and size is not None and size.isdigit():
+                self._refuse_over(path, int(size), limit)
+            chunks, read = [], 0
+            for chunk in response.iter_bytes():
+                chunks.append(chunk)
+                read += len(chunk)
+                if limit is not None and read > limit:
+                    break  # the caller refuses it: never read more
+            return b"".join(chunks), response.headers.get("x-xet-hash", "")
+
+    def _download_file(self, path: str, local: Path) -> None:
+        # By the Xet hash of a stat (from the feed where it knows: no request), not by path.
+        stat = self._stats([path])[path]
+        if stat is None:
+            raise FileNotFoundError(f"{self.url}/{path}")
+        remote = BucketFile(type="file", path=self._key(path), size=stat.size, xetHash=stat.xet_hash)
+        self._refuse_while_limited()
+        try:
+            with atomic_file(local) as tmp:
+                self.api.download_bucket_files(self.bucket_id, [(remote, tmp)], raise_on_missing_files=True)
+        except _HUB_MISSING as e:
+            raise FileNotFoundError(f"{self.url}/{path}") from e
+
+    def _list(self, prefix: str) -> list[str]:
+        # The server may match the prefix as a plain string ("run1" also matches "run10/..."): filter here.
+        folder = (self.prefix + prefix).rstrip("/")
+        try:
+            entries = list(self.api.list_bucket_tree(self.bucket_id, folder or None, recursive=True))
+        except _HUB_MISSING:
+            return []
+        return [
+            e.path[len(self.prefix) :] for e in entries if e.type == "file" and e.path.startswith(self.prefix)
+        ]
+
+    # ------------------------------------------------------------------------------------------ writes
+
+    def probe(self) -> None:
+        try:  # any HTTP answer means reachable; huggingface_hub's own calls retry connection errors for ~25 s
+            get_session().head(self.api.endpoint, timeout=10)
+        except Exception as e:
+            raise TransientStorageError(f"{self.url}: cannot reach {self.api.endpoint}: {e}") from None
+
+    def _create_bucket(self) -> None:
+        if not self._bucket_exists:
+            self.api.create_bucket(self.bucket_id, private=True, exist_ok=True)
+            self._bucket_exists = True
+
+    def _batch(self, add: list[tuple[bytes | Path, str]], delete: list[str]) -> None:
+        """One batch call (deleting what is already gone is no failure). What this process wrote is news to
+        its own readers at once (the feed's event comes later); what the feed said of those paths is old."""
+        self._refuse_while_limited()  # else the client would sleep inside the call until the window ends
+        self._create_bucket()
+        keys = [self._key(p) for _, p in add] + [self._key(p) for p in delete]
+        try:
+            self.api.batch_bucket_files(
+                self.bucket_id,
+                add=[(data, self._key(p)) for data, p in add] or None,
+                delete=keys[len(add) :] or None,
+            )
+        except BucketBatchError as e:
+            if {f.get("path") for f in e.failures} - set(keys[len(add) :]):  # an add failed
+                raise
+        finally:  # also after an error: the write may have landed
+            with self._feed.cond:
+                for key in keys:
+                    self._feed.stats.pop(key, None)
+                    self._feed.touched[key] = self._feed.generation = self._feed.generation + 1
+                    self._feed.log_change(key)
+                self._feed.cond.notify_all()
+
+    def _write_many(self, files: list[tuple[str, bytes | Path]], delete: list[str]) -> None:
+        self._batch([(source, path) for path, source in files], delete)
+
+    def _write_bytes(self, path: str, data: bytes) -> None:
+        self._batch([(data, path)], [])
+
+    def _upload_file(self, local: Path, path: str) -> None:
+        self._batch([(local, path)], [])
+
+    def _delete(self, paths: list[str]) -> None:
+        # The batch reports paths that are already gone as failures: delete only those present.
+        present = [p for p, size in self._sizes(paths).items() if size is not None]
+        if present:
+            self._batch([], present)

@@ -1,0 +1,131 @@
+"""The GPU kernels (deltasync.codec.gpu) against the CPU codec, bit for bit: on a GPU where there is one, else
+through Triton's interpreter (small states: the interpreter runs each program in numpy)."""
+
+import importlib
+import json
+import struct
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from deltasync.codec import changes, compact, fingerprint
+from deltasync.codec import patch as patches
+from deltasync.codec.bf16 import bits
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    """deltasync.codec.gpu, its kernels compiled for the GPU, or interpreted where there is none (the
+    interpreter is chosen when the kernels are defined, so the module is imported afresh for these tests)."""
+    if DEVICE == "cuda":
+        yield importlib.import_module("deltasync.codec.gpu")
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        sys.modules.pop("deltasync.codec.gpu", None)
+        yield importlib.import_module("deltasync.codec.gpu")
+        sys.modules.pop("deltasync.codec.gpu", None)
+
+
+def states(seed: int, shapes: dict[str, tuple[int, ...]], density: float) -> tuple[dict, dict]:
+    """A bf16 state (N(0, 0.02) matrices, ones for vectors, a few NaN, -0.0 and huge patterns) and one
+    where about `density` of the elements moved by one ulp (small ones more often, as under Adam) and a few
+    jumped anywhere."""
+    rng = np.random.default_rng(seed)
+    old, new = {}, {}
+    for name, shape in shapes.items():
+        n = int(np.prod(shape))
+        t = torch.from_numpy(rng.normal(0, 0.02, n).astype(np.float32)).bfloat16() if len(shape) > 1 else None
+        b = bits(t).clone() if t is not None else torch.full((n,), 0x3F80, dtype=torch.int16)
+        odd = torch.from_numpy(rng.random(n) < 0.002)
+        b[odd] = torch.from_numpy(rng.integers(-(1 << 15), 1 << 15, int(odd.sum()), dtype=np.int16))
+        small = (0.002 / np.maximum(np.abs(b.view(torch.bfloat16).float().nan_to_num().numpy()), 1e-6)) ** 3
+        moved = rng.random(n) < np.minimum(density * small, 1)  # small weights move more often
+        step = torch.from_numpy(np.where(moved, rng.choice([-1, 1], n), 0).astype(np.int16))
+        after = b + step
+        jump = torch.from_numpy(rng.random(n) < density / 20)
+        after[jump] = torch.from_numpy(rng.integers(-(1 << 15), 1 << 15, int(jump.sum()), dtype=np.int16))
+        old[name] = b.view(torch.bfloat16).view(shape).to(DEVICE)
+        new[name] = after.view(torch.bfloat16).view(shape).to(DEVICE)
+    return old, new
+
+
+SHAPES = {"embed": (70, 300), "norm": (300,), "q": (64, 100), "tiny": (3,), "one": (1,)}
+
+
+def host(state: dict) -> dict:
+    return {n: t.to("cpu", copy=True) for n, t in state.items()}
+
+
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.3, 1.0])
+def test_scan_finds_the_host_diff_and_fingerprint_moves(gpu, density):
+    """Called directly, and (on a GPU) through diff_and_moves and make_patch as the trainer calls them."""
+    old, new = states(1, SHAPES, density)
+    expected, expected_moves = changes.diff_and_moves(host(old), host(new), threads=1)
+    for found, moves in (
+        gpu.scan({n: (bits(old[n]), bits(new[n])) for n in old}),
+        changes.diff_and_moves(old, new, threads=1),
+    ):
+        assert found.keys() == expected.keys() == moves.keys() == expected_moves.keys()
+        for name, ch in expected.items():
+            assert torch.equal(found[name].indices.cpu(), ch.indices), name
+            assert torch.equal(bits(found[name].values).cpu(), bits(ch.values)), name
+        assert moves == expected_moves
+    assert patches.make_patch(old, new, 1, 0).fingerprint == fingerprint.state_fingerprint(host(new))
+
+
+def test_state_fingerprint_is_the_host_one(gpu):
+    old, new = states(2, SHAPES, 0.05)
+    for state in (old, new, {}, {"odd": torch.arange(4097, dtype=torch.bfloat16).to(DEVICE)}):
+        assert gpu.state_fingerprint(state) == fingerprint.state_fingerprint(host(state))
+        assert fingerprint.state_fingerprint(state) == fingerprint.state_fingerprint(host(state))  # on a GPU
+
+
+def canonical(data: bytes) -> tuple[dict, bytes]:
+    """A patch's parsed header and its payload: safetensors writes `__metadata__` keys in no fixed order."""
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+@pytest.mark.parametrize(
+    ("chunk", "density"),
+    [(1000, 0.01), (2048, 0.05), (compact.CHUNK, 0.01), (700, 0.3)],
+)
+def test_chunk_symbols_make_the_host_patch(gpu, chunk, density):
+    """The same patch bytes (chunks across kernel blocks and tensor ends, one chunk per tensor, dense
+    tensors), and the CPU decoder restores the new state from the GPU's bytes."""
+    old, new = states(3, SHAPES | {"dense": (40, 30)}, density)
+    anywhere = torch.from_numpy(np.random.default_rng(0).integers(-(1 << 15), 1 << 15, 1200, dtype=np.int16))
+    new["dense"] = (anywhere | 1).view(torch.bfloat16).view(40, 30).to(DEVICE)  # stored dense
+    patch = patches.make_patch(host(old), host(new), 1, 0, threads=1)
+    expected = patches.encode(patch, host(old), "compact", threads=1, chunk=chunk)
+    made = patches.encode(patch, old, "compact", threads=1, chunk=chunk, make_symbols=gpu.chunk_symbols)
+    assert canonical(made) == canonical(expected)
+    assert canonical(patches.encode(patch, old, "compact", threads=1, chunk=chunk)) == canonical(expected)
+    assert json.loads(canonical(made)[0]["__metadata__"]["dense"])["dense"] == 1200
+    target = host(old)
+    changes.apply_changes(target, patches.decode(made, target, threads=1).changes, threads=1)
+    assert all(torch.equal(bits(target[n]), bits(new[n]).cpu()) for n in new)
+
+
+def test_chunk_symbols_are_the_host_symbols(gpu):
+    """Field by field, with chunks of one class (a tensor of ones) to four, and chunks with no changes."""
+    old, new = states(4, SHAPES, 0.02)
+    new["embed"].view(-1)[-7000:] = old["embed"].view(-1)[-7000:]  # chunks without changes
+    patch = patches.make_patch(host(old), host(new), 1, 0, threads=1)
+    expected = patches.host_symbols(patch.changes, host(old), 7000, threads=1)
+    made = gpu.chunk_symbols(patch.changes, old, 7000, threads=1)
+    assert made.keys() == expected.keys()
+    assert any(len(s.bounds) == 0 for parts in made.values() for s in parts)
+    assert any(len(s.bounds) == 3 and s.starts[-1] for parts in made.values() for s in parts)
+    assert any(s.starts[-1] == 0 for parts in made.values() for s in parts)
+    for name, parts in expected.items():
+        assert len(made[name]) == len(parts)
+        for got, want in zip(made[name], parts, strict=True):
+            assert got.bounds == want.bounds and got.estimated_bits == want.estimated_bits, name
+            for field in ("starts", "rice", "q", "r", "v", "q_hist", "v_hist"):
+                assert np.array_equal(getattr(got, field), getattr(want, field)), (name, field)

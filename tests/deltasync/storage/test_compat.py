@@ -1,0 +1,23 @@
+"""Canaries: each private huggingface_hub name deltasync.storage.compat relies on is still there, in the shape
+it expects. An upgrade that renames or reshapes one fails here, instead of replicas silently polling."""
+
+import dataclasses
+import inspect
+import threading
+
+from deltasync.storage.compat import BucketFileChange, BucketFollower
+
+
+def test_bucket_follower():
+    assert issubclass(BucketFollower, threading.Thread)
+    keywords = ["endpoint", "bucket_id", "token", "on_changes", "on_reconcile", "is_alive"]
+    assert list(inspect.signature(BucketFollower.__init__).parameters)[1:] == keywords
+    follower = BucketFollower(
+        endpoint="http://x", bucket_id="a/b", on_changes=print, on_reconcile=print, is_alive=lambda: False
+    )
+    assert follower.daemon and follower.subscribed is False  # True once a session reached `ready`
+
+
+def test_bucket_file_change():
+    fields = [f.name for f in dataclasses.fields(BucketFileChange)]
+    assert fields == ["path", "op", "size", "xet_hash", "uploaded_at", "mtime"]

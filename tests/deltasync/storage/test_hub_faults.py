@@ -1,0 +1,110 @@
+"""The sync protocol on a Hub that lags and loses answers: stale reads of overwritten paths (the head, the
+lease) and writes that land while the client sees an error. No acknowledged step is lost, no replica applies
+out of order or goes backwards, and fencing holds."""
+
+import threading
+
+import pytest
+import torch
+
+from deltasync.storage import HubBucketStorage, WriterConflict
+from deltasync.sync.protocol import read_head
+from deltasync.sync.publisher import Publisher, PublisherConfig
+from deltasync.sync.subscriber import Subscriber, TensorsApplier
+from tests.deltasync.storage.test_hub import Clock, eventually
+from tests.helpers import bf16, bitwise_equal, make_params, train_step
+
+
+def replica(follow: bool):
+    target = {n: torch.zeros(t.shape, dtype=torch.bfloat16) for n, t in make_params().items()}
+    return Subscriber(HubBucketStorage("user/sync", "run", follow=follow), TensorsApplier(target)), target
+
+
+def monotonic(subscriber: Subscriber) -> bool:
+    steps = [a.step for a in subscriber.history]
+    return steps == sorted(set(steps))
+
+
+def test_a_lagging_head_never_moves_a_polling_replica_backwards(fake_hub):
+    """Polls read the head up to `stale_s` (four poll intervals) behind, fresh and stale by turns. The
+    trainer reads its own writes at once (its head checks need that: see docs/protocol.md), here with a token
+    of its own."""
+    fake_hub.tokens.add("hf_trainer")
+    fake_hub.fresh_tokens = {"hf_trainer"}
+    params = make_params()
+    trainer = HubBucketStorage("user/sync", "run", token="hf_trainer", follow=False)
+    with Publisher(trainer, model="tiny", config=PublisherConfig(anchor_every=4)) as publisher:
+        publisher.publish(params, step=0)
+        publisher.flush()
+        subscriber, target = replica(follow=False)
+        subscriber.sync()
+        fake_hub.clock = clock = Clock()
+        fake_hub.stale_s, fake_hub.stale_every = 2.0, 2  # fresh and stale reads alternate for 2 s
+
+        for step in range(1, 9):
+            train_step(params, step)
+            publisher.publish(params, step=step)
+            publisher.flush()
+            for _ in range(4):  # polls half a second apart: some see the head before, after a newer one
+                clock.advance(0.5)
+                subscriber.sync()
+                assert subscriber.step is not None and subscriber.step <= step and monotonic(subscriber)
+    clock.advance(2.0)
+    subscriber.sync()
+    assert subscriber.step == 8 and bitwise_equal(target, bf16(params)) and monotonic(subscriber)
+
+
+def test_a_replica_on_the_feed_never_applies_what_a_stale_read_returns(fake_hub):
+    fake_hub.tokens.add("hf_trainer")
+    fake_hub.fresh_tokens = {"hf_trainer"}
+    params = make_params()
+    trainer = HubBucketStorage("user/sync", "run", token="hf_trainer", follow=False)
+    fake_hub.clock = clock = Clock()
+    with Publisher(trainer, model="tiny") as publisher:
+        publisher.publish(params, step=0)
+        publisher.flush()
+        subscriber, target = replica(follow=True)
+        stop = threading.Event()
+        threading.Thread(target=subscriber.follow, args=(stop, 0.2), daemon=True).start()
+        eventually(lambda: subscriber.step == 0 and subscriber.storage.live)
+        fake_hub.stale_s = 5.0
+        for step in range(1, 4):
+            train_step(params, step)
+            publisher.publish(params, step=step)
+            publisher.flush()
+        assert subscriber.step == 0 or monotonic(subscriber)  # the stale head is refused, not applied
+        clock.advance(5.0)  # the lag ends: the replica's retries read what the feed announced
+        eventually(lambda: subscriber.step == 3, timeout=30)
+        stop.set()
+    assert bitwise_equal(target, bf16(params)) and monotonic(subscriber)
+
+
+def test_a_head_write_that_lands_unacknowledged_is_published_again_never_lost(fake_hub):
+    params = make_params()
+    storage = HubBucketStorage("user/sync", "run", follow=False)
+    subscriber, target = replica(follow=False)
+    with Publisher(storage, model="tiny", config=PublisherConfig(retry_s=(0.05, 0.2))) as publisher:
+        for step in range(0, 6):
+            if step:
+                train_step(params, step)
+            if step in (2, 4):
+                fake_hub.lose_responses(1, status=403)  # the next batch lands; the client sees an error
+            publisher.publish(params, step=step)
+            publisher.flush()  # returns once acknowledged: the step is in the head
+            assert read_head(storage).step == step
+            subscriber.sync()
+            assert subscriber.step == step and monotonic(subscriber)
+    assert bitwise_equal(target, bf16(params))
+
+
+def test_a_lost_lease_answer_still_fences_a_second_writer(fake_hub):
+    """A claim whose lease write landed but answered an error retries as the same holder: a second
+    publisher is still refused, and the first one's steps go on."""
+    fake_hub.lose_responses(1, status=403)
+    storage = HubBucketStorage("user/sync", "run", follow=False)
+    with Publisher(storage, model="tiny", config=PublisherConfig(retry_s=(0.05, 0.2))) as publisher:
+        publisher.publish(make_params(), step=0)
+        publisher.flush()
+        with pytest.raises(WriterConflict, match="another publisher"):
+            Publisher(HubBucketStorage("user/sync", "run", follow=False), model="tiny")
+        assert read_head(storage).step == 0
