@@ -39,7 +39,8 @@ from deltasync.storage import redact
 from deltasync.sync.protocol import adapter_name
 from deltasync.sync.subscriber import Subscriber, SyncError
 
-log = logging.getLogger(__name__)
+# Under vLLM's logger: a vLLM server's log shows what its handler writes, beside vLLM's own resolver lines.
+log = logging.getLogger("vllm.deltasync.lora")
 ROOT_ENV = "DELTASYNC_LORA_ROOT"
 CACHE_ENV = "DELTASYNC_LORA_CACHE"
 RESOLVER = "deltasync"  # its name in vLLM's registry
