@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 
 import torch
 from datasets import Dataset
-from peft import LoraConfig
 from transformers import AutoTokenizer
 from trl import TrlParser
 
@@ -85,7 +84,11 @@ def main() -> None:
     name, urls = ours.model_name_or_path, ours.inference_url
     args.vllm_server_base_url = urls[0]
     max_ahead = ds.rollouts_ahead(args, ours.rollouts_ahead)  # sets TRL's queue bounds: before the trainer
-    lora = LoraConfig(r=ours.lora_r, target_modules="all-linear") if ours.lora_r else None
+    lora = None
+    if ours.lora_r:
+        from peft import LoraConfig  # only LoRA runs need peft
+
+        lora = LoraConfig(r=ours.lora_r, target_modules="all-linear")
     transfer = ds.BucketWeightTransfer(ours.sync_root, model_id=name, lora_name="policy" if lora else None)
     trainer = AsyncGRPOTrainer(
         model=name, reward_funcs=[exact_sum, brief], args=args, weight_transfer=transfer, peft_config=lora,

@@ -1,5 +1,18 @@
+import os
+
 import pytest
+import torch
 from huggingface_hub import constants
+
+if not torch.cuda.is_available():
+    # Triton chooses between compiling and interpreting a kernel when it is defined, its own library's kernels
+    # (tl.sum, ...) at its first import. Import it interpreted before any test module (or vLLM) does, so that
+    # tests/deltasync/codec/test_gpu.py can run the GPU kernels on the CPU whatever was collected first; then
+    # drop the variable, so that the processes the tests start do not inherit it.
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton.language  # noqa: F401
+
+    del os.environ["TRITON_INTERPRET"]
 
 import trainer  # noqa: F401  (the project's environment defaults, for the processes the tests start)
 from bench import load_space_app

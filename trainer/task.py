@@ -23,13 +23,13 @@ _FEEDBACK = re.compile(r"Feedback:\n((?:[A-Z] ){4}[A-Z])\n((?:[GYX] ){4}[GYX])")
 
 
 def quit_early(messages: list[dict]) -> bool:
-    """The rollout ended on a turn without a guess while its game was still on (the game's last message says
-    when it is over: won, out of guesses or of invalid moves). `stamp_rollouts(quit_early=...)` then never
-    reinforces that turn."""
+    """The rollout ended on a turn without a guess while its game was still on (the game's reply says when it
+    is over: won, out of guesses or of invalid moves; a guess after that only gets the tool's error).
+    `stamp_rollouts(quit_early=...)` then never reinforces that turn."""
     if not messages or messages[-1].get("role") != "assistant" or messages[-1].get("tool_calls"):
         return False  # the trainer cut the tool loop off mid-game: that is no decision of the policy's
     replies = [str(m.get("content", "")) for m in messages if m.get("role") == "tool"]
-    return not (replies and any(end in replies[-1] for end in (WON, REVEALED)))
+    return not any(end in reply for reply in replies for end in (WON, REVEALED))  # once over, over
 
 
 def dataset_rows(n: int, seed: int = 0) -> dict[str, list]:

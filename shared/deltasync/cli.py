@@ -17,33 +17,35 @@ import argparse
 import errno
 import json
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-
-import torch
-from huggingface_hub.utils import logging as hf_logging
-from safetensors.torch import load_file, save_file
+from typing import TYPE_CHECKING
 
 from deltasync import __version__
-from deltasync.codec import patch as patches
-from deltasync.codec.bf16 import as_bf16
-from deltasync.codec.changes import SchemaError, apply_changes
-from deltasync.storage import POLL_BUDGET, open_regular, open_storage, redact
-from deltasync.sync import protocol
-from deltasync.sync.anchor import ANCHOR_ENCODINGS
-from deltasync.sync.claim import WriterClaim
-from deltasync.sync.gc import collect_garbage
-from deltasync.sync.publisher import Publisher, PublisherConfig, require_floats
-from deltasync.sync.subscriber import Subscriber
+from deltasync.codec.header import ENCODINGS
+from deltasync.errors import EXPECTED, PatchError
+from deltasync.sync.config import ANCHOR_ENCODINGS, PublisherConfig
+
+if TYPE_CHECKING:
+    import torch
+
+# The commands import what they use when they run: `--version` and `--help` import no torch.
 
 
 def load_bf16(path: Path) -> dict[str, torch.Tensor]:
     """A safetensors file, or every `*.safetensors` shard of an HF model folder, as bf16 tensors."""
+    from safetensors.torch import load_file
+
+    from deltasync.codec.bf16 import as_bf16
+    from deltasync.sync.publisher import require_floats
+
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
     state: dict[str, torch.Tensor] = {}
+    found_in: dict[str, Path] = {}
     for f in files:
         if not f.is_file():  # absent, or a FIFO or device that load_file would wait on or read without end
             if f.exists():
@@ -54,12 +56,18 @@ def load_bf16(path: Path) -> dict[str, torch.Tensor]:
         except Exception as e:  # safetensors' own error types name neither the file nor what it expected
             raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
         require_floats(tensors, str(f))
+        twice = next((name for name in tensors if name in found_in), None)
+        if twice is not None:  # e.g. a stale model.safetensors beside the shards: neither may silently win
+            raise ValueError(f"tensor {twice!r} is in both {found_in[twice]} and {f}")
+        found_in |= dict.fromkeys(tensors, f)
         state |= {name: as_bf16(t).view(t.shape) for name, t in tensors.items()}
     return state
 
 
 def read_patch(path: Path) -> bytes:
     """A patch file's bytes; a FIFO or a device is refused rather than waited on or read without end."""
+    from deltasync.storage import open_regular
+
     with open_regular(path) as f:
         return f.read()
 
@@ -69,8 +77,8 @@ def naming(path: Path) -> Iterator[None]:
     """A patch refused inside this block is refused naming its file."""
     try:
         yield
-    except patches.PatchError as e:
-        raise patches.PatchError(f"{path}: {e}") from None
+    except PatchError as e:
+        raise PatchError(f"{path}: {e}") from None
 
 
 @contextmanager
@@ -97,6 +105,9 @@ def compile_notice() -> Iterator[None]:
 
 
 def cmd_diff(args: argparse.Namespace) -> dict:
+    from deltasync.codec import patch as patches
+    from deltasync.codec.changes import SchemaError
+
     old, new = load_bf16(args.old), load_bf16(args.new)
     try:
         patch = patches.make_patch(old, new, step=args.step, base_step=args.base_step)
@@ -108,6 +119,11 @@ def cmd_diff(args: argparse.Namespace) -> dict:
 
 
 def cmd_apply(args: argparse.Namespace) -> dict:
+    from safetensors.torch import save_file
+
+    from deltasync.codec import patch as patches
+    from deltasync.codec.changes import apply_changes
+
     base = load_bf16(args.base)
     data = read_patch(args.patch)
     with naming(args.patch):
@@ -118,9 +134,11 @@ def cmd_apply(args: argparse.Namespace) -> dict:
 
 
 def cmd_inspect(args: argparse.Namespace) -> dict:
+    from deltasync.codec.header import read_info
+
     data = read_patch(args.patch)
     with naming(args.patch):
-        info = patches.read_info(data)
+        info = read_info(data)
     return {
         "step": info.step,
         "base_step": info.base_step,
@@ -139,6 +157,9 @@ def cmd_inspect(args: argparse.Namespace) -> dict:
 
 
 def cmd_push(args: argparse.Namespace) -> dict:
+    from deltasync.sync import protocol
+    from deltasync.sync.publisher import Publisher
+
     config = PublisherConfig(
         anchor_every=args.anchor_every, encoding=args.encoding, anchor_encoding=args.anchor_encoding
     )
@@ -154,6 +175,10 @@ def cmd_push(args: argparse.Namespace) -> dict:
 
 
 def cmd_pull(args: argparse.Namespace) -> dict:
+    from safetensors.torch import save_file
+
+    from deltasync.sync.subscriber import Subscriber
+
     subscriber = Subscriber(args.root, retries=0)
     applied = subscriber.sync(args.step)
     assert subscriber.state is not None  # synced without an error: it holds the step
@@ -164,6 +189,9 @@ def cmd_pull(args: argparse.Namespace) -> dict:
 
 
 def cmd_ls(args: argparse.Namespace) -> None:
+    from deltasync.storage import open_storage
+    from deltasync.sync import protocol
+
     head = protocol.read_head(open_storage(args.root))
     for e in head.entries:
         row = {"step": e.step, "kind": e.kind, "bytes": e.bytes, "changed": e.changed}
@@ -171,6 +199,11 @@ def cmd_ls(args: argparse.Namespace) -> None:
 
 
 def cmd_gc(args: argparse.Namespace) -> dict:
+    from deltasync.storage import open_storage
+    from deltasync.sync import protocol
+    from deltasync.sync.claim import WriterClaim
+    from deltasync.sync.gc import collect_garbage
+
     storage = open_storage(args.root)
     protocol.read_head(storage)  # no run: nothing to claim
     claim = WriterClaim(storage)  # GC deletes: only as the root's one writer
@@ -198,29 +231,58 @@ EXAMPLES = {
 COMPILES = ("diff", "apply", "push", "pull", "follow")  # the commands that run the codec's kernels
 
 
+STOP_GRACE_S = 2.0  # after SIGINT or SIGTERM, a call to the server still in flight is abandoned after this
+
+
 def cmd_follow(args: argparse.Namespace) -> None:
-    """Follow ROOT into the vLLM server at --vllm-url until SIGINT or SIGTERM (deltasync.vllm.follower)."""
+    """Follow ROOT into the vLLM server at --vllm-url until SIGINT or SIGTERM (deltasync.vllm.follower).
+    The follower runs on a thread of its own, so that a stop is obeyed at once even while a call to a server
+    that is starting or stalled waits for its answer."""
     import logging
     import os
     import signal
     import threading
 
+    from deltasync.storage import POLL_BUDGET
     from deltasync.vllm.follower import HttpEngine, follow
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    engine = HttpEngine(args.vllm_url, os.environ.get("VLLM_API_KEY"))
-    follow(
-        args.root,
-        engine,
-        stop,
-        replica=args.replica,
-        poll_s=args.poll_s,
-        poll_budget=args.poll_budget,
-        verify_every=args.verify_every,
-    )
+    engine = HttpEngine(args.vllm_url, os.environ.get("VLLM_API_KEY"), stop=stop)
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            follow(
+                args.root,
+                engine,
+                stop,
+                replica=args.replica,
+                poll_s=args.poll_s,
+                poll_budget=POLL_BUDGET if args.poll_budget is None else args.poll_budget,
+                verify_every=args.verify_every,
+            )
+        except BaseException as e:  # told by the main thread, unless it was stopped
+            failure.append(e)
+
+    thread = threading.Thread(target=run, name="deltasync-follow", daemon=True)
+    thread.start()
+    while thread.is_alive() and not stop.wait(0.2):
+        pass
+    thread.join(STOP_GRACE_S)
+    if failure and not stop.is_set():
+        raise failure[0]
+
+
+def replica_id(text: str) -> str:
+    """--replica, checked before anything starts."""
+    from deltasync.telemetry import REPLICA_ID
+
+    if not REPLICA_ID.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} must match {REPLICA_ID.pattern}")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -263,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-o", "--output", metavar="PATCH", type=Path, required=True, help="patch file to write")
     p.add_argument(
-        "--encoding", choices=patches.ENCODINGS, default="compact", help=f"{encoding_help} (default compact)"
+        "--encoding", choices=ENCODINGS, default="compact", help=f"{encoding_help} (default compact)"
     )
     p.add_argument("--step", type=int, default=1, help="step number NEW gets (default 1)")
     p.add_argument("--base-step", type=int, default=0, help="step number of OLD (default 0)")
@@ -291,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--encoding",
-        choices=patches.ENCODINGS,
+        choices=ENCODINGS,
         default=PublisherConfig.encoding,
         help=f"delta encoding: {encoding_help} (default {PublisherConfig.encoding})",
     )
@@ -319,14 +381,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="the server (started with VLLM_SERVER_DEV_MODE=1, on a private address; "
         "VLLM_API_KEY is sent if set)",
     )
-    p.add_argument("--replica", help="replica id for the telemetry it writes to ROOT (default: none written)")
+    p.add_argument(
+        "--replica",
+        type=replica_id,
+        help="replica id for the telemetry it writes to ROOT (default: none written)",
+    )
     p.add_argument("--poll-s", type=float, default=1.0, help="seconds between polls of the head (default 1)")
     p.add_argument(
         "--poll-budget",
         type=int,
-        default=POLL_BUDGET,
         help="Hub requests per 5-minute window that polling may spend when the bucket's change feed is not "
-        f"followed; polls are spaced to fit (default {POLL_BUDGET})",
+        "followed; polls are spaced to fit (default 1000)",
     )
     p.add_argument(
         "--verify-every",
@@ -339,13 +404,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from huggingface_hub.utils import logging as hf_logging
+
+    from deltasync.storage import open_storage, redact
+
     hf_logging.set_verbosity_error()  # the Hub client's retry warnings would bury our one line
     try:
         if getattr(args, "root", None) is not None:
             open_storage(args.root).probe()  # unreachable: one line now, not after minutes of retries
         with compile_notice() if args.command in COMPILES else nullcontext():
             result = args.run(args)
-    except Exception as e:  # every failure, bad input or unreachable storage, is one line: no traceback
+    except Exception as e:  # every failure is one line; a bug also shows its traceback, above that line
+        if not isinstance(e, EXPECTED):
+            traceback.print_exc()
+            e = RuntimeError(f"bug: {type(e).__name__}: {e}")
         message = " ".join(str(e).split()) or type(e).__name__
         if isinstance(e, FileNotFoundError) and e.filename:
             message = f"{e.filename}: {e.strerror}"

@@ -193,3 +193,44 @@ def test_the_first_run_says_it_compiles_the_kernels(tmp_path):
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     assert first.stderr == "deltasync: compiling the codec's kernels (once per install, ~10 s)...\n"
     assert second.stderr == ""
+
+
+def test_a_tensor_in_two_checkpoint_files_is_refused_naming_both(tmp_path, capsys):
+    """A stale model.safetensors beside the shards must not win silently (push, diff and apply read both)."""
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    save_file({"w": torch.zeros(4)}, folder / "model.safetensors")
+    save_file({"w": torch.ones(4)}, folder / "model-00001-of-00001.safetensors")
+    assert cli.main(["push", str(tmp_path / "root"), str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert (
+        f"'w' is in both {folder / 'model-00001-of-00001.safetensors'} and {folder / 'model.safetensors'}"
+        in err
+    )
+    assert not (tmp_path / "root" / "heads").exists()
+
+
+def test_a_folder_where_a_file_belongs_is_named_and_refused(tmp_path, capsys):
+    folder = tmp_path / "patch"
+    folder.mkdir()
+    assert cli.main(["inspect", str(folder)]) == 1
+    assert capsys.readouterr().err == f"deltasync inspect: error: {folder} is not a regular file\n"
+    root = tmp_path / "root"
+    (root / "heads" / "latest.json").mkdir(parents=True)
+    assert cli.main(["pull", str(root), "-o", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{root / 'heads' / 'latest.json'} is not a regular file" in err, err
+    assert "storage keeps failing" not in err  # refused, not retried as a transient failure
+
+
+def test_version_and_help_import_no_torch():
+    """They answer at once: the commands import torch (seconds) only when they run."""
+    check = (
+        "import sys\nfrom deltasync.cli import main\n"
+        "for argv in (['--version'], ['--help'], ['push', '--help']):\n"
+        "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+        "print([m for m in ('torch', 'numpy', 'huggingface_hub') if m in sys.modules], file=sys.stderr)"
+    )
+    r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
+    assert r.stderr.strip() == "[]", r.stderr

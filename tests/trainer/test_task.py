@@ -41,5 +41,7 @@ def test_quit_early_is_a_last_turn_without_a_guess_in_a_game_still_on():
     assert quit_early([*played("plant", *guesses[:5]), answer])
     assert not quit_early([*played("plant", "crane", "plant"), answer])  # won
     assert not quit_early([*played("plant", *guesses), answer])  # out of guesses
+    late = [{"role": "assistant", "content": ""}, {"role": "tool", "content": "Error: The game is over."}]
+    assert not quit_early([*played("plant", "crane", "plant"), *late, answer])  # a guess after the end
     called = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "guess"}}]}
     assert not quit_early([*played("plant", "crane"), called])  # the trainer's tool-call limit cut it off

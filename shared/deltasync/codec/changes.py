@@ -12,6 +12,7 @@ from deltasync.codec import fingerprint
 from deltasync.codec.bf16 import as_bf16, bits
 from deltasync.codec.fingerprint import R1
 from deltasync.codec.parallel import parallel_map, spans
+from deltasync.errors import SchemaError
 
 SCATTER_SPAN = 1 << 18  # changes per unit of apply_changes' work
 
@@ -25,10 +26,6 @@ class TensorChanges:
 
     def __len__(self) -> int:
         return self.indices.numel()
-
-
-class SchemaError(ValueError):
-    """Two states do not hold the same tensors with the same shapes."""
 
 
 def name_difference(expected: Iterable[str], got: Iterable[str], shown: int = 5) -> str | None:

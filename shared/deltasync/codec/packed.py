@@ -21,12 +21,13 @@ import zstandard
 
 from deltasync.codec.bf16 import bits
 from deltasync.codec.parallel import parallel_map, spans
+from deltasync.errors import Refused
 
 CHUNK = 1 << 22
 LEVEL = 1
 
 
-class PackedError(ValueError):
+class PackedError(Refused):
     """Bytes that are not a packed tensor of the expected size."""
 
 

@@ -30,6 +30,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
+from deltasync.errors import TooLargeError, TransientStorageError
+from deltasync.errors import WriterConflict as WriterConflict  # (the backends' name for it)
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -43,10 +46,6 @@ _CREDENTIALS = [
 ]
 
 
-class TransientStorageError(Exception):
-    """A storage call failed for a reason other than a missing object; the same call may succeed later."""
-
-
 class RateLimited(TransientStorageError):
     """The server refused a request over the caller's request quota: nothing succeeds before `until`."""
 
@@ -58,15 +57,6 @@ class RateLimited(TransientStorageError):
 def rate_limited_line(until: float) -> str:
     """How a rate limit is said wherever it is shown (errors, /health)."""
     return f"rate limited until {time.strftime('%H:%M:%S UTC', time.gmtime(until))}"
-
-
-class WriterConflict(RuntimeError):
-    """Another writer holds the sync root, or took it over: this one must not write (or acknowledge) there."""
-
-
-class TooLargeError(ValueError):
-    """An object larger than the reader's limit, or not a regular file (its size is unknown): hostile or
-    corrupt; retrying cannot help."""
 
 
 def redact(text: str) -> str:
@@ -157,12 +147,13 @@ class WriterLock:
 
 def open_regular(file: str | os.PathLike) -> BinaryIO:
     """`file` opened for reading; TooLargeError if it is not a regular file: reading a FIFO would wait for a
-    writer, reading /dev/zero (or a symlink to it) would never end. Opening a FIFO does not wait."""
-    f = open(os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb")  # noqa: SIM115 (returned)
-    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-        f.close()
+    writer, reading /dev/zero (or a symlink to it) would never end, a folder is no file. Opening a FIFO does
+    not wait."""
+    fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # checked before open(), which names a folder by its fd
+        os.close(fd)
         raise TooLargeError(f"{file} is not a regular file")
-    return f
+    return open(fd, "rb")
 
 
 class Storage(ABC):

@@ -14,7 +14,6 @@ from pathlib import Path
 from deltasync.storage.base import (
     TMP_MARK,
     Storage,
-    TooLargeError,
     WriterConflict,
     WriterLock,
     atomic_file,
@@ -57,15 +56,10 @@ class LocalStorage(Storage):
         self.url = str(self.root)
 
     def _read_bytes(self, path: str, limit: int | None) -> bytes:
-        if limit is None:
-            return (self.root / path).read_bytes()
-        # O_NONBLOCK: opening a FIFO planted at `path` must not wait for a writer; it is then refused.
-        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
-        with open(os.open(self.root / path, flags), "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise TooLargeError(f"{self.url}: {path} is not a regular file")
-            self._refuse_over(path, st.st_size, limit)
+        with open_regular(self.root / path) as f:  # a FIFO, device or folder planted at `path` is refused
+            if limit is None:
+                return f.read()
+            self._refuse_over(path, os.fstat(f.fileno()).st_size, limit)
             return f.read(limit + 1)  # bounded if it grew meanwhile
 
     def _write_bytes(self, path: str, data: bytes) -> None:

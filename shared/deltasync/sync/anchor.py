@@ -28,13 +28,9 @@ from safetensors.torch import save_file
 
 from deltasync.codec import fingerprint, packed
 from deltasync.codec.parallel import parallel_map
+from deltasync.errors import AnchorError
+from deltasync.sync.config import ANCHOR_ENCODINGS
 from deltasync.sync.protocol import ANCHOR_FORMAT, FORMAT_VERSION, RunInfo, anchor_paths
-
-ANCHOR_ENCODINGS = ("plain", "packed")
-
-
-class AnchorError(ValueError):
-    """An anchor shard that is corrupt, incomplete or not the state the head promises."""
 
 
 def anchor_encoding(setting: str, local: bool) -> str:

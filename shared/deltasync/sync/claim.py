@@ -37,10 +37,10 @@ import time
 import uuid
 
 from deltasync.storage import Storage, TransientStorageError, WriterConflict
+from deltasync.sync.config import LEASE_S
 from deltasync.sync.protocol import WRITER_PATH
 
 log = logging.getLogger(__name__)
-LEASE_S = 120.0  # object stores: a writer's lease lasts this long unless renewed (every quarter)
 
 
 def new_holder() -> str:

@@ -29,7 +29,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from deltasync.storage import Storage, TooLargeError, check_path
+from deltasync.codec.header import DTYPE as WEIGHT_DTYPE
+from deltasync.errors import ManifestError, TooLargeError
+from deltasync.storage import Storage, check_path
 
 FORMAT_VERSION = 1
 RUN_PATH = "run.json"
@@ -44,10 +46,6 @@ _DATA_FILE = re.compile(
     rf"deltas/step-(\d{{8,}}){_TAG}(?:\.safetensors|/part-(\d{{5}})-of-(\d{{5}})\.safetensors)"
     rf"|anchors/step-(\d{{8,}}){_TAG}/model(?:-\d{{5}}-of-(\d{{5}}))?\.safetensors"
 )
-
-
-class ManifestError(ValueError):
-    """A run.json or head that is malformed or unsafe."""
 
 
 def _stem(step: int, tag: str) -> str:
@@ -123,6 +121,8 @@ def schema_problem(name: object, shape: object) -> str | None:
     """Why (`name`, `shape`) cannot be a run.json schema entry, or None: readers and writers share it."""
     if not isinstance(name, str) or not name:
         return "a tensor name must be a non-empty string"
+    if name == "__metadata__":  # safetensors' own header field: no file could hold the tensor
+        return "the name is reserved by safetensors"
     ok = isinstance(shape, list) and all(
         isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_INT for d in shape
     )
@@ -235,6 +235,7 @@ class RunInfo:
     # A LoRA root (its states are adapters of `model`): {"name": the adapter's name, "adapter_config": PEFT's
     # adapter_config.json}. None: full weights.
     lora: dict | None = None
+    dtype: str = WEIGHT_DTYPE  # of every weight (the seam another dtype, FP8, would use)
 
     @classmethod
     def of(cls, model: str, state: Mapping[str, torch.Tensor], lora: dict | None = None) -> RunInfo:
@@ -260,6 +261,11 @@ class RunInfo:
     def from_json(cls, data: bytes) -> RunInfo:
         raw = _load(data, RUN_PATH)
         model = _field(raw, "model", str, RUN_PATH)
+        dtype = _field(raw, "dtype", str, RUN_PATH) if "dtype" in raw else WEIGHT_DTYPE  # (older runs)
+        if dtype != WEIGHT_DTYPE:
+            raise ManifestError(
+                f"{RUN_PATH}: weights are {dtype!r:.40}; this reader handles {WEIGHT_DTYPE} only"
+            )
         schema = _field(raw, "schema", dict, RUN_PATH)
         for name, shape in schema.items():
             problem = schema_problem(name, shape)
@@ -269,7 +275,7 @@ class RunInfo:
         if lora is not None:
             _field(lora, "name", str, f"{RUN_PATH} lora")
             _field(lora, "adapter_config", dict, f"{RUN_PATH} lora")
-        return cls(model, schema, lora)
+        return cls(model, schema, lora, dtype)
 
 
 @dataclass(frozen=True)

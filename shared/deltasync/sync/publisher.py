@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import logging
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 
@@ -35,7 +34,8 @@ from deltasync.storage import (
     retry,
 )
 from deltasync.sync.anchor import anchor_encoding, write_anchor
-from deltasync.sync.claim import LEASE_S, WriterClaim, new_holder
+from deltasync.sync.claim import WriterClaim, new_holder
+from deltasync.sync.config import PublisherConfig
 from deltasync.sync.gc import collect_garbage
 from deltasync.sync.protocol import (
     HEAD_PATH,
@@ -46,28 +46,17 @@ from deltasync.sync.protocol import (
     RunInfo,
     check_step,
     delta_path,
+    delta_paths,
     epoch_head_path,
-    parse_data_path,
     read_head_bytes,
     read_manifest,
     read_run,
 )
+from deltasync.sync.worker import Worker
 
 log = logging.getLogger(__name__)
 Params = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 T = TypeVar("T")
-
-
-@dataclass
-class PublisherConfig:
-    encoding: str = "compact"
-    anchor_every: int = 50  # steps between complete anchors (also earlier once the deltas outweigh one)
-    keep_anchors: int = 2  # GC keeps this many newest anchors and every delta after the oldest of them
-    shard_bytes: int = 2 << 30
-    anchor_encoding: str = "auto"  # plain | packed | auto: packed unless the root is a local folder
-    threads: int | None = None  # codec threads; None: every core this process may run on
-    retry_s: tuple[float, float] = (0.5, 30.0)  # backoff of failed uploads: first and longest wait
-    lease_s: float = LEASE_S  # object stores: a writer's lease lasts this long unless renewed (every quarter)
 
 
 @dataclass(frozen=True)
@@ -106,12 +95,7 @@ class Publisher:
         self.storage = root if isinstance(root, Storage) else open_storage(root)
         self.model, self.lora = model, lora  # lora: run.json's mark of a LoRA root (RunInfo.lora)
         self.config = config or PublisherConfig()
-        self._cond = threading.Condition()
-        self._pending: _Pending | None = None
         self._spare: dict[str, torch.Tensor] | None = None  # a buffer the worker gave back
-        self._busy = False
-        self._closed = False
-        self._error: BaseException | None = None
         self._run: RunInfo | None = None
         self._head: Head | None = None
         self._published: dict[str, torch.Tensor] | None = None  # the state the head names, bf16 on the host
@@ -135,8 +119,13 @@ class Publisher:
         self.last_step = self._head.step if self._head else -1  # the newest step handed to publish()
         if self._head is not None:
             log.info("continuing run at step %d", self._head.step)
-        self._thread = threading.Thread(target=self._work, name="deltasync-publisher", daemon=True)
-        self._thread.start()
+        self._worker: Worker[_Pending] = Worker(
+            "deltasync-publisher",
+            f"publisher to {self.storage.url}",
+            self._publish_with_retries,
+            idle=self._idle,  # on the worker: publish() never waits for it
+            idle_s=self.config.lease_s / 8,
+        )
 
     # ------------------------------------------------------------------------------------ caller's thread
 
@@ -162,9 +151,12 @@ class Publisher:
         anchor of the whole state `anchor` (which `delta.fingerprint` must be) when given; returns the step.
         Waits for the previous step's head first (a stored delta applies to exactly that step: never folded
         into another), then blocks only for the anchor's copy. After it, `publish()` is refused."""
-        tags = {parsed[2] if (parsed := parse_data_path(f)) else None for f in delta.files}
-        if tags != {self.claim.tag}:
-            raise ValueError(f"publish_stored(): {delta.files[0]!r:.200} is not a delta file of this writer")
+        check_step(step, "publish_stored()")
+        if delta.files != tuple(delta_paths(step, len(delta.files), self.claim.tag)):  # as readers check it
+            raise ValueError(
+                f"publish_stored(): {list(delta.files)!r:.200} are not where this writer's delta of step "
+                f"{step} lives"
+            )
         self.flush()
         if self._head is None:
             raise ValueError("publish_stored(): no published step for the delta to start from")
@@ -196,12 +188,11 @@ class Publisher:
         problem = telemetry.info_problem(info or {})
         if problem:  # else every dashboard would skip the step's record
             raise ValueError(f"{where}: info {problem}")
-        with self._cond:
-            self._raise_if_failed()
-            step = check_step(self.last_step + 1 if step is None else step, where)
-            if step <= self.last_step:
-                raise ValueError(f"step {step} is not after the last published step {self.last_step}")
-            pending = self._pending
+        chosen = check_step(self.last_step + 1 if step is None else step, where)
+
+        def job(pending: _Pending | None) -> _Pending:  # under the worker's lock: it takes the job whole
+            if chosen <= self.last_step:
+                raise ValueError(f"step {chosen} is not after the last published step {self.last_step}")
             if pending is not None:  # the worker has not taken it yet: overwrite it (coalesce)
                 buffer, skipped = pending.state, [*pending.skipped, self._skipped_record(pending)]
             elif stored is not None and not params:
@@ -211,29 +202,25 @@ class Publisher:
                 self._spare = None
             if params:
                 _copy_into(buffer, params)
-            self._pending = _Pending(buffer, step, dict(info or {}), 0.0, skipped, stored)
-            self.last_step = step
-            self._pending.blocked_s = time.perf_counter() - start
-            self._cond.notify_all()
-        return step
+            self.last_step = chosen
+            return _Pending(buffer, chosen, dict(info or {}), time.perf_counter() - start, skipped, stored)
+
+        self._worker.submit(job)
+        return chosen
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every handed-over state is published, with its telemetry; raises the worker's error if
         it failed."""
-        with self._cond:
-            ok = self._cond.wait_for(lambda: self._error or not (self._pending or self._busy), timeout)
-            self._raise_if_failed()
-            if not ok:
-                raise TimeoutError(f"publisher still uploading after {timeout} s")
+        self._worker.flush(timeout)
         self._send_due()
 
     def _take_due(self) -> tuple[list[tuple[str, bytes | Path]], list[str]]:
-        with self._cond:
+        with self._worker.lock:
             due, garbage, self._due, self._garbage = self._due, self._garbage, [], []
         return due, garbage
 
     def _give_back(self, due: list[tuple[str, bytes | Path]], garbage: list[str]) -> None:
-        with self._cond:
+        with self._worker.lock:
             self._due, self._garbage = due + self._due, garbage + self._garbage
 
     def _send_due(self) -> None:
@@ -248,16 +235,13 @@ class Publisher:
             log.warning("telemetry or GC of published steps failed, retrying later: %s", e)
 
     def close(self, timeout: float | None = None) -> None:
-        """Publish what is pending, then stop the worker and let the next writer in."""
+        """Publish what is pending, stop the worker and let the next writer in; publish() then raises."""
+        stopped = False
         try:
-            self.flush(timeout)
+            stopped = self._worker.close(timeout)
         finally:
-            with self._cond:
-                self._closed = True
-                self._cond.notify_all()
-            self._thread.join(timeout)
-            if not self._thread.is_alive():
-                if self._error is None:
+            if stopped:
+                if self._worker.error is None:
                     self._send_due()
                     self._restore_head()
                 self.claim.release()
@@ -280,10 +264,6 @@ class Publisher:
         pin = any(t.is_cuda for t in params.values())  # D2H copies into pinned memory do not stall
         return {n: torch.empty(s, dtype=torch.bfloat16, pin_memory=pin) for n, s in self._run.schema.items()}
 
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"publisher to {self.storage.url} failed: {self._error}") from self._error
-
     @staticmethod
     def _skipped_record(pending: _Pending) -> telemetry.TrainerRecord:
         nothing: dict[str, Any] = dict.fromkeys(("numel", "changed", "payload_bytes", "full_bytes"), 0)
@@ -299,35 +279,16 @@ class Publisher:
 
     # ------------------------------------------------------------------------------------ worker thread
 
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._pending or self._closed, self.config.lease_s / 8)
-                if self._pending is None and self._closed:
-                    return
-                job, self._pending, self._busy = self._pending, None, self._pending is not None
-            if job is None:  # idle: keep the lease alive (outside the lock: publish() never waits for it)
-                self._renew_lease()
-                self._send_due()
-                continue
-            try:
-                self._publish_with_retries(job)
-            except BaseException as e:  # kept for the caller: publish() and flush() raise it
-                log.exception("publisher failed")
-                with self._cond:
-                    self._error = e
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-            if self._error is not None:
-                return
-
     def _retrying(self, call: Callable[[], T]) -> T:
         """`call()`, retried a few times on transient storage errors (for the constructor's reads)."""
         return retry(call, self.config.retry_s, attempts=6, log_as=f"opening {self.storage.url}")
 
+    def _idle(self) -> None:
+        self._renew_lease()
+        self._send_due()
+
     def _renew_lease(self) -> None:
+        """Renew the lease when due; fenced (WriterConflict), the worker stops and publish() raises it."""
         if not self.claim.renew_due():
             return
         try:
@@ -335,9 +296,6 @@ class Publisher:
             self._restore_head()
         except TransientStorageError as e:
             log.warning("lease renewal failed, retrying: %s", e)
-        except WriterConflict as e:  # fenced: publish() and flush() raise it from now on
-            with self._cond:
-                self._error = e
 
     def _restore_head(self) -> None:
         """Put this writer's head back if a fenced writer replaced it (see deltasync.sync.claim)."""
@@ -354,67 +312,32 @@ class Publisher:
         jobs = [job]  # the one being published: a newer state replaces it while a failed upload waits
 
         def wait(seconds: float) -> None:
-            with self._cond:
-                # A newer state arrived while this one failed: publish that instead, folding this step in.
-                if self._cond.wait_for(lambda: self._pending is not None, seconds):
-                    newer, self._pending, old = cast(_Pending, self._pending), None, jobs[0]
-                    newer.skipped = [*old.skipped, self._skipped_record(old), *newer.skipped]
+            # A newer state arrived while this one failed: publish that instead, folding this step in.
+            newer = self._worker.take_newer(seconds)
+            if newer is not None:
+                old = jobs[0]
+                newer.skipped = [*old.skipped, self._skipped_record(old), *newer.skipped]
+                with self._worker.lock:
                     self._spare, jobs[0] = old.state, newer
 
         retry(lambda: self._publish(jobs[0]), self.config.retry_s, log_as="publishing a step", sleep=wait)
 
     def _publish(self, job: _Pending) -> None:
+        """Encode the step (a delta from the published state, an anchor when due), upload it, then write and
+        read back the head naming it: from then on the step is acknowledged. Telemetry and GC follow."""
         start = time.perf_counter()
         head, old = self._head, self._published
         assert self._run is not None  # known before the first job
         if head is None:
             self.storage.write_bytes(RUN_PATH, self._run.to_json())
-        patch = data = None
-        delta = job.stored  # (files, bytes, changed) of the step's delta, if it has one
-        if delta is None and old is not None:
-            assert head is not None  # the published state is the one the head names
-            patch = make_patch(old, job.state, job.step, head.step, self._published_fp, self.config.threads)
-            data = encode(patch, old, self.config.encoding, self.config.threads)
-            delta = StoredDelta(
-                (delta_path(job.step, self.claim.tag),), len(data), patch.changed, patch.fingerprint
-            )
+        delta, data = self._delta(job, head, old)
         fp = delta.fingerprint if delta else fingerprint.state_fingerprint(job.state)
-        fp_text = fingerprint.format_fingerprint(fp)
-        tag = self.claim.tag  # files only this claim writes: a fenced writer can never overwrite them
         with tempfile.TemporaryDirectory(prefix="deltasync-") as tmp:
-            anchor_files = []
-            due = bool(job.state) if job.stored else self.anchor_due(job.step, delta.bytes if delta else None)
-            if due:
-                is_local = isinstance(self.storage, LocalStorage)
-                encoding = anchor_encoding(self.config.anchor_encoding, is_local)
-                anchor_files = write_anchor(
-                    job.state,
-                    job.step,
-                    fp,
-                    Path(tmp),
-                    self.config.shard_bytes,
-                    encoding,
-                    self.config.threads,
-                    tag,
-                )
+            anchor_files = self._anchor(job, delta, fp, Path(tmp))
             encode_s = time.perf_counter() - start + (job.stored.encode_s if job.stored else 0.0)
-            lease = self.claim.renewal()  # written with the data: no request of its own
-            current = self._background.submit(self._current_head)  # travels while the data uploads
-            upload: list[tuple[str, bytes | Path]] = [(path, local) for local, path in anchor_files]
-            if data is not None:  # a delta this publisher encoded
-                upload.insert(0, (delta_path(job.step, tag), data))
-            owed, garbage = self._take_due()  # earlier steps' telemetry and garbage: the same request
-            try:
-                self.storage.write_many(upload + owed + ([lease[:2]] if lease else []), garbage)
-            except BaseException:
-                self._give_back(owed, garbage)
-                raise
-            finally:
-                futures.wait([current])
-            if lease:
-                self.claim.renewed(lease[2])
+            current = self._upload(job.step, data, anchor_files)
             anchor_bytes = sum(local.stat().st_size for local, _ in anchor_files)
-        now = time.time()
+        now, fp_text = time.time(), fingerprint.format_fingerprint(fp)
         entries = []
         if delta is not None and head is not None:
             entries.append(
@@ -424,9 +347,9 @@ class Publisher:
             files = tuple(path for _, path in anchor_files)
             entries.append(Entry(job.step, "anchor", files, anchor_bytes, fp_text, now))
         new_head = self._retained(head, entries, job.step, fp_text)
-        self._write_head(new_head, current.result())  # the step is acknowledged from here on
+        self._write_head(new_head, current)  # the step is acknowledged from here on
         upload_s = time.perf_counter() - start - encode_s
-        with self._cond:
+        with self._worker.lock:
             self._head, self._published_fp = new_head, fp
             if job.stored is None:
                 self._spare = self._spare or old
@@ -455,15 +378,67 @@ class Publisher:
         # The step is published: its telemetry and garbage go out with the next request (never undoing it).
         # What the head no longer names, and the step's own delta when retention already dropped it:
         written = {f for e in entries for f in e.files}
-        with self._cond:
+        with self._worker.lock:
             self._due += [(r.path(), telemetry.to_json(r)) for r in [*job.skipped, record]]
             self._garbage += sorted(((head.files() if head else set()) | written) - new_head.files())
+
+    def _delta(
+        self, job: _Pending, head: Head | None, old: dict[str, torch.Tensor] | None
+    ) -> tuple[StoredDelta | None, bytes | None]:
+        """The step's delta (a stored one, or one encoded here from the published state `old`, with its
+        bytes), or none: the run's first state, which goes out as an anchor only."""
+        if job.stored is not None or old is None:
+            return job.stored, None
+        assert head is not None  # the published state is the one the head names
+        patch = make_patch(old, job.state, job.step, head.step, self._published_fp, self.config.threads)
+        data = encode(patch, old, self.config.encoding, self.config.threads)
+        path = delta_path(job.step, self.claim.tag)  # only this claim writes it: a fenced writer never can
+        return StoredDelta((path,), len(data), patch.changed, patch.fingerprint), data
+
+    def _anchor(self, job: _Pending, delta: StoredDelta | None, fp: int, tmp: Path) -> list[tuple[Path, str]]:
+        """The step's anchor files in `tmp` (local file, storage path), if one is due."""
+        due = bool(job.state) if job.stored else self.anchor_due(job.step, delta.bytes if delta else None)
+        if not due:
+            return []
+        encoding = anchor_encoding(self.config.anchor_encoding, isinstance(self.storage, LocalStorage))
+        return write_anchor(
+            job.state,
+            job.step,
+            fp,
+            tmp,
+            self.config.shard_bytes,
+            encoding,
+            self.config.threads,
+            self.claim.tag,
+        )
+
+    def _upload(self, step: int, data: bytes | None, anchor_files: list[tuple[Path, str]]) -> bytes | None:
+        """Upload the delta this publisher encoded (`data`) and the anchor's files, in one request with the
+        lease's renewal and earlier steps' telemetry and garbage; returns the head as read meanwhile (the
+        check before the head write travels beside the data)."""
+        lease = self.claim.renewal()  # written with the data: no request of its own
+        current = self._background.submit(self._current_head)
+        upload: list[tuple[str, bytes | Path]] = [(path, local) for local, path in anchor_files]
+        if data is not None:
+            upload.insert(0, (delta_path(step, self.claim.tag), data))
+        owed, garbage = self._take_due()
+        try:
+            self.storage.write_many(upload + owed + ([lease[:2]] if lease else []), garbage)
+        except BaseException:
+            self._give_back(owed, garbage)
+            raise
+        finally:
+            futures.wait([current])
+        if lease:
+            self.claim.renewed(lease[2])
+        return current.result()
 
     def _write_head(self, head: Head, current: bytes | None) -> None:
         """Write `head` as the only writer (see deltasync.sync.claim). `current`, the head read just before,
         must be the one this publisher wrote last (or a fenced writer's); returning acknowledges the step:
         the head read back is what was written and the lease is still this claim's. Else WriterConflict."""
         data = head.to_json()
+        Head.from_json(data)  # a head readers would refuse is never written (ManifestError)
         self._check_current(current)
         self.claim.check_live()
         self._head_bytes.add(data)  # if the read-back fails transiently, a retry finds this head

@@ -29,7 +29,6 @@ import collections
 import logging
 import math
 import pickle
-import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -42,10 +41,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from deltasync import telemetry
 from deltasync.codec import fingerprint
+from deltasync.codec.changes import TensorChanges
 from deltasync.codec.patch import Patch, encode, window_changes
+from deltasync.errors import EXPECTED
 from deltasync.storage import Storage, open_storage, retry
 from deltasync.sync.protocol import delta_paths
 from deltasync.sync.publisher import Publisher, PublisherConfig, StoredDelta
+from deltasync.sync.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,22 @@ def local_shard(param: torch.Tensor, rank: int) -> tuple[torch.Tensor, int] | No
     start = min(coordinate * math.ceil(rows / world), rows)  # torch.chunk's split, as FSDP2 shards
     local = param.to_local().detach()
     return local, start * (param.numel() // rows if rows else 0)
+
+
+@dataclass
+class _Step:
+    """What one rank hands over for a step: its shards' copies, or why it refused the step."""
+
+    copies: dict[str, tuple[torch.Tensor, int]]  # name -> (bf16 copy of the local part, offset)
+    info: dict[str, float]
+    refused: str | None = None
+
+
+def _problem(error: BaseException) -> str:
+    """`error` in one line for the other ranks; a bug is also logged here, with its traceback."""
+    if not isinstance(error, EXPECTED):
+        log.error("sharded publishing failed on a bug", exc_info=error)
+    return f"{type(error).__name__}: {error}"
 
 
 @dataclass
@@ -120,12 +138,7 @@ class ShardedPublisher:
         self.shapes: dict[str, list[int]] = {}  # every tensor's whole shape
         self.step: int | None = None  # the last published step
         self.fingerprint: int | None = None  # of the full bf16 state at `step`, from the parts
-        self._cond = threading.Condition()
-        self._queue: list[tuple[dict[str, tuple[torch.Tensor, int]], dict[str, float]]] = []
-        self._busy = self._closed = False
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._work, name="deltasync-sharded", daemon=True)
-        self._thread.start()
+        self._worker: Worker[_Step] = Worker("deltasync-sharded", "sharded publishing", self._publish_step)
 
     @torch.no_grad()
     def publish(
@@ -133,75 +146,55 @@ class ShardedPublisher:
     ) -> None:
         """Hand over the state after this step: a bf16 host copy of this rank's shards. Waits while an
         earlier step is still queued behind the one going out; raises if publishing failed. `info` (the
-        writer rank's is kept) goes into the step's telemetry record."""
+        writer rank's is kept) goes into the step's telemetry record.
+
+        A rank that refuses the step (it raises here) still hands it over, as refused: every rank's thread
+        then stops with the cause, instead of the ranks publishing from then on a step apart."""
         start = time.perf_counter()
-        problem = telemetry.info_problem(info or {})
-        if problem:  # here, on every rank, rather than from the writer's Publisher a step later
-            raise ValueError(f"publish(): info {problem}")
-        copies = {}
-        for name, p in params:
-            self.shapes.setdefault(name, list(p.shape))
-            part = local_shard(p, self.rank)
-            if part is not None:  # (a clone even of a bf16 host shard: the optimizer changes it in place)
-                copies[name] = (part[0].to(torch.bfloat16, copy=True).cpu().reshape(-1), part[1])
-        with self._cond:
-            self._cond.wait_for(lambda: self._error is not None or not self._queue)
-            self._raise_if_failed()
-            self._queue.append((copies, dict(info or {})))
-            self._cond.notify_all()
+        try:
+            problem = telemetry.info_problem(info or {})
+            if problem:  # here, on every rank, rather than from the writer's Publisher a step later
+                raise ValueError(f"publish(): info {problem}")
+            copies = {}
+            for name, p in params:
+                self.shapes.setdefault(name, list(p.shape))
+                part = local_shard(p, self.rank)
+                if part is not None:  # (a clone even of a bf16 host shard: the optimizer changes it in place)
+                    copies[name] = (part[0].to(torch.bfloat16, copy=True).cpu().reshape(-1), part[1])
+        except BaseException as e:
+            refused = _Step({}, {}, _problem(e))
+            self._worker.submit(lambda _: refused, wait=True)
+            raise
+        self._worker.submit(lambda _: _Step(copies, dict(info or {})), wait=True)
         self.blocked_s = time.perf_counter() - start
 
     def flush(self) -> None:
-        """Wait until every handed-over step is published; raises if publishing failed."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._error is not None or not (self._queue or self._busy))
-            self._raise_if_failed()
+        """Wait until every handed-over step is published, its head written and read back (the writer rank
+        waits for its Publisher); raises if publishing failed."""
+        self._worker.flush()
+        if self.publisher is not None:
+            self.publisher.flush()
 
     def close(self) -> None:
         """Publish what is pending, stop the thread and (writer rank) let the next writer in."""
         try:
-            self.flush()
+            try:
+                self._worker.close()
+            finally:
+                if self.publisher is not None:
+                    self.publisher.close()
         finally:
-            with self._cond:
-                self._closed = True
-                self._cond.notify_all()
-            self._thread.join()
-            if self.publisher is not None:
-                self.publisher.close()
-        dist.barrier(group=self.group)
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"sharded publishing failed: {self._error}") from self._error
+            dist.barrier(group=self.group)
 
     # ------------------------------------------------------------------------------------ worker thread
 
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._closed)
-                if not self._queue:
-                    return
-                copies, info = self._queue.pop(0)
-                self._busy = True
-                self._cond.notify_all()
-            start, self._sent = time.perf_counter(), 0
-            try:
-                publish_step = self._first if self.fingerprint is None else self._next
-                gathered = publish_step(copies, info)
-                assert self.step is not None  # set by the step
-                record = StepRecord(self.step, self._sent, time.perf_counter() - start, gathered)
-            except BaseException as e:  # kept for the caller: publish() and flush() raise it
-                log.exception("sharded publishing failed")
-                with self._cond:
-                    self._error = e
-            with self._cond:
-                self._busy = False
-                if self._error is None:
-                    self.records.append(record)
-                self._cond.notify_all()
-            if self._error is not None:
-                return
+    def _publish_step(self, job: _Step) -> None:
+        start, self._sent = time.perf_counter(), 0
+        self._all_gather(None, job.refused)  # the ranks publish this step together, or none does
+        publish_step = self._first if self.fingerprint is None else self._next
+        gathered = publish_step(job.copies, job.info)
+        assert self.step is not None  # set by the step
+        self.records.append(StepRecord(self.step, self._sent, time.perf_counter() - start, gathered))
 
     def _first(self, copies: dict[str, tuple[torch.Tensor, int]], info: dict[str, float]) -> bool:
         """The run's first state goes to the writer's Publisher whole (an anchor, or a delta from the state
@@ -228,8 +221,13 @@ class ShardedPublisher:
             for name, (copy, offset) in copies.items()
             if copy.numel() != math.prod(self.shapes[name])
         }
-        changes, moved = window_changes(old, new, windows, self.config.threads)
-        moves = self._all_gather(moved)
+        changes: dict[str, TensorChanges] = {}
+        moved, problem = 0, None
+        try:
+            changes, moved = window_changes(old, new, windows, self.config.threads)
+        except Exception as e:
+            problem = _problem(e)
+        moves = self._all_gather(moved, problem)
         base = (self.fingerprint + sum(moves[: self.rank])) & fingerprint.MASK64
         fp = (self.fingerprint + sum(moves)) & fingerprint.MASK64
         step = self.step + 1
@@ -249,7 +247,7 @@ class ShardedPublisher:
             retry(lambda: self.storage.write_bytes(path, data), self.config.retry_s, attempts=6)
             stored = (path, len(data), patch.changed, time.perf_counter() - start)
         except Exception as e:
-            failure = f"rank {self.rank}: {type(e).__name__}: {e}"
+            failure = f"rank {self.rank}: {_problem(e)}"
         parts = self._to_writer((stored, failure))
         due, error = False, None
         if self.publisher is not None:
@@ -291,11 +289,16 @@ class ShardedPublisher:
                 full[name].view(-1)[offset : offset + copy.numel()] = copy
         return full
 
-    def _all_gather(self, value: Any) -> list[Any]:
+    def _all_gather(self, value: Any, problem: str | None) -> list[Any]:
+        """Every rank's `value` on every rank; if any rank has a `problem`, every rank raises it."""
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, value, group=self.group)
-        self._sent += len(pickle.dumps(value)) * (self.world - 1)
-        return out
+        dist.all_gather_object(out, (value, problem), group=self.group)
+        self._sent += len(pickle.dumps((value, problem))) * (self.world - 1)
+        failed = [(rank, p) for rank, (_, p) in enumerate(out) if p is not None]
+        if failed:
+            rank, first = failed[0]
+            raise RuntimeError(f"rank {rank} failed: {first}")
+        return [v for v, _ in out]
 
     def _to_writer(self, value: Any, size: int | None = None) -> list[Any] | None:
         """Every rank's `value` on the writer rank (None on the others); `size`: its bytes, if known."""
@@ -307,7 +310,7 @@ class ShardedPublisher:
 
     def _from_writer(self, value: Any, error: BaseException | None) -> Any:
         """The writer's `value` on every rank; if the writer failed (`error`), every rank raises."""
-        box = [(value, f"{type(error).__name__}: {error}" if error else None)]
+        box = [(value, _problem(error) if error else None)]
         dist.broadcast_object_list(box, src=self._src, group=self.group)
         if self.is_writer:
             self._sent += len(pickle.dumps(box[0])) * (self.world - 1)

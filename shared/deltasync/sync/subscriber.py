@@ -34,8 +34,9 @@ import torch
 from deltasync import telemetry
 from deltasync.codec import fingerprint
 from deltasync.codec.changes import TensorChanges, apply_changes
-from deltasync.codec.patch import Patch, PatchError, decode, decode_parts, read_info
-from deltasync.storage import RateLimited, Storage, TransientStorageError, open_storage, retry
+from deltasync.codec.patch import Patch, decode, decode_parts, read_info
+from deltasync.errors import DeltasyncError, PatchError, Refused
+from deltasync.storage import RateLimited, Storage, TooLargeError, TransientStorageError, open_storage, retry
 from deltasync.sync.anchor import read_anchor
 from deltasync.sync.protocol import (
     Entry,
@@ -57,7 +58,7 @@ def _bounded(text: str) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
 
 
-class SyncError(RuntimeError):
+class SyncError(DeltasyncError, RuntimeError):
     """Sync could not reach the requested step; the target still holds the last verified step (or nothing)."""
 
 
@@ -123,9 +124,10 @@ class Ahead:
     base: int
 
 
-def _missing(read: Future[Ahead]) -> bool:
-    """Whether a finished read found nothing (or failed): worth asking again at the next poll."""
-    return read.done() and read.exception() is not None
+def _ask_again(read: Future[Ahead]) -> bool:
+    """Whether a finished read found nothing yet (or failed transiently): worth asking again at the next
+    poll. A refused read (an object over the limit) is not repeated."""
+    return read.done() and isinstance(read.exception(), (FileNotFoundError, TransientStorageError))
 
 
 def _bf16_flat(t: torch.Tensor) -> bool:
@@ -173,7 +175,7 @@ class Subscriber:
         self.applier, self.replica = applier, replica
         self.retries, self.backoff_s, self.verify_every = retries, backoff_s, verify_every
         self.threads = threads  # codec threads; None: every core this process may run on
-        self.prefetch = prefetch
+        self.prefetch = prefetch  # read the next delta ahead of its head (off for readers that jump to steps)
         self._ahead: tuple[str, Future[Ahead]] | None = None  # the next delta's path and its read
         self.run: RunInfo | None = None
         self.head: Head | None = None
@@ -185,7 +187,9 @@ class Subscriber:
         self._refusal: str | None = None  # why the last file was refused (kept while waiting for an anchor)
         self.history: collections.deque[Applied] = collections.deque(maxlen=256)
         self._bad: set[tuple[str, int]] = set()  # (file, bytes) that failed verification
+        self._missing: set[tuple[str, int]] = set()  # (file, bytes) absent though a head named them
         self._unverified_deltas = 0
+        self.bugs = 0  # sync() failures that were no refusal, storage failure or applier refusal (logged)
         self.rate_limited_until: float | None = None  # when the last rate limit met ended (or ends)
 
     # ---------------------------------------------------------------------------------------------- API
@@ -199,8 +203,10 @@ class Subscriber:
         except SyncError as e:
             self.last_error = _bounded(str(e))
             raise
-        except Exception as e:  # a poll must never kill its caller's thread: report it as a sync failure
-            self.last_error = _bounded(f"{type(e).__name__}: {e}")
+        except Exception as e:  # a bug: never a bad file, and a poll must never kill its caller's thread
+            log.exception("sync of %s failed on a bug", self.storage.url)
+            self.bugs += 1
+            self.last_error = _bounded(f"bug: {type(e).__name__}: {e}")
             raise SyncError(self.last_error) from e
         self.last_error = None
         return applied
@@ -212,14 +218,18 @@ class Subscriber:
         on_applied: Callable[[Applied], None] | None = None,
     ) -> None:
         """Sync at every change the storage reports (or every `interval` seconds where it reports none) until
-        `stop` is set; errors are logged and kept in `last_error`.
-        `on_applied` is called for each step applied; its errors are logged and skip nothing else."""
+        `stop` is set; errors are logged and kept in `last_error`. `on_applied` is called for each step
+        applied; its errors are logged and skip nothing else. An error that repeats poll after poll (no run
+        yet, a path still missing) is logged once, then quietly."""
+        said = None
         while not stop.is_set():
             try:
                 applied = self.sync()
+                said = None
             except SyncError as e:  # the next poll tries again
-                log.warning("sync: %s", _bounded(str(e)))
-                applied = []
+                message = _bounded(str(e))
+                log.log(logging.DEBUG if message == said else logging.WARNING, "sync: %s", message)
+                applied, said = [], message
             for a in applied:
                 try:
                     if on_applied is not None:
@@ -280,8 +290,11 @@ class Subscriber:
         after = [0] * (len(deltas) + 1)  # after[i]: bytes of deltas[i:]
         for i in range(len(deltas) - 1, -1, -1):
             after[i] = after[i + 1] + deltas[i].bytes
-        # A path crosses every delta after its start: it may start no earlier than the last refused one.
+        # A path crosses every delta after its start: it may start no earlier than the last refused one,
+        # and one that starts before the last missing one comes last (the file may yet appear).
         floor = max((d.step for d in deltas if self._refused(d)), default=-1)
+        self._missing &= {(f, e.bytes) for e in head.entries for f in e.files}  # what may still matter
+        gap = max((d.step for d in deltas if self._absent(d)), default=-1)
         starts: list[tuple[Entry | None, int]]
         starts = [(a, a.step) for a in head.anchors if floor <= a.step <= goal and not self._refused(a)]
         here = fingerprint.format_fingerprint(self.fingerprint)
@@ -295,7 +308,12 @@ class Subscriber:
         best = None
         for start, since in starts:
             i = bisect.bisect_right(steps, since)
-            cost = ((start.bytes if start else 0) + after[i], len(deltas) - i + (start is not None))
+            crosses_gap = since < gap or (start is not None and self._absent(start))
+            cost = (
+                crosses_gap,
+                (start.bytes if start else 0) + after[i],
+                len(deltas) - i + (start is not None),
+            )
             if best is None or cost < best[0]:
                 best = (cost, start, i)
         if best is None:
@@ -308,6 +326,9 @@ class Subscriber:
     def _refused(self, entry: Entry) -> bool:
         return any((f, entry.bytes) in self._bad for f in entry.files)
 
+    def _absent(self, entry: Entry) -> bool:
+        return any((f, entry.bytes) in self._missing for f in entry.files)
+
     # ------------------------------------------------------------------------------------------ applying
 
     def _apply(self, entry: Entry, head: Head) -> Applied:
@@ -319,16 +340,17 @@ class Subscriber:
                 decoded = None  # a delta decoded while its head was awaited
                 if entry.kind == "delta":  # a read per part, no stat: each at most what the size leaves
                     parts, decoded = self._prefetched(entry)
-                    for path in entry.files[len(parts) :]:
-                        left = entry.bytes - sum(map(len, parts))
-                        parts.append(self._retry(lambda p=path, n=left: self.storage.read_bytes(p, n)))
                     size = sum(map(len, parts))
+                    for path in entry.files[len(parts) :]:
+                        left = entry.bytes - size
+                        parts.append(self._retry(lambda p=path, n=left: self.storage.read_bytes(p, n)))
+                        size += len(parts[-1])
                 else:
                     for path, dest in zip(entry.files, local, strict=True):  # each at most the entry's size
                         self._retry(lambda p=path, d=dest: self.storage.download_file(p, d, entry.bytes))
                     size = sum(f.stat().st_size for f in local)
                 if size != entry.bytes:
-                    raise ValueError(f"its files hold {size} bytes, the head lists {entry.bytes}")
+                    raise Refused(f"its files hold {size} bytes, the head lists {entry.bytes}")
                 download_s = time.perf_counter() - start
                 apply_start = time.perf_counter()  # apply_s: decode, verify and write
                 if entry.kind == "anchor":
@@ -336,11 +358,15 @@ class Subscriber:
                     state = read_anchor(local, self.run, entry.step, entry.fingerprint, self.threads)
                 else:
                     state, patch = None, self._decode(parts, entry, decoded)
-            except ValueError as e:  # PatchError, AnchorError, TooLargeError, a size mismatch: not this file
+            except FileNotFoundError:  # planned around from now on, while another path exists
+                self._missing.update((f, entry.bytes) for f in entry.files)
+                raise
+            except Refused as e:  # PatchError, AnchorError, TooLargeError, a size mismatch: not this file
                 self._bad.update((f, entry.bytes) for f in entry.files)
                 self._refusal = _bounded(f"{entry.kind} of step {entry.step}: {e}")
                 self._report_refused(entry, head, str(e))
                 raise SyncError(f"refused {self._refusal}") from None
+        self._missing.difference_update((f, entry.bytes) for f in entry.files)
         pause_s = self._write(entry, state, patch)
         if patch is None:
             self.state = state
@@ -377,7 +403,7 @@ class Subscriber:
             return
         parsed = parse_data_path(head.entries[-1].files[0])  # the head's writer names its next step alike
         path = delta_path(head.step + 1, parsed[2] if parsed else "")
-        if self._ahead is not None and self._ahead[0] == path and not _missing(self._ahead[1]):
+        if self._ahead is not None and self._ahead[0] == path and not _ask_again(self._ahead[1]):
             return
         limit = 6 * run.numel + 512 * len(run.schema) + (1 << 20)  # a raw patch of every element, at most
         # Decoding allocates per claimed change: ahead of the head, only as many as recent steps changed.
@@ -388,25 +414,30 @@ class Subscriber:
         def read() -> None:
             try:
                 data = self.storage.read_bytes(path, limit)
+                future.set_result(self._decode_ahead(data, state, base, most))
             except BaseException as e:  # the normal read after the head names it reports what went wrong
+                if not isinstance(e, (OSError, TransientStorageError, TooLargeError)):
+                    log.exception("reading %s ahead failed", path)  # a bug: not a refused file
                 future.set_exception(e)
-                return
-            future.set_result(Ahead(data, self._decode_ahead(data, state, base, most), state, base))
 
         threading.Thread(target=read, name="deltasync-prefetch", daemon=True).start()
         self._ahead = (path, future)
 
     def _decode_ahead(
         self, data: bytes, state: dict[str, torch.Tensor] | None, base: int, most: int
-    ) -> Patch | None:
-        """`data` decoded against `state` before any head names it, or None; errors are left to the
-        decoding once a head names the file."""
+    ) -> Ahead:
+        """`data` and, where it can be, its decoding against `state` before any head names it. Bytes that
+        are no patch are not kept (a head naming them gets them read again, and refused); a patch that does
+        not decode is left to the decoding once a head names it."""
         try:
-            if state is None or not 0 < read_info(data).changed <= most:
-                return None
-            return decode(data, state, base, self.threads)
-        except Exception:
-            return None
+            changed = read_info(data).changed
+        except PatchError:
+            return Ahead(b"", None, state, base)
+        try:
+            patch = decode(data, state, base, self.threads) if state and 0 < changed <= most else None
+        except PatchError:
+            patch = None
+        return Ahead(data, patch, state, base)
 
     def _prefetched(self, entry: Entry) -> tuple[list[bytes], Patch | None]:
         """The prefetched bytes of `entry`'s single file if they are its listed size (else none), and their
@@ -463,6 +494,7 @@ class Subscriber:
         if self.applier is None or (entry.kind == "delta" and self._unverified_deltas < self.verify_every):
             return
         self._unverified_deltas = 0
+        self.bugs = 0  # sync() failures that were no refusal, storage failure or applier refusal (logged)
         actual = self.applier.fingerprint()
         if actual is not None and actual != self.fingerprint:
             self.step = None

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from deltasync.errors import RecordError
 from deltasync.storage import Storage
 
 TRAINER_DIR = "telemetry/trainer"
@@ -26,10 +27,6 @@ MAX_INFO_KEY_CHARS = 128
 # published_at and applied_at, unix seconds: from 1970 to 2286, a range every date formatter can show.
 TIME_RANGE = (0.0, 1e10)
 TIME_FIELDS = ("published_at", "applied_at", "rate_limited_until")
-
-
-class RecordError(ValueError):
-    """A telemetry file that is not a valid record."""
 
 
 @dataclass

@@ -10,9 +10,11 @@ with status 2.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -21,6 +23,7 @@ import requests
 import torch
 
 from deltasync.codec.patch import schema_hash
+from deltasync.errors import EXPECTED
 from deltasync.storage import Storage, open_storage, redact
 from deltasync.sync.protocol import HEAD_PATH, RUN_PATH, read_head, read_run
 from deltasync.trl.checkpoint import checkpoint_converter
@@ -28,7 +31,8 @@ from deltasync.trl.transfer import adapter_tensors
 
 log = logging.getLogger(__name__)
 TOKEN_ENV = "INFERENCE_API_TOKEN"  # the replicas' bearer token, if they demand one (rollouts send it too)
-TIMEOUT_S = 15.0
+TIMEOUT_S = 15.0  # for each whole request, however slowly its answer trickles in
+MAX_ANSWER_BYTES = 1 << 20
 PROBE_PREFIX = "preflight-"
 
 
@@ -61,12 +65,12 @@ def preflight(
     try:
         storage.probe()
         stored = storage.sizes([RUN_PATH, HEAD_PATH])
-    except Exception as e:
+    except EXPECTED as e:
         return f"sync root {where} cannot be read: {_reason(e)}"
     if stored[RUN_PATH] is not None:
         try:
             run = read_run(storage)
-        except Exception as e:
+        except EXPECTED as e:
             return f"sync root {where}: {RUN_PATH} cannot be read: {_reason(e)}"
         mismatch = _schema_mismatch(run.schema, schema)
         if mismatch:
@@ -74,7 +78,7 @@ def preflight(
         if stored[HEAD_PATH] is not None:
             try:
                 read_head(storage)  # the publisher says it continues the run, once it opens the root
-            except Exception as e:
+            except EXPECTED as e:
                 return f"sync root {where}: {HEAD_PATH} cannot be read: {_reason(e)}"
     for url in replica_urls:
         problem = _check_replica(url.rstrip("/"), model_name, schema)
@@ -87,11 +91,11 @@ def preflight(
     probe = f"{PROBE_PREFIX}{uuid.uuid4().hex}.json"
     try:
         storage.write_bytes(probe, b"{}")
-    except Exception as e:
+    except EXPECTED as e:
         return f"sync root {where} is not writable: {_reason(e)}"
     try:
         storage.delete([probe])
-    except Exception as e:
+    except EXPECTED as e:
         return f"sync root {where}: could not delete the write check {probe}: {_reason(e)}"
     return None
 
@@ -110,9 +114,15 @@ def _check_replica(url: str, model_name: str, schema: Mapping[str, Sequence[int]
     body, problem = _get(f"{url}/v1/models", "inference server")
     if problem:
         return problem
-    served = [m.get("id") for m in body.get("data", [])] if isinstance(body, dict) else []
+    models = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(models, list):
+        return f"inference server {redact(url)}/v1/models lists no models: {str(body)[:80]}"
+    served = [m.get("id") for m in models if isinstance(m, dict)]
     if model_name not in served:
-        return f"inference server {redact(url)} serves {served}, not {model_name}"
+        return (
+            f"inference server {redact(url)} serves {served}, not {model_name} (names must match exactly: "
+            f"start it with --served-model-name {model_name})"
+        )
     status, problem = _get(f"{url}/weights", "inference server", optional=True)
     if problem:
         return problem
@@ -133,16 +143,24 @@ def _check_replica(url: str, model_name: str, schema: Mapping[str, Sequence[int]
 def _get(url: str, what: str, optional: bool = False) -> tuple[object, str | None]:
     token = os.environ.get(TOKEN_ENV) if what == "inference server" else None
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    deadline = time.monotonic() + TIMEOUT_S
+    body = bytearray()
     try:
-        r = requests.get(url, headers=headers, timeout=TIMEOUT_S)
+        with requests.get(url, headers=headers, timeout=TIMEOUT_S, stream=True) as r:
+            if optional and r.status_code == 404:
+                return None, None
+            if not r.ok:
+                return None, f"{what} {redact(url)} answers HTTP {r.status_code}"
+            for chunk in r.iter_content(1 << 16):  # each read waits up to TIMEOUT_S; the whole, no longer
+                body += chunk
+                if time.monotonic() > deadline:
+                    return None, f"{what} {redact(url)} does not answer within {TIMEOUT_S:g} s"
+                if len(body) > MAX_ANSWER_BYTES:
+                    return None, f"{what} {redact(url)} answers more than {MAX_ANSWER_BYTES} bytes"
     except requests.RequestException as e:
         return None, f"{what} {redact(url)} does not answer: {type(e).__name__}"
-    if optional and r.status_code == 404:
-        return None, None
-    if not r.ok:
-        return None, f"{what} {redact(url)} answers HTTP {r.status_code}"
     try:
-        return r.json(), None
+        return json.loads(body), None
     except ValueError:
         return None, None if what == "environment" else f"{what} {redact(url)} answers no JSON"
 

@@ -37,19 +37,21 @@ import math
 import multiprocessing
 import os
 import random
+import re
 import signal
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from deltasync.sync.protocol import adapter_name
+from deltasync.sync.protocol import MAX_INT, adapter_name
 from deltasync.trl import compat
 from deltasync.trl.compat import HookedRolloutLoop, RolloutGroup, RolloutSample, TrainingSequence
 from deltasync.trl.preflight import TOKEN_ENV
 from deltasync.trl.transfer import BucketWeightTransfer
 
 VERSION_HEADERS = ("x-weight-version", "x-weight-version-end")
+STEP_DIGITS = re.compile(r"[0-9]{1,19}")  # (str.isdigit() also takes "²", and int() of it raises)
 # per-sample metric keys; TRL averages them per micro-batch in its collator
 WEIGHT_VERSION = "deltasync/weight_version"
 VERSION_KNOWN = "deltasync/version_known"
@@ -62,8 +64,12 @@ _turn_versions: contextvars.ContextVar[list[int] | None] = contextvars.ContextVa
 
 
 def parse_version(value: str | None) -> int | None:
-    """A published step, or None: a server that has not applied any step yet labels its weights `model`."""
-    return int(value) if value is not None and value.isdigit() else None
+    """A published step, or None: a server that has not applied any step yet labels its weights `model`;
+    anything but ASCII digits of a step a head can hold (see deltasync.sync.protocol) is no version."""
+    if value is None or not STEP_DIGITS.fullmatch(value):
+        return None
+    step = int(value)
+    return step if step <= MAX_INT else None
 
 
 class RolloutCounters:

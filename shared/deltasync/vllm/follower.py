@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from deltasync.codec.changes import TensorChanges
 from deltasync.codec.fingerprint import format_fingerprint
 from deltasync.codec.patch import raw_entries
+from deltasync.errors import DeltasyncError
 from deltasync.storage import POLL_BUDGET, open_storage
 from deltasync.sync.anchor import shard
 from deltasync.sync.subscriber import Applied, Applier, Subscriber
@@ -45,9 +46,14 @@ KvPolicy = Literal["keep", "recompute"]
 WritePath = Literal["direct", "vllm"]
 PATHS = ("direct", "packed", "loader")  # how the workers write a tensor: `deltasync.vllm.layout.Layout.paths`
 NUMBER = re.compile(r"\.\d+(?=\.)")  # a layer's or an expert's number in a tensor name
+MAX_ANSWER_BYTES = 1 << 20  # the RL routes answer a few small JSON fields: anything longer is refused
+DEV_MODE_HINT = (
+    "start the server with VLLM_SERVER_DEV_MODE=1 (on a private address) and "
+    """--weight-transfer-config '{"backend": "deltasync"}'"""
+)
 
 
-class WriteRefused(RuntimeError):
+class WriteRefused(DeltasyncError, RuntimeError):
     """The server refused an update (its reason is the message). Unless `EngineApplier.stuck`, it wrote
     nothing."""
 
@@ -65,10 +71,18 @@ class Engine(Protocol):
 
 
 class HttpEngine:
-    """vLLM's RL routes on `url` (VLLM_SERVER_DEV_MODE=1); `api_key`: the server's --api-key, if any."""
+    """vLLM's RL routes on `url` (VLLM_SERVER_DEV_MODE=1); `api_key`: the server's --api-key, if any.
+    `stop`: once set, a server still starting is no longer waited for."""
 
-    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0):
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        stop: threading.Event | None = None,
+    ):
         self.url, self.api_key, self.timeout_s = url.rstrip("/"), api_key, timeout_s
+        self.stop = stop or threading.Event()
 
     def _post(self, route: str, body: dict[str, Any] | None = None) -> dict:
         headers = {"content-type": "application/json"}
@@ -76,11 +90,18 @@ class HttpEngine:
             headers["authorization"] = f"Bearer {self.api_key}"
         data = json.dumps(body or {}).encode()
         request = urllib.request.Request(self.url + route, data=data, headers=headers, method="POST")
+        where = route.split("?")[0]
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                return json.loads(response.read() or b"{}")
+                answer = _bounded_read(response, where)
         except urllib.error.HTTPError as e:
-            raise WriteRefused(f"{route.split('?')[0]}: {_reason(e.read())}") from None
+            if e.code == 404:
+                raise WriteRefused(f"{where}: the server has no such route: {DEV_MODE_HINT}") from None
+            raise WriteRefused(f"{where}: {_reason(_bounded_read(e, where))}") from None
+        try:
+            return json.loads(answer or b"{}")
+        except ValueError:
+            raise WriteRefused(f"{where}: the server's answer is not JSON: {answer[:80]!r}") from None
 
     def init(self, init_info: dict[str, Any], startup_s: float = 600.0) -> None:
         """Initialize the engine, waiting up to `startup_s` for a server that is still starting."""
@@ -94,7 +115,10 @@ class HttpEngine:
                     raise ConnectionError(f"no vLLM server at {self.url}: {e.reason}") from None
                 if time.monotonic() + startup_s - 2.0 < deadline:  # the first attempt: say so once
                     log.info("waiting for the vLLM server at %s", self.url)
-                time.sleep(2.0)
+                if self.stop.wait(2.0):
+                    raise ConnectionError(
+                        f"stopped while waiting for the vLLM server at {self.url}"
+                    ) from None
 
     def pause(self) -> None:
         self._post("/pause?mode=keep&clear_cache=false")
@@ -113,6 +137,14 @@ class HttpEngine:
 
     def recompute_running(self) -> None:
         self._post("/reset_prefix_cache?reset_running_requests=true")
+
+
+def _bounded_read(response, where: str) -> bytes:
+    """The body of an answer, refused past MAX_ANSWER_BYTES rather than read into memory whole."""
+    body = response.read(MAX_ANSWER_BYTES + 1)
+    if len(body) > MAX_ANSWER_BYTES:
+        raise WriteRefused(f"{where}: the server's answer is over {MAX_ANSWER_BYTES} bytes")
+    return body
 
 
 def _reason(body: bytes) -> str:
@@ -196,8 +228,12 @@ class EngineApplier(Applier):
         # An anchor failed after part of it was written: generation stays paused until an anchor loads.
         self.stuck = False
         self.tmp = Path(tempfile.mkdtemp(prefix="deltasync-follow-"))
-        self.engine.init({"root": root, "write": write})
-        self.paths = self._read_paths()  # how the workers write each tensor (Layout.paths)
+        try:
+            self.engine.init({"root": root, "write": write})
+            self.paths = self._read_paths()  # how the workers write each tensor (Layout.paths)
+        except BaseException:
+            self.close()
+            raise
         log.info("tensors written in place: %s", json.dumps(path_summary(self.paths)))
 
     def attach(self, subscriber: Subscriber) -> None:
@@ -274,8 +310,14 @@ class EngineApplier(Applier):
         """`Layout.paths` of the workers; a tensor any rank writes other than directly counts as such."""
         folder = self.tmp / "paths"
         self._paused([{"step": -1, "kind": "paths", "path": str(folder)}], pause=False)  # a read
+        files = sorted(folder.glob("rank-*.json"))
+        if not files:  # another backend, or workers that do not share this machine's files
+            raise WriteRefused(
+                f"the server's workers wrote no layout into {folder}: they must run the deltasync "
+                "weight-transfer backend, on this machine"
+            )
         paths: dict[str, str] = {}
-        for file in sorted(folder.glob("rank-*.json")):
+        for file in files:
             for name, path in json.loads(file.read_text()).items():
                 if paths.get(name, "direct") == "direct":
                     paths[name] = path

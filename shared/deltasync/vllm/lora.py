@@ -34,19 +34,17 @@ from vllm.lora.request import LoRARequest
 from vllm.lora.resolver import LoRAResolver, LoRAResolverRegistry
 
 from deltasync.codec.fingerprint import format_fingerprint
+from deltasync.errors import Refused  # why a name resolves to nothing (one line)
 from deltasync.storage import redact
 from deltasync.sync.protocol import adapter_name
 from deltasync.sync.subscriber import Subscriber, SyncError
 
-log = logging.getLogger(__name__)
+# Under vLLM's logger: a vLLM server's log shows what its handler writes, beside vLLM's own resolver lines.
+log = logging.getLogger("vllm.deltasync.lora")
 ROOT_ENV = "DELTASYNC_LORA_ROOT"
 CACHE_ENV = "DELTASYNC_LORA_CACHE"
 RESOLVER = "deltasync"  # its name in vLLM's registry
 VERSIONED = re.compile(r"(.+)-v(\d{1,18})")
-
-
-class Refused(Exception):
-    """Why a name resolves to nothing (one line)."""
 
 
 class DeltasyncLoRAResolver(LoRAResolver):

@@ -347,3 +347,11 @@ def test_parts_that_overlap_or_skip_a_part_are_refused(windowed):
     overlapping = parts_of(old, new, [(0, 500), (11, 1073)], "raw")  # each verifies, together they clash
     with pytest.raises(patches.PatchError, match="same element"):
         patches.decode_parts(overlapping, old)
+
+
+def test_the_weight_dtype_is_recorded_and_only_bf16_is_read(case):
+    old, _, data = case
+    assert patches.read_info(data["compact"]).metadata["dtype"] == "bf16"
+    assert_rejected(
+        with_metadata(data["compact"], dtype="f8_e4m3"), old, "weights are 'f8_e4m3'; .* bf16 only"
+    )

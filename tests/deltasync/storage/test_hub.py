@@ -8,7 +8,7 @@ import httpx2
 import pytest
 from huggingface_hub.utils import parse_ratelimit_headers
 
-from deltasync.storage import HubBucketStorage, RateLimited, TransientStorageError
+from deltasync.storage import HubBucketStorage, RateLimited, TooLargeError, TransientStorageError
 
 
 class Clock:
@@ -222,3 +222,21 @@ def test_a_lost_write_response_is_an_error_though_the_write_landed(fake_hub, sto
     with pytest.raises(TransientStorageError):
         storage.write_bytes("heads/latest.json", b"landed")
     assert storage.read_bytes("heads/latest.json") == b"landed"
+
+
+def test_an_object_over_the_limit_is_refused_without_being_read_into_memory(fake_hub, storage, monkeypatch):
+    """Whatever a stat said before (the object may have grown since), the read stops at the limit: the bytes
+    taken from the answer's body are counted where the client takes them."""
+    storage.write_bytes("deltas/big.safetensors", b"x" * (16 << 20))
+    taken = []
+    iter_bytes = httpx2.Response.iter_bytes
+
+    def counted(response, *args, **kwargs):
+        for chunk in iter_bytes(response, *args, **kwargs):
+            taken.append(len(chunk))
+            yield chunk
+
+    monkeypatch.setattr(httpx2.Response, "iter_bytes", counted)
+    with pytest.raises(TooLargeError, match="deltas/big.safetensors"):
+        storage.read_bytes("deltas/big.safetensors", limit=1000)
+    assert sum(taken) <= 1000 + (1 << 20), sum(taken)

@@ -343,3 +343,21 @@ def test_push_refuses_what_would_brick_the_root_before_touching_it(tmp_path):
     save_file({"": torch.ones(2), "w": torch.ones(3)}, checkpoint)
     one_line_error(cli("push", tmp_path / "root", checkpoint), "tensor ''")
     assert not (tmp_path / "root").exists()
+
+
+def test_a_missing_delta_is_planned_around_through_a_newer_anchor(tmp_path):
+    """A replica on step 2 whose next delta is gone takes, in the same poll, the path a fresh replica takes
+    (the newer anchor), instead of retrying the missing file at every poll."""
+    states = run_steps(tmp_path, 8, PublisherConfig(anchor_every=4))
+    head = protocol.read_head(LocalStorage(tmp_path))
+    assert [a.step for a in head.anchors] == [0, 4]
+    reader = Subscriber(tmp_path)
+    reader.sync(2)
+    delta_file(tmp_path, 3).unlink()
+    assert [(a.kind, a.step) for a in reader.sync()] == [
+        ("anchor", 4),
+        ("delta", 5),
+        ("delta", 6),
+        ("delta", 7),
+    ]
+    assert bitwise_equal(reader.state, states[7])

@@ -84,6 +84,20 @@ def test_a_rank_that_cannot_store_its_part_stops_every_rank(tmp_path):
     assert not (root / "heads" / "latest.json").read_bytes().count(b'"kind": "delta"')
 
 
+def test_a_rank_that_raises_anywhere_in_publish_stops_every_rank_or_none(tmp_path):
+    """One rank raises at each point of publish() (its own checks and copy, the diff, the encoding, the
+    part's upload, the writer's anchor rule, publish_stored and head write), at step 2, and the loop carries
+    on: afterwards every rank was told the cause, or every retained step pulls back bit-exact equal to the
+    model's state at the step it names. After every flush() the head names the step (sharded_faults.py)."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    argv += ["-m", "tests.deltasync.sync.sharded_faults", "--root", str(tmp_path)]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    verdicts = [line for line in proc.stdout.splitlines() if line.startswith(("OK", "BAD"))]
+    assert proc.returncode == 0 and len(verdicts) == 17, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert all(v.startswith("OK") for v in verdicts), "\n".join(verdicts)
+    assert "OK none -1 published" in verdicts and "OK info 1 stopped" in verdicts
+
+
 def publish_in_parts(publisher: Publisher, steps: int) -> list[dict]:
     """Step 0 published whole, then each step stored as 2 parts under the publisher's tag and published
     with publish_stored (an anchor beside it when one is due), as ShardedPublisher's ranks do; returns the
@@ -114,7 +128,7 @@ def test_steps_stored_in_parts_are_followed_and_collected(tmp_path):
         with pytest.raises(ValueError, match="holds no state"):
             publisher.publish(make_params(), step=10)
         foreign = StoredDelta(tuple(delta_paths(10, 2, "e9-00000000")), 10, 1, 0)
-        with pytest.raises(ValueError, match="not a delta file of this writer"):
+        with pytest.raises(ValueError, match="not where this writer.s delta of step 10 lives"):
             publisher.publish_stored(foreign, 10)
     storage = LocalStorage(tmp_path)
     head = read_head(storage)
@@ -198,3 +212,38 @@ def test_a_head_lists_every_part_of_a_step_in_order(tmp_path):
         entry["files"] = files
         with pytest.raises(ManifestError, match="are not where a delta of step 1 lives"):
             Head.from_json(json.dumps(raw).encode())
+
+
+class Counted(bytes):
+    """Bytes that count how often their length is asked for."""
+
+    lengths = 0
+
+    def __len__(self):
+        Counted.lengths += 1
+        return super().__len__()
+
+
+def test_a_step_in_many_parts_is_read_in_time_linear_in_its_parts(tmp_path, monkeypatch):
+    """The parts' lengths are added up once each, not once per part read (quadratic at thousands of parts),
+    counted rather than timed."""
+    spans = [(64 * i, 64 * (i + 1)) for i in range(256)]
+    params = make_params()
+    with Publisher(tmp_path, "tiny") as publisher:
+        publisher.publish(params, step=0)
+        old = bf16(params)
+        train_step(params, 1, density=0.05)
+        parts = window_parts(old, bf16(params), spans, step=1, base_step=0)
+        paths = delta_paths(1, len(parts), publisher.claim.tag)
+        for path, data in zip(paths, parts, strict=True):
+            publisher.storage.write_bytes(path, data)
+        changed = sum(read_info(data).changed for data in parts)
+        fp = read_info(parts[-1]).fingerprint
+        publisher.publish_stored(StoredDelta(tuple(paths), sum(map(len, parts)), changed, fp), 1)
+    reader = Subscriber(tmp_path)
+    reader.sync(0)
+    read = reader.storage.read_bytes
+    monkeypatch.setattr(reader.storage, "read_bytes", lambda *a, **k: Counted(read(*a, **k)))
+    reader.sync()
+    assert_bitwise_equal(reader.state, bf16(params))
+    assert Counted.lengths < 20 * len(parts), Counted.lengths

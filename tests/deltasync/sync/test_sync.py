@@ -1,6 +1,8 @@
 """The sync protocol end to end: Publisher -> storage -> Subscriber, with faults."""
 
+import collections
 import json
+import logging
 import os
 import random
 import signal
@@ -22,7 +24,16 @@ from deltasync.sync import subscriber as subscriber_module
 from deltasync.sync.gc import collect_garbage
 from deltasync.sync.publisher import Publisher, PublisherConfig
 from deltasync.sync.subscriber import Subscriber, SyncError, TensorsApplier
-from tests.helpers import SHAPES, bf16, bitwise_equal, delta_file, make_params, run_steps, train_step
+from tests.helpers import (
+    SHAPES,
+    bf16,
+    bitwise_equal,
+    delta_file,
+    make_params,
+    run_steps,
+    train_step,
+    wait_for,
+)
 
 
 class Flaky(Storage):
@@ -499,3 +510,70 @@ def test_planning_is_linear_in_the_head(tmp_path):
     reader._bad.add((head.entries[-4].files[0], 10))  # delta n - 1 refused: only anchor n - 1 + delta n
     assert [(e.kind, e.step) for e in reader._plan(head, n)] == [("anchor", n - 1), ("delta", n)]
     assert CountingSet.lookups < 5 * 4 * len(entries)  # five plans, each a few lookups per entry
+
+
+class Counting(LocalStorage):
+    """A folder that counts the reads asked of it, by path (refused ones too)."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.asked: collections.Counter[str] = collections.Counter()
+
+    def read_bytes(self, path, limit=None):
+        self.asked[path] += 1
+        return super().read_bytes(path, limit)
+
+
+@pytest.mark.parametrize("foreign", ["too large", "not a patch"])
+def test_a_refused_read_ahead_is_remembered(tmp_path, foreign):
+    """A foreign object where the next delta would go: one over the read-ahead's limit is asked for once,
+    not at every poll; bytes that are no patch are not held until the head moves."""
+    run_steps(tmp_path, 2)
+    storage = Counting(tmp_path)
+    subscriber = Subscriber(storage)
+    subscriber.sync()
+    tag = protocol.parse_data_path(subscriber.head.entries[-1].files[0])[2]
+    predicted = protocol.delta_path(2, tag)
+    run = subscriber.run
+    limit = 6 * run.numel + 512 * len(run.schema) + (1 << 20)
+    (tmp_path / predicted).write_bytes(b"\0" * (limit + 1) if foreign == "too large" else b"not a patch")
+    for _ in range(10):
+        subscriber.sync()
+        wait_for(lambda: subscriber._ahead[1].done(), "the read ahead")
+    assert storage.asked[predicted] == 1
+    if foreign == "not a patch":
+        assert subscriber._ahead[1].result().data == b""
+
+
+def test_a_repeated_sync_error_is_logged_once(tmp_path, caplog):
+    """Following an empty root says "no run yet" once, then quietly, however many polls it makes."""
+    storage = Counting(tmp_path)
+    subscriber, stop = Subscriber(storage), threading.Event()
+    caplog.set_level(logging.DEBUG, logger=subscriber_module.__name__)
+    thread = threading.Thread(target=subscriber.follow, args=(stop, 0.001))
+    thread.start()
+    wait_for(lambda: storage.asked[protocol.HEAD_PATH] >= 5, "five polls")
+    stop.set()
+    thread.join()
+    said = [r for r in caplog.records if "no run in" in r.getMessage()]
+    assert [r.levelno for r in said][:5] == [logging.WARNING] + [logging.DEBUG] * 4
+
+
+def test_a_bug_while_decoding_is_a_bug_not_a_bad_file(tmp_path, monkeypatch, caplog):
+    """numpy raises ValueError too: a programming error in decoding is logged with its traceback and counted,
+    and the file is not refused (the next sync applies it)."""
+    states = run_steps(tmp_path, 3)
+    subscriber = Subscriber(tmp_path)
+    subscriber.sync(1)
+
+    def broken(*args):
+        raise ValueError("operands could not be broadcast together")
+
+    monkeypatch.setattr(subscriber_module, "decode", broken)
+    with pytest.raises(SyncError, match="bug: ValueError: operands could not be broadcast"):
+        subscriber.sync()
+    assert subscriber.bugs == 1
+    assert any(r.exc_info and "bug" in r.getMessage() for r in caplog.records)
+    monkeypatch.undo()
+    assert [a.step for a in subscriber.sync()] == [2]
+    assert bitwise_equal(subscriber.state, states[2])

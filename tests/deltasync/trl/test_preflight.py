@@ -3,8 +3,12 @@ root holding another model's run each end in one line naming what and where (exi
 and the root holds nothing new afterwards."""
 
 import contextlib
+import http.server
+import json
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,13 +29,15 @@ SCHEMA = {"model.embed_tokens.weight": [16, 8], "model.norm.weight": [8]}
 
 
 @contextlib.contextmanager
-def fake_replica(served: str = MODEL, schema: dict | None = None) -> Iterator[str]:
-    """Answers /v1/models with `served` and, like the inference Space, /weights with its sync status."""
+def fake_replica(served: str = MODEL, schema: dict | None = None, models: object = None) -> Iterator[str]:
+    """Answers /v1/models with `served` (or `models` as the list's data) and, like the inference Space,
+    /weights with its sync status."""
     app = FastAPI()
 
     @app.get("/v1/models")
-    def models():
-        return {"object": "list", "data": [{"id": served, "object": "model"}]}
+    def listed():
+        data = [{"id": served, "object": "model"}] if models is None else models
+        return {"object": "list", "data": data}
 
     @app.get("/weights")
     def weights():
@@ -79,7 +85,10 @@ def test_dead_replica(root):
 def test_replica_serving_another_model(root):
     with fake_replica(served="other-model") as url:
         failure = preflight(root, SCHEMA, MODEL, [url])
-    assert failure == f"inference server {url} serves ['other-model'], not {MODEL}"
+    assert failure == (
+        f"inference server {url} serves ['other-model'], not {MODEL} (names must match exactly: "
+        f"start it with --served-model-name {MODEL})"
+    )
     assert listing(root) == []
 
 
@@ -145,3 +154,41 @@ def test_example_exits_2_on_a_dead_replica_before_publishing(tmp_path, root):
     last = proc.stderr.strip().splitlines()[-1]
     assert last == f"preflight failed: inference server {DEAD}/v1/models does not answer: ConnectionError"
     assert listing(root) == []
+
+
+@pytest.mark.parametrize("models", [[1], None, {"m": 1}, ["m"]])
+def test_a_malformed_model_list_is_one_line(root, models):
+    with fake_replica(models=models if models is not None else "null") as url:
+        failure = preflight(root, SCHEMA, MODEL, [url])
+    assert failure is not None and "\n" not in failure
+    assert failure.startswith(f"inference server {url}"), failure
+
+
+class Trickling(http.server.BaseHTTPRequestHandler):
+    """Answers 200 with a valid model list, one byte every 0.2 s."""
+
+    def do_GET(self):
+        body = json.dumps({"data": [{"id": MODEL}]}).encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        for byte in body:
+            self.wfile.write(bytes([byte]))
+            self.wfile.flush()
+            time.sleep(0.2)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_replica_that_trickles_its_answer_is_bounded_as_a_whole(root, monkeypatch):
+    monkeypatch.setattr(sys.modules[preflight.__module__], "TIMEOUT_S", 1.0)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Trickling)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        failure = preflight(root, SCHEMA, MODEL, [url])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert failure == f"inference server {url}/v1/models does not answer within 1 s"

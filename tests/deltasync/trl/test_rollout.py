@@ -77,6 +77,9 @@ def reward_by_length(completions, **kwargs):
 
 def test_parse_version():
     assert [parse_version(v) for v in ("12", "0", "model", None, "-1")] == [12, 0, None, None, None]
+    too_big = [str(2**63), "9" * 5000]  # past the step range (int() of 5,000 digits raises)
+    assert [parse_version(v) for v in ["²", "١٢", " 1", "1\n", *too_big]] == [None] * 6
+    assert parse_version(str(2**63 - 1)) == 2**63 - 1
 
 
 def test_mask_last_turn_leaves_the_earlier_turns_trained():

@@ -183,3 +183,15 @@ def test_pause_and_resume_never_block(tmp_path):
     reader = Subscriber(tmp_path)
     reader.sync()
     assert reader.step == 0 and transfer.publisher.head.step == 0
+
+
+def test_send_weights_after_destroy_raises(tmp_path):
+    """Else the step number would advance for weights that are never written."""
+    model = small_qwen3(tied=True, dtype=torch.float32, device="cpu")
+    transfer = BucketWeightTransfer(tmp_path / "root")
+    sync(transfer, model)
+    transfer.destroy()
+    with pytest.raises(RuntimeError, match="closed"):
+        sync(transfer, model)
+    assert transfer.last_step == 0
+    assert Subscriber(str(tmp_path / "root")).sync()[-1].step == 0

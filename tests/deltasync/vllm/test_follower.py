@@ -1,7 +1,15 @@
 """The follower's side of vLLM's weight-update protocol, against a stand-in engine that keeps the weights in a
 dict (no vLLM): the order of the calls, what a refusal leaves behind, and the read-back answer."""
 
+import contextlib
+import http.server
 import json
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,7 +19,7 @@ from safetensors.torch import load_file
 from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
 from deltasync.codec.patch import raw_changes
 from deltasync.sync.subscriber import Subscriber, SyncError
-from deltasync.vllm.follower import EngineApplier, WriteRefused, path_summary
+from deltasync.vllm.follower import EngineApplier, HttpEngine, WriteRefused, path_summary
 from tests.helpers import SHAPES, assert_bitwise_equal, run_steps
 
 
@@ -153,3 +161,91 @@ def test_reports_how_each_tensor_is_written(tmp_path):
         },
     }
     applier.close()
+
+
+class Answers(http.server.BaseHTTPRequestHandler):
+    """A stand-in server: every POST gets `status` and `body` (the class attributes of a subclass)."""
+
+    status, body = 200, b"{}"
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.send_response(self.status)
+        self.send_header("content-length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def answering(status: int, body: bytes):
+    handler = type("Handler", (Answers,), {"status": status, "body": body})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(
+    "status, body, problem",
+    [
+        (404, b'{"detail": "Not Found"}', "VLLM_SERVER_DEV_MODE=1"),  # a server without the RL routes
+        (200, b"{}", "wrote no layout"),  # another backend: nothing written where the follower reads
+        (200, b"x" * (3 << 20), "over 1048576 bytes"),  # an answer is read only up to a bound
+    ],
+)
+def test_a_failed_start_says_what_to_do_and_leaves_no_folder(tmp_path, monkeypatch, status, body, problem):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with answering(status, body) as url, pytest.raises(WriteRefused, match=problem):
+        EngineApplier(HttpEngine(url), str(tmp_path / "root"))
+    assert not list(tmp_path.glob("deltasync-follow-*"))
+
+
+def follow_command(root: Path, *args: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "deltasync.cli", "follow", str(root), *args]
+    return subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+
+
+def test_follow_refuses_a_bad_replica_before_calling_the_server(tmp_path):
+    with socket.socket() as stalled:  # a server that would never answer: the refusal must not wait for it
+        stalled.bind(("127.0.0.1", 0))
+        stalled.listen()
+        url = f"http://127.0.0.1:{stalled.getsockname()[1]}"
+        proc = follow_command(tmp_path, "--vllm-url", url, "--replica", "no spaces")
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "--replica: 'no spaces' must match" in err
+
+
+@pytest.mark.parametrize("server", ["starting", "stalled"])
+def test_follow_stops_on_sigterm_while_the_server_starts_or_stalls(tmp_path, server):
+    """Nothing listens yet (the follower waits for the server), or the server took the request and never
+    answers: SIGTERM ends the follower all the same (the deadline below only turns a hang into a failure)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        if server == "stalled":
+            sock.listen()  # connections complete in the kernel's backlog; nothing ever answers them
+        else:
+            sock.close()
+        proc = follow_command(tmp_path, "--vllm-url", url)
+        try:
+            if server == "starting":
+                line = ""
+                while "waiting for the vLLM server" not in line:
+                    line = proc.stderr.readline()
+                    assert line, "the follower ended before waiting for the server"
+            else:
+                sock.settimeout(120)
+                connection, _ = sock.accept()  # the request is in flight: it is never answered
+                connection.recv(1)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0

@@ -4,7 +4,6 @@ resolves to nothing, with one line saying why."""
 
 import asyncio
 import json
-import logging
 
 import pytest
 import torch
@@ -77,32 +76,28 @@ def test_each_version_resolves_to_its_step_in_peft_format(tmp_path, resolver):
     assert len(list((tmp_path / "cache").iterdir())) == 3  # one folder per version, nothing staged left
 
 
-def test_a_version_not_published_yet_resolves_to_nothing(tmp_path, resolver, caplog):
+def test_a_version_not_published_yet_resolves_to_nothing(tmp_path, resolver):
     publish(tmp_path / "root", 2)
-    with caplog.at_level(logging.WARNING, "deltasync.vllm.lora"):
-        assert resolve(resolver, f"{NAME}-v2") is None
-    assert [r.getMessage() for r in caplog.records] == [f"LoRA adapter {NAME}-v2: step 2 is not in "
-                                                        f"{tmp_path / 'root'} yet (head 1)"]  # fmt: skip
+    assert resolve(resolver, f"{NAME}-v2") is None
+    assert resolver.last_error == f"LoRA adapter {NAME}-v2: step 2 is not in {tmp_path / 'root'} yet (head 1)"
     assert not list((tmp_path / "cache").iterdir())
 
 
-def test_an_empty_root_resolves_to_nothing(tmp_path, resolver, caplog):
-    with caplog.at_level(logging.WARNING, "deltasync.vllm.lora"):
-        assert resolve(resolver, f"{NAME}-v0") is None
-    assert "no run in" in caplog.records[0].getMessage()
+def test_an_empty_root_resolves_to_nothing(tmp_path, resolver):
+    assert resolve(resolver, f"{NAME}-v0") is None
+    assert "no run in" in resolver.last_error
 
 
-def test_a_corrupt_adapter_file_is_refused_and_nothing_is_served(tmp_path, resolver, caplog):
+def test_a_corrupt_adapter_file_is_refused_and_nothing_is_served(tmp_path, resolver):
     states = publish(tmp_path / "root", 3)
     root = tmp_path / "root"
     for path in [*root.glob("deltas/step-00000002*"), *root.glob("anchors/step-00000002*/*")]:  # all it has
         data = bytearray(path.read_bytes())
         data[-9] ^= 0x40  # a bit of the values: the file still parses, its fingerprint does not hold
         path.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, "deltasync.vllm.lora"):
-        assert resolve(resolver, f"{NAME}-v2") is None
-    (line,) = [r.getMessage() for r in caplog.records]
-    assert line.startswith(f"LoRA adapter {NAME}-v2: ") and "\n" not in line
+    assert resolve(resolver, f"{NAME}-v2") is None
+    line = resolver.last_error
+    assert line.startswith(f"LoRA adapter {NAME}-v2: refused") and "\n" not in line
     assert not list((tmp_path / "cache").glob(f"{NAME}-v2-*"))
     # The versions before it are still served, verified.
     folder = tmp_path / "cache" / resolve(resolver, f"{NAME}-v1").lora_path
@@ -116,27 +111,24 @@ def test_a_corrupt_adapter_file_is_refused_and_nothing_is_served(tmp_path, resol
         ("other-v0", BASE, f"publishes the adapter '{NAME}', not 'other'"),
     ],
 )
-def test_a_foreign_adapter_is_refused(tmp_path, resolver, caplog, name, base, reason):
+def test_a_foreign_adapter_is_refused(tmp_path, resolver, name, base, reason):
     publish(tmp_path / "root", 1)
-    with caplog.at_level(logging.WARNING, "deltasync.vllm.lora"):
-        assert resolve(resolver, name, base) is None
-    assert reason in caplog.records[0].getMessage()
+    assert resolve(resolver, name, base) is None
+    assert reason in resolver.last_error
     assert not list((tmp_path / "cache").iterdir())
 
 
-def test_a_full_weight_root_serves_no_adapter(tmp_path, resolver, caplog):
+def test_a_full_weight_root_serves_no_adapter(tmp_path, resolver):
     publish(tmp_path / "root", 1, lora={})
-    with caplog.at_level(logging.WARNING, "deltasync.vllm.lora"):
-        assert resolve(resolver, f"{NAME}-v0") is None
-    assert "holds full weights of tiny-base, not a LoRA adapter" in caplog.records[0].getMessage()
+    assert resolve(resolver, f"{NAME}-v0") is None
+    assert "holds full weights of tiny-base, not a LoRA adapter" in resolver.last_error
 
 
-def test_names_without_a_version_are_left_to_other_resolvers(tmp_path, resolver, caplog):
+def test_names_without_a_version_are_left_to_other_resolvers(tmp_path, resolver):
     publish(tmp_path / "root", 1)
-    with caplog.at_level(logging.WARNING, "deltasync.vllm.lora"):
-        assert resolve(resolver, NAME) is None
-        assert resolve(resolver, f"{NAME}-vX") is None
-    assert not caplog.records
+    assert resolve(resolver, NAME) is None
+    assert resolve(resolver, f"{NAME}-vX") is None
+    assert resolver.last_error is None
 
 
 def test_run_json_marks_a_lora_root_and_refuses_a_bad_mark():

@@ -85,6 +85,7 @@ def test_the_inference_space_serves_a_lora_root_by_version(tmp_path):
     with Publisher(root, model=str(model), lora=lora) as publisher:
         for step in range(2):
             publisher.publish({n: t * (1 + step) for n, t in adapter.items()}, step=step)
+            publisher.flush()  # each step stored, none folded into the next
 
     with replica(tmp_path, root, model, name="lora-replica") as url:
 
