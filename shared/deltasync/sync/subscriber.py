@@ -494,7 +494,6 @@ class Subscriber:
         if self.applier is None or (entry.kind == "delta" and self._unverified_deltas < self.verify_every):
             return
         self._unverified_deltas = 0
-        self.bugs = 0  # sync() failures that were no refusal, storage failure or applier refusal (logged)
         actual = self.applier.fingerprint()
         if actual is not None and actual != self.fingerprint:
             self.step = None
@@ -520,7 +519,11 @@ class Subscriber:
             limited = limited if limited is not None and limited > a.published_at else None
             self._write_record(
                 telemetry.ReplicaRecord(
-                    replica=self.replica, verified=True, rate_limited_until=limited, **asdict(a)
+                    replica=self.replica,
+                    verified=True,
+                    rate_limited_until=limited,
+                    bugs=self.bugs,
+                    **asdict(a),
                 )
             )
 
@@ -541,6 +544,7 @@ class Subscriber:
                 lag_steps=head.step - entry.step,
                 payload_bytes=entry.bytes,
                 error=_bounded(error),
+                bugs=self.bugs,
             )
         )
 

@@ -74,6 +74,7 @@ class ReplicaRecord:
     pause_s: float | None = None  # generation paused for the write (inference servers only)
     error: str | None = None
     rate_limited_until: float | None = None  # the storage's request quota held this step back until then
+    bugs: int = 0  # the replica's syncs so far that failed on a bug (each logged with its traceback)
 
     @property
     def lag_s(self) -> float:

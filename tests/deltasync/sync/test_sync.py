@@ -563,7 +563,7 @@ def test_a_bug_while_decoding_is_a_bug_not_a_bad_file(tmp_path, monkeypatch, cap
     """numpy raises ValueError too: a programming error in decoding is logged with its traceback and counted,
     and the file is not refused (the next sync applies it)."""
     states = run_steps(tmp_path, 3)
-    subscriber = Subscriber(tmp_path)
+    subscriber = Subscriber(tmp_path, replica="r")
     subscriber.sync(1)
 
     def broken(*args):
@@ -577,3 +577,5 @@ def test_a_bug_while_decoding_is_a_bug_not_a_bad_file(tmp_path, monkeypatch, cap
     monkeypatch.undo()
     assert [a.step for a in subscriber.sync()] == [2]
     assert bitwise_equal(subscriber.state, states[2])
+    record = tmp_path / telemetry.REPLICAS_DIR / "r" / "step-00000002.json"
+    assert telemetry.from_json(telemetry.ReplicaRecord, record.read_bytes()).bugs == 1  # counted in telemetry
