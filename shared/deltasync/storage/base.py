@@ -279,6 +279,11 @@ class Storage(ABC):
         feed lost its place): then list."""
         return None
 
+    def announced(self, path: str) -> bool | None:
+        """Whether a followed change feed has said that `path` exists (then a read costs no stat); None where
+        no feed is followed now."""
+        return None
+
     @property
     def rate_limited_until(self) -> float | None:
         """Unix time until which the server refuses this client's requests (a quota), or None."""

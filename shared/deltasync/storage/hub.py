@@ -183,6 +183,13 @@ class HubBucketStorage(Storage):
                     return  # no feed: a poll
                 feed.cond.wait(0.25)  # also checks `stop` and whether the feed went down
 
+    def announced(self, path: str) -> bool | None:
+        if not self.live:
+            return None
+        with self._feed.cond:
+            stat, _ = self._feed.stats.get(self._key(path), (None, 0.0))
+        return stat is not None
+
     @property
     def follows_changes(self) -> bool:
         follower = self._feed.follower

@@ -405,6 +405,8 @@ class Subscriber:
         path = delta_path(head.step + 1, parsed[2] if parsed else "")
         if self._ahead is not None and self._ahead[0] == path and not _ask_again(self._ahead[1]):
             return
+        if self.storage.announced(path) is False:  # the feed names it once written, and wakes this reader
+            return
         limit = 6 * run.numel + 512 * len(run.schema) + (1 << 20)  # a raw patch of every element, at most
         # Decoding allocates per claimed change: ahead of the head, only as many as recent steps changed.
         most = 2 * max((d.changed for d in head.deltas), default=0)
