@@ -131,7 +131,7 @@ class Run:
         train(self.params, self.step)
         self.publisher.publish(self.params, step=self.step)
         # No flush(): it would send the step's telemetry on its own, which rides the next step's data.
-        wait(lambda: not (self.publisher._pending or self.publisher._busy), "the publisher")
+        wait(lambda: (head := self.publisher.head) is not None and head.step == self.step, "the publisher")
         if self.feed:  # the replicas act on the head's event: wait until they have, on the same clock time
             wait(lambda: all(s.step == self.step for s in self.subscribers), "the replicas")
             head = max(c.wall for c in self.hub.changes if c.change["path"].endswith("heads/latest.json"))
