@@ -15,10 +15,14 @@ Environment:
     DEMO_HEADLESS      1: open no browser and exit after the run; else keep the apps up until Ctrl-C
     DEMO_MODEL         the policy's folder (default: the warm-started tiny Qwen3, built once into the cache of
                        trainer.tiny_model.default_model_dir(): $DELTASYNC_CACHE or ~/.cache/deltasync)
-    DEMO_TRAINER_ARGS  trainer flags (default: DEFAULT_TRAINER_ARGS), e.g. "--reward short --max_grad_norm 1"
+    DEMO_LORA          1: train a LoRA adapter (rank LORA_RANK) instead of all the weights; the replica serves
+                       each step N as the adapter policy-vN (it starts with MAX_LORA_RANK: before run.json)
+    DEMO_TRAINER_ARGS  trainer flags (default: DEFAULT_TRAINER_ARGS, with DEMO_LORA LORA_TRAINER_ARGS), e.g.
+                       "--reward short --max_grad_norm 1"
     ENGINE_ARGS        flags for the inference replica's vLLM (default: DEFAULT_ENGINE_ARGS)
 
-Exit status: 0 when the trainer finished and the replica verified every published step, else 1.
+Exit status: 0 when the trainer finished and the replica verified every published step (with DEMO_LORA: held
+verified versions, and refused none), else 1.
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ from typing import Any
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from appkit.settings import from_env
-from appkit.units import format_bytes
+from appkit.units import format_bytes, format_steps
 from deltasync.storage import open_storage
+from deltasync.sync.protocol import read_run
 from deltasync.telemetry import ReplicaRecord, TrainerRecord
 from deltasync.telemetry.reader import TelemetryReader
 from trainer.processes import free_port, log_tail, placement, start_process, stop_process, wait_healthy
@@ -68,6 +73,15 @@ DEFAULT_TRAINER_ARGS = (
     "--reward wordle-partial --learning_rate 1e-3 --num_generations 8 --per_device_train_batch_size 16 "
     "--max_tool_calling_iterations 6"
 )
+# DEMO_LORA: an adapter on every linear layer of the tiny model (not its embeddings), which needs a larger
+# step than the whole model to learn as fast; --measure_merged: each step's telemetry also says what the
+# merged path would have published.
+LORA_RANK = 16
+# An adapter's steps are anchors (a delta of one would not be smaller): --keep_anchors keeps the versions
+# rollouts may still name (TRL's max_staleness 4) resolvable.
+LORA_TRAINER_ARGS = (
+    DEFAULT_TRAINER_ARGS.replace("--learning_rate 1e-3", "--learning_rate 1e-2") + " --keep_anchors 8"
+)
 
 
 # ------------------------------------------------------------------------------------------------ summary
@@ -82,6 +96,10 @@ def summarize(root: str | Path) -> dict[str, Any]:
     records = [r for _, r in sorted(reader.trainer.items())]
     rewards = [(r.step, r.info[REWARD_KEY]) for r in records if REWARD_KEY in r.info]
     mean_payload, full = summary["mean_delta_payload_bytes"], summary["full_bytes"]
+    try:
+        lora = read_run(reader.storage).lora
+    except FileNotFoundError:  # nothing published
+        lora = None
     return {
         "root": str(root),
         "steps": summary["steps"],
@@ -103,6 +121,7 @@ def summarize(root: str | Path) -> dict[str, Any]:
         **freshness(records),
         **reward_quarters([r for _, r in rewards]),
         "mean_step_s": _mean_gap([r.published_at for r in records if r.kind != "skipped"]),
+        **(reader.adapter_summary(lora) if lora is not None else {}),
     }
 
 
@@ -165,7 +184,9 @@ def format_summary(s: dict[str, Any]) -> str:
         "  median sync latency   "
         + ("-" if latency is None else f"{latency:.2f} s (publish to verified apply)")
     )
-    for name, missing in s["unverified_steps"].items():
+    if "lora" in s:
+        lines += lora_lines(s)
+    for name, missing in ({} if "lora" in s else s["unverified_steps"]).items():
         verified = s["steps"] - len(missing)
         note = f"; not verified: {missing[:10]}{' ...' if len(missing) > 10 else ''}" if missing else ""
         lines.append(f"  verified by replica   {verified}/{s['steps']} steps ({name}){note}")
@@ -196,6 +217,30 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def lora_lines(s: dict[str, Any]) -> list[str]:
+    """The summary's lines for a LoRA root."""
+    versions = s["versions"]
+    lines = [
+        f"  adapter versions      {versions[0]['version']} .. {versions[-1]['version']} "
+        f"(LoRA rank {s['lora']['rank']})"
+        if versions
+        else "  adapter versions      none"
+    ]
+    adapter, merged = s["mean_adapter_payload_bytes"], s["mean_merged_payload_bytes"]
+    if adapter is not None and merged is not None:
+        lines.append(
+            f"  payload per version   adapter {format_bytes(adapter)}, merged path {format_bytes(merged)} "
+            f"({merged / max(adapter, 1):.1f}x; merged measured by the trainer, encoded, not uploaded)"
+        )
+    for name, held in s["versions_held"].items():
+        refused = s["versions_refused"][name]
+        note = f"; refused: {refused[:10]}" if refused else ""
+        lines.append(f"  versions held         {len(held)} by {name}: {format_steps(held)}{note}")
+    if not s["versions_held"]:
+        lines.append("  versions held         no replica reported")
+    return lines
+
+
 def cpu_kind() -> str:
     """ "avx512" when this CPU has AVX-512 (the vector width vLLM's and torch's CPU kernels run fastest at),
     else "avx2"."""
@@ -224,10 +269,11 @@ def progress_line(record: TrainerRecord | ReplicaRecord, total_steps: int) -> st
     if isinstance(record, TrainerRecord):
         if record.kind == "skipped":
             return f"step {record.step}/{total_steps}  folded into a later step (uploads lagged)"
-        reward = record.info.get(REWARD_KEY)
+        reward, merged = record.info.get(REWARD_KEY), record.info.get("merged_payload_bytes")
         return (
             f"step {record.step}/{total_steps}  {record.kind:<6} {100 * record.density:6.2f}% changed  "
             f"{format_bytes(record.payload_bytes):>9} published"
+            + ("" if merged is None else f" (merged: {format_bytes(merged)})")
             + ("" if reward is None else f"  reward {reward:.3f}")
         )
     if record.verified:
@@ -248,8 +294,13 @@ class Settings(BaseSettings):
     demo_dir: Path = Path("demo-run")
     demo_headless: bool = False
     demo_model: Path | None = None  # None: the cached tiny model
-    demo_trainer_args: str = DEFAULT_TRAINER_ARGS
+    demo_lora: bool = False
+    demo_trainer_args: str | None = None  # None: DEFAULT_TRAINER_ARGS, with demo_lora LORA_TRAINER_ARGS
     engine_args: str = DEFAULT_ENGINE_ARGS
+
+    @property
+    def trainer_args(self) -> str:
+        return self.demo_trainer_args or (LORA_TRAINER_ARGS if self.demo_lora else DEFAULT_TRAINER_ARGS)
 
 
 class Demo:
@@ -364,7 +415,7 @@ def run(settings: Settings, demo: Demo) -> int:
     print(f"model      {model}\nsync root  {demo.root}\nlogs       {demo.logs}", flush=True)
     where = demo.placement
     print(f"cores      vLLM {list(where.server)}, the others {list(where.others)}", flush=True)
-    if settings.demo_trainer_args == DEFAULT_TRAINER_ARGS:
+    if settings.trainer_args == DEFAULT_TRAINER_ARGS:
         print(f"time       {expected_time(settings.demo_steps, cpu_kind())}", flush=True)
 
     demo.start_app("env", "/health")
@@ -376,6 +427,8 @@ def run(settings: Settings, demo: Demo) -> int:
         REPLICA_ID=REPLICA_ID,
         POLL_S="0.5",
         ENGINE_ARGS=settings.engine_args,
+        # LoRA is fixed when vLLM's engine starts, which is before the trainer writes run.json
+        **({"MAX_LORA_RANK": str(LORA_RANK)} if settings.demo_lora else {}),
     )
     demo.start_app("dashboard", "/api/summary", SYNC_ROOT=str(demo.root), REFRESH_S="1")
     print("starting the env, vLLM and the dashboard (vLLM takes ~20-60 s on CPU) ...", flush=True)
@@ -389,7 +442,9 @@ def run(settings: Settings, demo: Demo) -> int:
     # "tiny": the trainer resolves the same cached folder, and applies its defaults for the tiny model
     argv += ["--model", "tiny" if settings.demo_model is None else str(model)]
     argv += ["--max_steps", str(settings.demo_steps), "--output_dir", str(demo.dir / "trainer")]
-    argv += ["--seed", str(settings.demo_seed), *shlex.split(settings.demo_trainer_args)]
+    if settings.demo_lora:
+        argv += ["--lora_r", str(LORA_RANK), "--measure_merged", "true"]
+    argv += ["--seed", str(settings.demo_seed), *shlex.split(settings.trainer_args)]
     print(f"training: {shlex.join(argv)}\n  (log: {demo.logs / 'trainer.log'})", flush=True)
     reader = TelemetryReader(open_storage(str(demo.root)))
     status = follow(demo, reader, demo.start("trainer", argv), settings.demo_steps)
@@ -397,14 +452,22 @@ def run(settings: Settings, demo: Demo) -> int:
         log = demo.logs / "trainer.log"
         print(f"\nthe trainer exited with status {status}; end of {log}:\n{log_tail(log)}")
         return 1
-    wait_for_replica(demo, reader, settings.demo_steps)
+    if not settings.demo_lora:  # a LoRA replica fetches only the versions requests name
+        wait_for_replica(demo, reader, settings.demo_steps)
 
     summary = summarize(demo.root)
     (demo.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print("\n" + format_summary(summary), flush=True)
-    ok = summary["steps"] > 0 and summary["unverified_steps"].get(REPLICA_ID) == []
+    ok = summary["steps"] > 0 and (
+        bool(summary["versions_held"].get(REPLICA_ID)) and not summary["versions_refused"].get(REPLICA_ID)
+        if settings.demo_lora
+        else summary["unverified_steps"].get(REPLICA_ID) == []
+    )
     if not ok:
-        print(f"\nthe replica did not verify every published step: see {demo.logs / 'inference.log'}")
+        what = (
+            "held no verified version or refused one" if settings.demo_lora else "did not verify every step"
+        )
+        print(f"\nthe replica {what}: see {demo.logs / 'inference.log'}")
     if not settings.demo_headless:
         print(f"\nThe apps stay up: dashboard {demo.urls['dashboard']}, Wordle {demo.urls['env']}, ", end="")
         print(f"vLLM {demo.urls['inference']}. Ctrl-C stops them.", flush=True)

@@ -65,11 +65,13 @@ from deltasync.trl import (
     schema_of,
     stamp_rollouts,
 )
+from deltasync.trl.transfer import adapter_tensors
 from trainer.task import CHAT_TEMPLATE_KWARGS, quit_early
 
 log = logging.getLogger("deltasync.trainer")
 TINY = "tiny"  # --model value: the warm-started tiny Qwen3, built locally and cached (trainer/tiny_model.py)
 REAL_MODEL = "Qwen/Qwen3-0.6B"
+LORA_NAME = "policy"  # with --lora_r, replicas serve step N as the adapter policy-vN
 
 
 @dataclass
@@ -152,8 +154,33 @@ class DeltaSyncArguments:
             "the policy to ramble instead of guessing."
         },
     )
+    lora_r: int = field(
+        default=0,
+        metadata={
+            "help": "Train a LoRA adapter of this rank on every linear layer instead of all the weights "
+            "(0: all the weights). Each step publishes the adapter alone; the replicas must serve a LoRA "
+            "root (the inference Space: MAX_LORA_RANK, or a root whose run.json is one when it starts)."
+        },
+    )
+    lora_alpha: int | None = field(default=None, metadata={"help": "LoRA's alpha (default: 2 x --lora_r)."})
+    measure_merged: bool = field(
+        default=False,
+        metadata={
+            "help": "With --lora_r: also measure, each step, the delta the merged path would publish "
+            "(encoded, not uploaded; in the step's telemetry). Keeps a bf16 copy of the model."
+        },
+    )
     dataset_size: int = field(default=1000, metadata={"help": "Prompt rows (each game draws its own word)."})
     progress: bool = field(default=True, metadata={"help": "Show a progress bar (else a log line per step)."})
+
+    def lora(self):
+        """PEFT's LoraConfig for --lora_r (every linear layer but the output head), None without it."""
+        if not self.lora_r:
+            return None
+        from peft import LoraConfig  # only LoRA runs need peft
+
+        alpha = self.lora_alpha or 2 * self.lora_r
+        return LoraConfig(r=self.lora_r, lora_alpha=alpha, target_modules="all-linear", task_type="CAUSAL_LM")
 
     def check(self) -> None:
         missing = [f"--{n}" for n in ("sync_root", "inference_url", "env_url") if not getattr(self, n)]
@@ -311,8 +338,9 @@ def resolve_model(name: str) -> str:
     return str(ensure_tiny_model(default_model_dir()))
 
 
-def continue_from_head(model: torch.nn.Module, root: str) -> None:
-    """Load the newest published weights into `model` if the sync root holds a run."""
+def continue_from_head(model: torch.nn.Module, root: str, adapter: bool) -> None:
+    """Load the newest published weights (with `adapter`, the adapter) into `model` if the sync root holds a
+    run."""
     from deltasync.storage import open_storage
     from deltasync.sync.protocol import HEAD_PATH
     from deltasync.sync.subscriber import Subscriber, TensorsApplier
@@ -322,7 +350,8 @@ def continue_from_head(model: torch.nn.Module, root: str) -> None:
         storage.read_bytes(HEAD_PATH)
     except FileNotFoundError:
         return
-    Subscriber(storage, TensorsApplier({n: p.data for n, p in model.named_parameters()})).sync()
+    live = adapter_tensors(model) if adapter else ((n, p.data) for n, p in model.named_parameters())
+    Subscriber(storage, TensorsApplier(dict(live))).sync()
 
 
 def model_without_weights(path: str) -> torch.nn.Module:
@@ -356,6 +385,8 @@ def build_trainer(
             encoding=ours.encoding, anchor_every=ours.anchor_every, keep_anchors=ours.keep_anchors
         ),
         guard=stop.guard,
+        lora_name=LORA_NAME if ours.lora_r else None,
+        measure_merged=ours.measure_merged,
     )
     trainer_ref: dict = {"trainer": None}
     trainer = AsyncGRPOTrainer(
@@ -366,6 +397,7 @@ def build_trainer(
         processing_class=tokenizer,
         environment_factory=partial(WordleEnv, base_url=ours.env_url.rstrip("/")),
         weight_transfer=transfer,
+        peft_config=ours.lora(),
         callbacks=[StopAtStepEnd(stop, trainer_ref), Progress(args.output_dir, ours.progress, transfer)],
     )
     trainer_ref["trainer"] = trainer
@@ -374,7 +406,9 @@ def build_trainer(
     # Only the main process touches the sync root (TRL calls the transfer there alone too). Under DDP the
     # other ranks get the resumed weights when the model is wrapped, which broadcasts rank 0's.
     if trainer.accelerator.is_main_process:
-        continue_from_head(trainer.model, ours.sync_root)  # the publisher logs the step it continues at
+        continue_from_head(
+            trainer.model, ours.sync_root, adapter=bool(ours.lora_r)
+        )  # the publisher logs the step it continues at
     # the rollout worker's sampling seeds follow TRL's --seed: with the seeded games, runs are reproducible
     # up to the timing of the asynchronous pipeline (which weights answer which request)
     stamp_rollouts(
@@ -438,7 +472,12 @@ def main(argv: list[str] | None = None) -> int:
     # Only the main process checks (it alone publishes); torchrun and accelerate set RANK.
     if int(os.environ.get("RANK", "0")) == 0:
         served = ours.served_model_name or model_id
-        schema = schema_of(model_without_weights(model_path))
+        lora, model = ours.lora(), model_without_weights(model_path)
+        if lora is not None:  # the adapter's tensors: PEFT builds them on the meta device too
+            from peft import get_peft_model
+
+            model = get_peft_model(model, lora)
+        schema = schema_of(model, adapter=lora is not None)
         check_or_exit(ours.sync_root, schema, served, ours.inference_url, ours.env_url)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     stop = GracefulStop()

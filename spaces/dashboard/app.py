@@ -8,6 +8,10 @@ this long is shown as stopped reporting, default 120), POLL_BUDGET (Hub requests
 may spend while the bucket's change feed is not followed, default 1000).
 
 The UI is at `/`; scripts read `GET /api/summary` and `GET /api/series?since=STEP` (JSON).
+
+On a LoRA root (run.json's `lora`, read once the first trainer record is in) it also shows the adapter
+versions, each version's payload beside what the merged path would have published (where the trainer measured
+it: `merged_payload_bytes`), and the versions each replica holds (`TelemetryReader.adapter_summary`).
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ from pydantic_settings import BaseSettings
 
 from appkit.asgi import BodyLimit, serve
 from appkit.settings import from_env
-from appkit.units import format_bytes
+from appkit.units import format_bytes, format_steps
+from deltasync.errors import EXPECTED
 from deltasync.storage import POLL_BUDGET, open_storage, redact
+from deltasync.sync.protocol import read_run
 from deltasync.telemetry.reader import TelemetryReader
 
 PLOTS = [
@@ -91,6 +97,8 @@ class Board:
         self.unread: dict[str, str] = {}
         self.read_at: float | None = None  # end of the last successful poll (unix s)
         self.reader: TelemetryReader | None = None
+        self.lora: dict | None = None  # run.json's `lora`: a LoRA root
+        self._run_read = False  # run.json read (once the trainer's first record is in: it precedes them)
         self._figures: tuple[int, list[go.Figure]] | None = None
         if not root:
             self.error = "SYNC_ROOT is not set: start the app with SYNC_ROOT=<folder or hf://buckets/ns/name>"
@@ -120,20 +128,32 @@ class Board:
             with self.lock:
                 poll = self.reader.apply(fetched)
                 self.error, self.unread, self.read_at = None, poll.unread, time.time()
+                if not self._run_read and self.reader.trainer:
+                    self._read_run()
                 if poll.records or poll.problems:
                     self.version += 1
                 return self.version
         finally:
             self._polling.release()
 
+    def _read_run(self) -> None:
+        try:
+            self.lora = read_run(self.reader.storage).lora
+        except FileNotFoundError:  # telemetry alone (copied from a run): shown as full weights
+            pass
+        except EXPECTED:  # unreadable now: the telemetry is still shown, and the next poll tries again
+            return
+        self._run_read = True
+
     def summary(self) -> dict[str, Any]:
-        """The reader's summary plus this board's error state (JSON-ready)."""
+        """The reader's summary plus this board's error state (JSON-ready); on a LoRA root, `adapters`."""
         with self.lock:
             if self.reader is None:
                 return {"root": self.root, "error": self.error}
             base = self.reader.summary(time.time(), self.stale_after_s)
             state = {"error": self.error, "unread": len(self.unread), "read_at": self.read_at}
-            return {**base, **state, "version": self.version}
+            adapters = {"adapters": self.reader.adapter_summary(self.lora)} if self.lora else {}
+            return {**base, **state, **adapters, "version": self.version}
 
     def series(self, since: int = -1) -> dict[str, Any]:
         with self.lock:
@@ -147,7 +167,7 @@ class Board:
         with self.lock:
             if self._figures is None or self._figures[0] != self.version:
                 series = self.reader.series() if self.reader else None
-                figures = build_figures(series) if series else [_figure("", "", [])] * len(PLOTS)
+                figures = build_figures(series, self.lora) if series else [_figure("", "", [])] * len(PLOTS)
                 self._figures = (self.version, figures)
             return self._figures[1]
 
@@ -155,15 +175,16 @@ class Board:
 # ------------------------------------------------------------------------------------------------- figures
 
 
-def build_figures(series: dict[str, Any]) -> list[go.Figure]:
-    """One figure per entry of PLOTS from TelemetryReader.series(), x = step. Columns become numpy arrays:
-    plotly ships those to the browser as binary, which keeps refreshes of long runs fast."""
+def build_figures(series: dict[str, Any], lora: dict | None = None) -> list[go.Figure]:
+    """One figure per entry of PLOTS from TelemetryReader.series(), x = step (on a LoRA root, `lora`: the
+    adapter version of that step). Columns become numpy arrays: plotly ships those to the browser as binary,
+    which keeps refreshes of long runs fast."""
     trainer = {k: np.asarray(v) for k, v in series["trainer"].items()}
     kind = trainer["kind"].astype(str)
     delta, anchor = kind == "delta", kind == "anchor"
     return [
         _density(trainer, delta),
-        _payload(trainer, delta, anchor),
+        _payload(trainer, delta, anchor, lora),
         _staleness_seconds(series["replicas"]),
         _info_figure(trainer, "Staleness of trained rollouts (steps)", "versions behind", "staleness_steps"),
         _reward(trainer),
@@ -202,9 +223,12 @@ def _density(trainer: dict[str, np.ndarray], delta: np.ndarray) -> go.Figure:
     return _figure("Changed bf16 elements per delta", "% of elements", [trace])
 
 
-def _payload(trainer: dict[str, np.ndarray], delta: np.ndarray, anchor: np.ndarray) -> go.Figure:
+def _payload(
+    trainer: dict[str, np.ndarray], delta: np.ndarray, anchor: np.ndarray, lora: dict | None
+) -> go.Figure:
+    what = "Payload per adapter version" if lora else "Payload"
     if not (delta | anchor).any():
-        return _figure("Payload vs full bf16 model", "bytes (log)", [])
+        return _figure(f"{what} vs full bf16 model", "bytes (log)", [])
     steps, payload, full = trainer["step"], trainer["payload_bytes"], trainer["full_bytes"]
     ratio = np.divide(payload, full, out=np.zeros(len(full)), where=full > 0) * 100
     published = delta | anchor
@@ -228,8 +252,16 @@ def _payload(trainer: dict[str, np.ndarray], delta: np.ndarray, anchor: np.ndarr
             hovertemplate="%{y:.3s}B<extra></extra>",
         ),
     ]
+    merged_steps, merged = _info(trainer, "merged_payload_bytes")
+    if len(merged_steps):  # a LoRA run's trainer measured what the merged path would have published
+        hover = "%{y:.3s}B<extra>merged path</extra>"
+        traces.append(
+            _line("merged path (measured)", merged_steps, merged, line_dash="dot", hovertemplate=hover)
+        )
     median = f"median delta {np.median(ratio[delta]):.3f}% of full" if delta.any() else "no deltas yet"
-    fig = _figure(f"Payload vs full bf16 model ({median})", "bytes (log)", traces)
+    fig = _figure(f"{what} vs full bf16 model ({median})", "bytes (log)", traces)
+    if lora:
+        fig.update_xaxes(title=f"step (= adapter version {lora['name']}-v<step>)")
     fig.update_yaxes(type="log", dtick=1, tickformat="~s", ticksuffix="B")  # one tick per decade
     return fig
 
@@ -370,6 +402,9 @@ def headline_html(summary: dict[str, Any]) -> str:
             f"publish to verified apply, {summary['verified_applies']} applies",
         ),
     ]
+    adapters = summary.get("adapters")
+    if adapters:
+        cards += adapter_cards(adapters)
     return (
         '<div class="cards">'
         + "".join(
@@ -380,6 +415,31 @@ def headline_html(summary: dict[str, Any]) -> str:
         )
         + "</div>"
     )
+
+
+def adapter_cards(adapters: dict[str, Any]) -> list[tuple[str, str, Any, str, str]]:
+    """A LoRA root's cards: its adapter versions, and the payload per version against the merged path."""
+    versions = adapters["versions"]
+    adapter, merged = adapters["mean_adapter_payload_bytes"], adapters["mean_merged_payload_bytes"]
+    span = f"{versions[0]['version']} .. {versions[-1]['version']}" if versions else "none yet"
+    return [
+        (
+            "adapter-versions",
+            "Adapter versions",
+            len(versions),
+            len(versions),
+            f"{span}, LoRA rank {adapters['lora']['rank']}",
+        ),
+        (
+            "merged-payload",
+            "Merged path per version",
+            merged,
+            format_bytes(merged),
+            f"{merged / max(adapter, 1):.1f}x the adapter's {format_bytes(adapter)} (measured by the trainer)"
+            if merged is not None and adapter is not None
+            else "the trainer did not measure it (--measure_merged)",
+        ),
+    ]
 
 
 def status_markdown(summary: dict[str, Any], refresh_s: float) -> str:
@@ -405,6 +465,15 @@ def status_markdown(summary: dict[str, Any], refresh_s: float) -> str:
                 f"{fmt_seconds(row['silent_s'])} ago "
                 f"(holds step {row['step']}, {row['behind_steps']} behind)."
             )
+    adapters = summary.get("adapters")
+    for name, held in (adapters["versions_held"] if adapters else {}).items():
+        refused = adapters["versions_refused"][name]
+        lines.append(
+            f"Replica **{markdown_text(name)}** holds {len(held)} adapter versions: steps "
+            f"{format_steps(held)}"  # numbers of our own: nothing to escape
+            + (f"; refused {format_steps(refused)}" if refused else "")
+            + "."
+        )
     if summary.get("rate_limited_until"):
         lines.append(
             f"⚠ **Rate limited** by the Hub until {_clock(summary['rate_limited_until'])}: "

@@ -21,12 +21,16 @@ Configuration, from the environment:
     KV_ON_UPDATE       "keep" (default): running requests keep their KV cache across an update; "recompute":
                        they are preempted and recompute their context on the new weights
     ENGINE_ARGS        more `vllm serve` flags, e.g. "--max-model-len 4096 --gpu-memory-utilization 0.85"
+    MAX_LORA_RANK      serve a LoRA root, of adapters up to this rank, even before its trainer has written
+                       run.json (unset or 0: a LoRA root if run.json says so when the Space starts)
 
-A LoRA root (its run.json says so when the Space starts: a trainer in adapter mode published to it) is served
-differently: vLLM runs with LoRA on (--max-lora-rank from the adapter's r, --max-loras 6) and no follower; the
-`deltasync` LoRA resolver (`deltasync.vllm.lora`) fetches and verifies each version `{lora_name}-v{N}` the
-first time a request names it, and GET /weights lists the adapters resolved. A version not published yet
-answers 404.
+A LoRA root (MAX_LORA_RANK set, or its run.json says so when the Space starts: a trainer in adapter mode
+published to it) is served differently: vLLM runs with LoRA on (--max-lora-rank from MAX_LORA_RANK or the
+adapter's r, --max-loras 6) and no follower; the `deltasync` LoRA resolver (`deltasync.vllm.lora`) fetches
+and verifies each version `{lora_name}-v{N}` the first time a request names it, and tells it in the root's
+telemetry as this replica's; GET /weights lists the adapters resolved. A version not published yet answers
+404. LoRA is a setting of vLLM's engine, fixed when it starts: a Space started before its trainer (the demo)
+needs MAX_LORA_RANK.
 
 On CPU, unless VLLM_CPU_KVCACHE_SPACE or --kv-cache-memory-bytes says otherwise, the KV cache gets half the
 memory left beside the weights, at most room for 4 sequences of --max-model-len (`cpu_kv_cache_bytes`).
@@ -80,7 +84,7 @@ from vllm.platforms import current_platform
 
 from appkit.asgi import BodyLimit
 from appkit.settings import from_env
-from deltasync.storage import POLL_BUDGET, open_storage, rate_limited_line
+from deltasync.storage import POLL_BUDGET, open_storage, rate_limited_line, redact
 from deltasync.sync.protocol import read_run
 from deltasync.sync.subscriber import Subscriber
 from deltasync.vllm import compat
@@ -125,6 +129,7 @@ class Settings(BaseSettings):
     max_request_bytes: int = 4 << 20
     kv_on_update: KvPolicy = "keep"
     engine_args: str = ""
+    max_lora_rank: int = 0  # > 0: serve a LoRA root, whatever run.json says (or does not yet) at start
 
     @property
     def served_names(self) -> list[str]:
@@ -352,7 +357,7 @@ def server_args(cfg: Settings, lora: dict | None = None):
     """vLLM's arguments; `lora`: the root's `RunInfo.lora` (a LoRA root), which turns LoRA serving on."""
     argv = ["--model", cfg.model, "--dtype", "bfloat16", "--served-model-name", *cfg.served_names]
     if lora is not None:  # room for the versions rollouts may still name (TRL's max_staleness 4, plus 1)
-        rank = min(r for r in get_args(MaxLoRARanks) if r >= lora["adapter_config"]["r"])
+        rank = min(r for r in get_args(MaxLoRARanks) if r >= max(cfg.max_lora_rank, lora_rank(lora)))
         argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(MAX_LORAS)]
     argv += ["--weight-transfer-config", json.dumps({"backend": "deltasync"}), "--disable-fastapi-docs"]
     argv += ["--enable-scale-out"]  # for /inference/v1/generate; the other scale-out routes are dropped
@@ -394,12 +399,30 @@ def cpu_kv_cache_bytes(args, available: int) -> int:
     return max(one, min(left // 2, KV_SEQUENCES * one))
 
 
-def lora_of(root: str) -> dict | None:
-    """The root's `RunInfo.lora` if it is a LoRA root; None for full weights or a root without a run yet."""
+def lora_of(cfg: Settings) -> dict | None:
+    """How to serve the root: its `RunInfo.lora` if it is a LoRA root, {} for one MAX_LORA_RANK announces
+    before its run.json exists, None for full weights. Started before its trainer, a Space cannot wait for
+    run.json to choose: LoRA is a setting of vLLM's engine, fixed when it starts. SystemExit (one line) when
+    run.json contradicts MAX_LORA_RANK."""
     try:
-        return read_run(open_storage(root)).lora
+        run = read_run(open_storage(cfg.sync_root))
     except FileNotFoundError:
-        return None
+        return {} if cfg.max_lora_rank else None
+    where = redact(cfg.sync_root)
+    if cfg.max_lora_rank and run.lora is None:
+        raise SystemExit(
+            f"MAX_LORA_RANK is set, but {where} holds full weights of {run.model}, not an adapter"
+        )
+    if run.lora is not None and cfg.max_lora_rank and lora_rank(run.lora) > cfg.max_lora_rank:
+        raise SystemExit(
+            f"{where} holds an adapter of rank {lora_rank(run.lora)}, above MAX_LORA_RANK {cfg.max_lora_rank}"
+        )
+    return run.lora
+
+
+def lora_rank(lora: dict) -> int:
+    """The rank of a LoRA root's adapter ({}: MAX_LORA_RANK's root, not written yet, counts as 0)."""
+    return int(lora.get("adapter_config", {}).get("r", 0))
 
 
 def lora_status(cfg: Settings, resolver: DeltasyncLoRAResolver, in_flight: InFlight) -> dict:
@@ -434,10 +457,10 @@ async def serve_adapters(cfg: Settings, engine, args, sock: socket.socket) -> No
 
 
 async def serve(cfg: Settings) -> None:
-    lora = lora_of(cfg.sync_root)
+    lora = lora_of(cfg)
     if lora is not None:  # read by vLLM's serving layer and our plugin (deltasync.vllm.lora)
         os.environ.update({ROOT_ENV: cfg.sync_root, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
-        register_resolver()
+        register_resolver(cfg.replica_id)
     args = server_args(cfg, lora)
     # The public port is bound before the engine starts: a port chosen free cannot go to vLLM's internal ones.
     sock = socket.create_server((cfg.host, cfg.port), reuse_port=False)

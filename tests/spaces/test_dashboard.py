@@ -285,6 +285,64 @@ def test_run_of_the_real_publisher_and_subscribers(tmp_path, dashboard):
     assert points[:3] == [want["plots"]["density"], want["plots"]["payload"], [8, 8]]
 
 
+def test_lora_root_shows_versions_payload_against_merged_and_versions_held(tmp_path, dashboard):
+    """A real adapter-mode run (BucketWeightTransfer measuring the merged path) and the real LoRA resolver of
+    one replica, which resolves two of its versions: the board shows the versions, the adapter's payload
+    beside the merged path's, and the versions the replica holds."""
+    torch = pytest.importorskip("torch")
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from bench.lora import send_merged
+    from deltasync.sync.publisher import PublisherConfig
+    from deltasync.trl.transfer import BucketWeightTransfer
+    from deltasync.vllm.lora import DeltasyncLoRAResolver
+
+    config = Qwen3Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = get_peft_model(Qwen3ForCausalLM(config), LoraConfig(r=8, target_modules="all-linear"))
+    root = tmp_path / "root"
+    config = PublisherConfig(keep_anchors=4)  # an adapter's steps are anchors: keep the versions to resolve
+    transfer = BucketWeightTransfer(root, "tiny", config, lora_name="policy", measure_merged=True)
+    transfer.use_model(model)
+    board = dashboard.Board(str(root))
+    for step in range(4):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p += 0.05 * torch.randn_like(p)
+        send_merged(
+            transfer, model
+        )  # TRL's call: the merged weights, of which adapter mode sends the adapter
+        transfer.publisher.flush()
+        if step == 0:
+            board.refresh()  # the first record is in: the board reads run.json now
+    transfer.destroy()
+    resolver = DeltasyncLoRAResolver(str(root), tmp_path, replica="r0")
+    for step in (3, 1):
+        resolver.fetch("tiny", "policy", step)
+
+    board.refresh()
+    adapters = board.summary()["adapters"]
+    assert adapters["lora"] == {"name": "policy", "rank": 8}
+    assert [v["version"] for v in adapters["versions"]] == [f"policy-v{s}" for s in range(4)]
+    assert adapters["versions_held"] == {"r0": [1, 3]} and adapters["versions_refused"] == {"r0": []}
+    merged = [v["merged_payload_bytes"] for v in adapters["versions"]]
+    assert merged[0] is None and all(
+        m > v["payload_bytes"] for m, v in zip(merged[1:], adapters["versions"][1:], strict=True)
+    )
+    headline = dashboard.headline_html(board.summary())
+    assert 'data-key="adapter-versions" data-value="4"' in headline and "policy-v0 .. policy-v3" in headline
+    assert 'data-key="merged-payload"' in headline
+    assert "holds 2 adapter versions: steps 1, 3" in dashboard.status_markdown(board.summary(), 2)
+    payload = board.figures()[dashboard.PLOTS.index("payload")]
+    assert [t.name for t in payload.data][-1] == "merged path (measured)"
+    assert list(payload.data[-1].y) == merged[1:]
+
+
 def test_series_since(tmp_path):
     storage = open_storage(tmp_path)
     write_run(storage, range(0, 10), time.time())

@@ -20,11 +20,13 @@ import os
 import stat
 import statistics
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from deltasync.storage import LocalStorage, Storage, TooLargeError, TransientStorageError
+from deltasync.sync.protocol import adapter_name
 from deltasync.telemetry import (
     MAX_INFO_KEYS,
     MAX_RECORD_BYTES,
@@ -245,6 +247,39 @@ class TelemetryReader:
             ],
             "problems": list(self.problems.values())[-SUMMARY_PROBLEMS:],  # each line names its file
             "problem_count": len(self.problems),
+        }
+
+    def adapter_summary(self, lora: Mapping[str, Any]) -> dict[str, Any]:
+        """For a LoRA root (`lora`: its run.json's `lora`): each published step's adapter version and payload
+        beside what the merged path would have published for it (`merged_payload_bytes`, measured by a trainer
+        with BucketWeightTransfer(measure_merged=True)), and the versions each replica holds: resolved and
+        verified (a replica resolves only the versions requests name), and those it refused."""
+        published = [self.trainer[s] for s in sorted(self.trainer) if self.trainer[s].kind != "skipped"]
+        compared = [r for r in published if "merged_payload_bytes" in r.info]
+        replicas = sorted(self.replicas.items())
+        return {
+            "lora": {"name": lora["name"], "rank": lora["adapter_config"]["r"]},
+            "versions": [
+                {
+                    "version": adapter_name(lora["name"], r.step),
+                    "kind": r.kind,
+                    "payload_bytes": r.payload_bytes,
+                    "merged_payload_bytes": r.info.get("merged_payload_bytes"),
+                }
+                for r in published
+            ],
+            "mean_adapter_payload_bytes": statistics.fmean(r.payload_bytes for r in compared)
+            if compared
+            else None,
+            "mean_merged_payload_bytes": (
+                statistics.fmean(r.info["merged_payload_bytes"] for r in compared) if compared else None
+            ),
+            "versions_held": {
+                name: sorted(s for s, r in steps.items() if r.verified) for name, steps in replicas
+            },
+            "versions_refused": {
+                name: sorted(s for s, r in steps.items() if not r.verified) for name, steps in replicas
+            },
         }
 
 

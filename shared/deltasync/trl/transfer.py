@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
+from deltasync.codec.patch import encode, make_patch
 from deltasync.storage import Storage
 from deltasync.sync.publisher import Publisher, PublisherConfig
 from deltasync.trl.checkpoint import Converter, Pairs, checkpoint_converter
@@ -47,6 +48,10 @@ class BucketWeightTransfer:
     guard: a context manager held around each publish, e.g. to defer Ctrl-C until the copy is whole.
     on_first_step: told the step of the cold sync, before rollouts start.
     lora_name: adapter mode's name (see the module docstring).
+    measure_merged: adapter mode only: also encode, at each sync, the delta TRL's merged path would publish
+        (the merged weights TRL hands over, against the last sync's, as bf16) and put its size in the step's
+        telemetry (`merged_payload_bytes`, `merged_changed`). Measured, never uploaded; it keeps a bf16 copy
+        of the merged model, so it suits small models and benchmarks.
     """
 
     def __init__(
@@ -58,8 +63,11 @@ class BucketWeightTransfer:
         guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         on_first_step: Callable[[int], None] | None = None,
         lora_name: str | None = None,
+        measure_merged: bool = False,
     ):
         self.root, self.model_id, self.config, self.lora_name = root, model_id, config, lora_name
+        self.measure_merged = measure_merged
+        self.merged: dict[str, torch.Tensor] | None = None  # measure_merged: the last sync's, bf16
         self.info, self.guard, self.on_first_step = info, guard, on_first_step
         self.publisher: Publisher | None = None
         self.closed = False
@@ -102,6 +110,7 @@ class BucketWeightTransfer:
         sent = list(iterator)  # the live tensors: publish() copies them before it returns
         # Adapter mode: TRL merged the adapter into the weights it hands over; its own tensors are unchanged.
         self.sent = adapter_tensors(self.adapter) if self.adapter is not None else sent
+        merged = self._merged_delta(sent) if self.measure_merged and self.adapter is not None else {}
         params = self._checkpoint(self.sent)
         self.shapes = {name: tuple(t.shape) for name, t in params}
         if self.first_step is None and self._is_published_head(params):
@@ -109,8 +118,9 @@ class BucketWeightTransfer:
             # and training continues the step numbering from the head.
             step = self.publisher.last_step
         else:
+            info = {**(self.info() if self.info else {}), **merged}
             with self.guard():
-                step = self.publisher.publish(params, info=self.info() if self.info else None)
+                step = self.publisher.publish(params, info=info or None)
         if self.first_step is None:
             self.first_step = step
             if self.on_first_step:
@@ -129,6 +139,16 @@ class BucketWeightTransfer:
     def fingerprint_now(self) -> int:
         """Fingerprint of the trainer's weights as bf16, recomputed from them (one pass over the model)."""
         return state_fingerprint((name, t.to(torch.bfloat16)) for name, t in self._checkpoint(self.sent))
+
+    def _merged_delta(self, merged: Pairs) -> dict[str, float]:
+        """See `measure_merged`; nothing at the first sync (the merged path's anchor: the whole model)."""
+        new = {name: t.detach().to("cpu", torch.bfloat16, copy=True) for name, t in merged}
+        old, self.merged = self.merged, new
+        if old is None:
+            return {}
+        patch = make_patch(old, new, step=1, base_step=0)
+        encoding = (self.config or PublisherConfig()).encoding
+        return {"merged_changed": patch.changed, "merged_payload_bytes": len(encode(patch, old, encoding))}
 
     def _checkpoint(self, params: Pairs) -> Pairs:
         return self.to_checkpoint(params) if self.to_checkpoint else params

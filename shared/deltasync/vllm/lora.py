@@ -27,17 +27,19 @@ import re
 import shutil
 import tempfile
 import threading
+from dataclasses import asdict
 from pathlib import Path
 
 from safetensors.torch import save_file
 from vllm.lora.request import LoRARequest
 from vllm.lora.resolver import LoRAResolver, LoRAResolverRegistry
 
+from deltasync import telemetry
 from deltasync.codec.fingerprint import format_fingerprint
 from deltasync.errors import Refused  # why a name resolves to nothing (one line)
-from deltasync.storage import redact
+from deltasync.storage import TransientStorageError, redact
 from deltasync.sync.protocol import adapter_name
-from deltasync.sync.subscriber import Subscriber, SyncError
+from deltasync.sync.subscriber import Applied, Subscriber, SyncError
 
 # Under vLLM's logger: a vLLM server's log shows what its handler writes, beside vLLM's own resolver lines.
 log = logging.getLogger("vllm.deltasync.lora")
@@ -50,8 +52,9 @@ VERSIONED = re.compile(r"(.+)-v(\d{1,18})")
 class DeltasyncLoRAResolver(LoRAResolver):
     """Resolves `{lora_name}-v{N}` from the LoRA sync root `root` into folders under `cache`."""
 
-    def __init__(self, root: str, cache: Path | None = None):
+    def __init__(self, root: str, cache: Path | None = None, replica: str | None = None):
         self.root, self.cache = root, cache  # None: a temporary folder, made when first needed
+        self.replica = replica  # set: each version resolved is told in the root's telemetry under this name
         self.where = redact(root)
         # One reader, kept between resolutions: the next version replays one delta from the last one.
         self.reader = Subscriber(root, prefetch=False)
@@ -76,7 +79,7 @@ class DeltasyncLoRAResolver(LoRAResolver):
         """The folder holding step `step` of the root, verified, as the PEFT adapter `{lora_name}-v{step}`."""
         with self.lock:
             try:
-                self.reader.sync(step)
+                applied = self.reader.sync(step)
             except SyncError as e:
                 head = self.reader.head
                 if head is not None and step > head.step:
@@ -96,8 +99,21 @@ class DeltasyncLoRAResolver(LoRAResolver):
             folder = self.cache / f"{name}-{format_fingerprint(self.reader.fingerprint)}"
             if not folder.is_dir():
                 self._write(folder, state, run.lora["adapter_config"])
+            self._report([a for a in applied if a.step == step])
             log.info("LoRA adapter %s: step %d of %s, verified", name, step, self.where)
             return folder
+
+    def _report(self, applied: list[Applied]) -> None:
+        """A replica record for the version resolved (none when the reader held it already: told before),
+        so the root's telemetry lists the versions each replica holds."""
+        if self.replica is None:
+            return
+        for a in applied:
+            record = telemetry.ReplicaRecord(replica=self.replica, verified=True, **asdict(a))
+            try:
+                telemetry.write(self.reader.storage, record)
+            except TransientStorageError as e:
+                log.warning("telemetry of step %d lost: %s", a.step, e)
 
     def _write(self, folder: Path, state: dict, adapter_config: dict) -> None:
         """PEFT's format, written aside and renamed into place: vLLM never reads a half-written adapter."""
@@ -110,8 +126,9 @@ class DeltasyncLoRAResolver(LoRAResolver):
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def register_resolver() -> None:
-    """Register the resolver when the server's environment names a root (DELTASYNC_LORA_ROOT)."""
+def register_resolver(replica: str | None = None) -> None:
+    """Register the resolver when the server's environment names a root (DELTASYNC_LORA_ROOT); `replica`: its
+    name in the root's telemetry (None: it writes none)."""
     root = os.environ.get(ROOT_ENV)
     if not root or RESOLVER in LoRAResolverRegistry.get_supported_resolvers():  # loaded before
         return
@@ -119,5 +136,5 @@ def register_resolver() -> None:
     if cache:
         Path(cache).mkdir(parents=True, exist_ok=True)
     LoRAResolverRegistry.register_resolver(
-        RESOLVER, DeltasyncLoRAResolver(root, Path(cache) if cache else None)
+        RESOLVER, DeltasyncLoRAResolver(root, Path(cache) if cache else None, replica)
     )

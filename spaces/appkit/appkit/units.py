@@ -18,3 +18,18 @@ def format_bytes(n: float | None) -> str:
         if abs(n) < 999.95:
             return f"{n:.1f} {unit}"
     return f"{n / 1000:.1f} TB"
+
+
+def format_steps(steps: list[int]) -> str:
+    """Sorted step numbers as ranges; "–" when none.
+
+    >>> format_steps([1, 2, 3, 5, 7, 8])
+    '1-3, 5, 7-8'
+    """
+    ranges: list[list[int]] = []
+    for step in steps:
+        if ranges and step == ranges[-1][1] + 1:
+            ranges[-1][1] = step
+        else:
+            ranges.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges) or "–"
