@@ -1,0 +1,53 @@
+"""The inference app's choice of LoRA mode (`lora_of`, `server_args`): from run.json when the Space starts, or
+from MAX_LORA_RANK before any run.json exists (the demo starts the Space before its trainer), refused in one
+line when run.json contradicts the setting. Imports the app (and so vLLM) but starts no engine."""
+
+import pytest
+import torch
+
+from bench import load_space_app
+from deltasync.sync.publisher import Publisher
+from trainer.tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def app():
+    return load_space_app("inference")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+def settings(app, model, root, **env):
+    return app.Settings(model=str(model), sync_root=str(root), **env)
+
+
+def publish(root, lora=None) -> None:
+    with Publisher(root, model="tiny", lora=lora) as publisher:
+        publisher.publish({"w": torch.ones(8, 8)})
+
+
+def flags(args) -> tuple:
+    return args.enable_lora, args.max_lora_rank
+
+
+def test_max_lora_rank_starts_lora_mode_before_run_json(app, model, tmp_path):
+    cfg = settings(app, model, tmp_path, max_lora_rank=16)
+    assert app.lora_of(cfg) == {}
+    assert flags(app.server_args(cfg, app.lora_of(cfg))) == (True, 16)
+    unset = settings(app, model, tmp_path)
+    assert app.lora_of(unset) is None and not app.server_args(unset).enable_lora  # full weights, as before
+
+
+def test_run_json_decides_without_the_setting_and_must_agree_with_it(app, model, tmp_path):
+    lora = {"name": "policy", "adapter_config": {"r": 32}}
+    publish(tmp_path / "lora", lora)
+    assert app.lora_of(settings(app, model, tmp_path / "lora")) == lora
+    assert flags(app.server_args(settings(app, model, tmp_path / "lora"), lora)) == (True, 32)
+    with pytest.raises(SystemExit, match="adapter of rank 32, above MAX_LORA_RANK 16$"):
+        app.lora_of(settings(app, model, tmp_path / "lora", max_lora_rank=16))
+    publish(tmp_path / "full")
+    with pytest.raises(SystemExit, match="MAX_LORA_RANK is set, but .* holds full weights of tiny"):
+        app.lora_of(settings(app, model, tmp_path / "full", max_lora_rank=16))
