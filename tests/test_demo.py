@@ -67,6 +67,32 @@ def test_freshness_and_reward_quarters(tmp_path):
     assert "mean 1.50 steps after the first 3, max 2.0" in text and "first 0.150, last 0.750" in text
 
 
+def test_summary_of_a_lora_root(tmp_path):
+    import torch
+
+    from deltasync.sync.publisher import Publisher
+
+    lora = {"name": "policy", "adapter_config": {"r": 16}}
+    with Publisher(tmp_path, model="tiny", lora=lora) as publisher:  # run.json: a LoRA root; step 0
+        publisher.publish({"w": torch.ones(4, 4)})
+    storage = open_storage(tmp_path)
+    for step, merged in [(1, 300), (2, 500)]:
+        record = trainer_record(step, "anchor", NUMEL, 100, 0.1)
+        record.info["merged_payload_bytes"] = merged
+        write(storage, record)
+    for step in (1, 2):  # the versions requests named, resolved and verified
+        write(storage, ReplicaRecord("r", step, "anchor", 100.0 + step, 101.0 + step, 0.1, 0.1, True, 0))
+
+    s = summarize(tmp_path)
+    assert s["lora"] == {"name": "policy", "rank": 16}
+    assert [v["version"] for v in s["versions"]] == ["policy-v0", "policy-v1", "policy-v2"]
+    assert (s["mean_adapter_payload_bytes"], s["mean_merged_payload_bytes"]) == (100, 400)
+    assert (s["versions_held"], s["versions_refused"]) == ({"r": [1, 2]}, {"r": []})
+    text = format_summary(s)
+    assert "policy-v0 .. policy-v2 (LoRA rank 16)" in text and "versions held         2 by r: 1-2" in text
+    assert "adapter 100 B, merged path 400 B (4.0x" in text and "verified by replica" not in text
+
+
 def test_summary_of_an_empty_root(tmp_path):
     s = summarize(tmp_path)
     assert (s["steps"], s["final_reward"], s["unverified_steps"]) == (0, None, {})

@@ -177,7 +177,7 @@ def format_summary(s: dict[str, Any]) -> str:
     if s["mean_payload_bytes"] is not None:
         lines.append(
             f"  mean delta payload    {format_bytes(s['mean_payload_bytes'])} = {pct(s['payload_share'])} "
-            f"of the full bf16 model ({format_bytes(s['full_bytes'])})"
+            f"of the full bf16 {'adapter' if 'lora' in s else 'model'} ({format_bytes(s['full_bytes'])})"
         )
     latency = s["median_sync_latency_s"]
     lines.append(
