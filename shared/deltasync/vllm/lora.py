@@ -14,7 +14,8 @@ it loads an adapter, also again after evicting it (`--max-loras`, `--max-cpu-lor
 A name the root does not publish, a step not published yet (or no longer retained), a file that fails
 verification or a root of another base model resolve to nothing: vLLM answers 404 (the rollout worker
 retries), and the reason is logged as one line. Nothing is ever served under a name but the verified step it
-names.
+names. With a replica name (`register_resolver(replica)`: the inference Space passes its REPLICA_ID), each
+version resolved is recorded in the root's telemetry as that replica's: the versions it holds.
 """
 
 from __future__ import annotations
