@@ -87,7 +87,7 @@ def test_summary_of_a_lora_root(tmp_path):
     assert s["lora"] == {"name": "policy", "rank": 16}
     assert [v["version"] for v in s["versions"]] == ["policy-v0", "policy-v1", "policy-v2"]
     assert (s["mean_adapter_payload_bytes"], s["mean_merged_payload_bytes"]) == (100, 400)
-    assert (s["versions_held"], s["versions_refused"]) == ({"r": [1, 2]}, {"r": []})
+    assert s["versions_held"] == {"r": [1, 2]}
     text = format_summary(s)
     assert "policy-v0 .. policy-v2 (LoRA rank 16)" in text and "versions held         2 by r: 1-2" in text
     assert "adapter 100 B, merged path 400 B (4.0x" in text and "verified by replica" not in text

@@ -22,7 +22,7 @@ Environment:
     ENGINE_ARGS        flags for the inference replica's vLLM (default: DEFAULT_ENGINE_ARGS)
 
 Exit status: 0 when the trainer finished and the replica verified every published step (with DEMO_LORA: held
-verified versions, and refused none), else 1.
+verified versions), else 1.
 """
 
 from __future__ import annotations
@@ -233,9 +233,7 @@ def lora_lines(s: dict[str, Any]) -> list[str]:
             f"({merged / max(adapter, 1):.1f}x; merged measured by the trainer, encoded, not uploaded)"
         )
     for name, held in s["versions_held"].items():
-        refused = s["versions_refused"][name]
-        note = f"; refused: {refused[:10]}" if refused else ""
-        lines.append(f"  versions held         {len(held)} by {name}: {format_steps(held)}{note}")
+        lines.append(f"  versions held         {len(held)} by {name}: {format_steps(held)}")
     if not s["versions_held"]:
         lines.append("  versions held         no replica reported")
     return lines
@@ -459,14 +457,12 @@ def run(settings: Settings, demo: Demo) -> int:
     (demo.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print("\n" + format_summary(summary), flush=True)
     ok = summary["steps"] > 0 and (
-        bool(summary["versions_held"].get(REPLICA_ID)) and not summary["versions_refused"].get(REPLICA_ID)
+        bool(summary["versions_held"].get(REPLICA_ID))
         if settings.demo_lora
         else summary["unverified_steps"].get(REPLICA_ID) == []
     )
     if not ok:
-        what = (
-            "held no verified version or refused one" if settings.demo_lora else "did not verify every step"
-        )
+        what = "held no verified version" if settings.demo_lora else "did not verify every step"
         print(f"\nthe replica {what}: see {demo.logs / 'inference.log'}")
     if not settings.demo_headless:
         print(f"\nThe apps stay up: dashboard {demo.urls['dashboard']}, Wordle {demo.urls['env']}, ", end="")

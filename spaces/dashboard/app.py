@@ -467,12 +467,9 @@ def status_markdown(summary: dict[str, Any], refresh_s: float) -> str:
             )
     adapters = summary.get("adapters")
     for name, held in (adapters["versions_held"] if adapters else {}).items():
-        refused = adapters["versions_refused"][name]
         lines.append(
             f"Replica **{markdown_text(name)}** holds {len(held)} adapter versions: steps "
-            f"{format_steps(held)}"  # numbers of our own: nothing to escape
-            + (f"; refused {format_steps(refused)}" if refused else "")
-            + "."
+            f"{format_steps(held)}" + "."  # numbers of our own: nothing to escape
         )
     if summary.get("rate_limited_until"):
         lines.append(

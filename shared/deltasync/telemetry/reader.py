@@ -253,7 +253,8 @@ class TelemetryReader:
         """For a LoRA root (`lora`: its run.json's `lora`): each published step's adapter version and payload
         beside what the merged path would have published for it (`merged_payload_bytes`, measured by a trainer
         with BucketWeightTransfer(measure_merged=True)), and the versions each replica holds: resolved and
-        verified (a replica resolves only the versions requests name), and those it refused."""
+        verified (a replica resolves only the versions requests name; one it refuses is logged, not
+        recorded)."""
         published = [self.trainer[s] for s in sorted(self.trainer) if self.trainer[s].kind != "skipped"]
         compared = [r for r in published if "merged_payload_bytes" in r.info]
         replicas = sorted(self.replicas.items())
@@ -276,9 +277,6 @@ class TelemetryReader:
             ),
             "versions_held": {
                 name: sorted(s for s, r in steps.items() if r.verified) for name, steps in replicas
-            },
-            "versions_refused": {
-                name: sorted(s for s, r in steps.items() if not r.verified) for name, steps in replicas
             },
         }
 
