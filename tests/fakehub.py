@@ -1,14 +1,14 @@
-"""An in-process stand-in for the Hub's bucket API that the real `huggingface_hub` client can talk to offline.
+"""A stand-in for the Hub's bucket API that the real `huggingface_hub` client can talk to offline.
 
 Routes and wire formats follow huggingface_hub 2.4's bucket client (`huggingface_hub.hf_api`, `_buckets`).
 File bytes go through Xet's CAS API, served under `/cas` as the Hub's CAS service serves it to `hf_xet`
 (xet-core's `RemoteClient`): its Xet token routes answer `casUrl: <endpoint>/cas`, the client uploads xorbs
 (`POST /v1/xorbs/default/{hash}`, kept in a folder) and shards (`POST /v1/shards`: the fake reads each file's
 terms out of the shard's file info section), and reads a file by its reconstruction (`GET
-/v1/reconstructions/{hash}`: xorb chunk ranges, and the byte ranges to fetch them from `/v1/fetch_term`). The
-v2 routes and global dedup answer 404: the client falls back to v1 and skips dedup. So any number of processes,
-each with its own huggingface_hub client and Xet session, read and write the same buckets. CAS requests carry
-the Xet token, not the user's: they count against no quota and are not in `requests`.
+/v1/reconstructions/{hash}`: xorb chunk ranges, and the byte ranges to fetch them from `/v1/fetch_term`).
+The v2 routes and global dedup answer 404: the client falls back to v1 and skips dedup. So any number of
+processes, each with its own huggingface_hub client and Xet session, read and write the same buckets. CAS
+requests carry the Xet token, not the user's: they count against no quota and are not in `requests`.
 
 Space repos (for the deploy command): create, README metadata validation, commits of regular (base64) files,
 the file tree, variables, secrets and hardware requests. Files are kept in memory.
@@ -216,7 +216,7 @@ class FakeHub:
             self.changes.append(Change(len(self.changes) + 1, now, bucket, batch, change))
 
     def read(self, xet_hash: str) -> bytes:
-        """A file's bytes, read back out of the CAS by this process's Xet session (a real client decodes them)."""
+        """A file's bytes, read out of the CAS by this process's Xet session (a real client decodes them)."""
         import hf_xet
         from huggingface_hub.utils._xet import get_xet_session
 
@@ -253,9 +253,8 @@ class FakeHub:
         @app.middleware("http")
         async def auth_quota_and_faults(request: Request, call_next):
             if request.url.path.startswith("/cas/"):  # the CAS service: the Xet token, no Hub quota
-                if request.url.path.startswith("/cas/v1/fetch_term"):  # a presigned URL on the Hub
-                    return await call_next(request)
-                if request.headers.get("authorization") != f"Bearer {XET_TOKEN}":
+                presigned = request.url.path.startswith("/cas/v1/fetch_term")  # on the Hub, a storage URL
+                if not presigned and request.headers.get("authorization") != f"Bearer {XET_TOKEN}":
                     return JSONResponse({"error": "bad Xet token"}, status_code=401)
                 return await call_next(request)
             self.requests.append(f"{request.method} {request.url.path}")
@@ -607,7 +606,7 @@ class FakeHub:
 
 @dataclass
 class Term:
-    """One term of a file's reconstruction: chunks [start, end) of a xorb, `unpacked_length` bytes of the file."""
+    """A term of a file's reconstruction: chunks [start, end) of a xorb, `unpacked_length` bytes of it."""
 
     xorb: str
     unpacked_length: int

@@ -63,7 +63,10 @@ def run_trainer(root: Path, inference: str, env: str, model: Path, out: Path, st
     return json.loads((out / "summary.json").read_text())
 
 
-def records(root: Path | str, cls, folder: str) -> dict[int, telemetry.TrainerRecord | telemetry.ReplicaRecord]:
+Records = dict[int, telemetry.TrainerRecord | telemetry.ReplicaRecord]
+
+
+def records(root: Path | str, cls, folder: str) -> Records:
     """The telemetry records in `folder` of a sync root (a folder or a bucket), by step."""
     storage, found = open_storage(root), {}
     for path in storage.list(folder):

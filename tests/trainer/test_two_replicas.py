@@ -3,9 +3,9 @@ fewer rollouts in flight, and both apply and verify every step, ending bitwise e
 dashboard shows a row for each.
 
 The root is a folder, or a bucket on the fake Hub (tests/fakehub.py, served from this process): then the
-trainer and each replica are processes of their own, each with huggingface_hub's real client and its own Xet
-session, the replicas follow the bucket's change feed, and all of them share the user's token and its free-tier
-quota, without one answer of 429.
+trainer and each replica are processes of their own, each with huggingface_hub's real client and its own
+Xet session, the replicas follow the bucket's change feed, and all of them share the user's token and its
+free-tier quota, without one answer of 429.
 
 Both replicas share vLLM's cores (the trainer and the env keep theirs)."""
 
