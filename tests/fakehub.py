@@ -521,7 +521,7 @@ class FakeHub:
             path = self._xorbs / _hex(xorb_hash)
             inserted = not path.exists()
             if inserted:
-                partial = path.with_suffix(".partial")  # a concurrent reader never sees half a xorb
+                partial = path.with_suffix(f".{id(request)}")  # no reader sees half a xorb
                 partial.write_bytes(await request.body())
                 partial.replace(path)
             return {"was_inserted": inserted}
