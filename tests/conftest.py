@@ -29,7 +29,8 @@ def _fake_hub_server(tmp_path_factory):
 
 @pytest.fixture
 def fake_hub(_fake_hub_server, monkeypatch):
-    """An in-process fake Hub (empty for each test) that HfApi clients created in the test talk to.
+    """A fake Hub served from this process (empty for each test) that HfApi clients created in the test, and
+    the processes it starts (HF_ENDPOINT and HF_TOKEN are in their environment), talk to.
 
     Yields the FakeHub: `.endpoint`, `.token` (also set as HF_TOKEN), `.buckets`, `.requests`, `.fail_status`,
     and the Hub's terms (quotas, windows, pages, change feed, stale reads, lost responses: tests/fakehub.py).

@@ -1,14 +1,14 @@
-"""An in-process stand-in for the Hub's bucket API that the real `huggingface_hub` client can talk to offline.
+"""A stand-in for the Hub's bucket API that the real `huggingface_hub` client can talk to offline.
 
 Routes and wire formats follow huggingface_hub 2.4's bucket client (`huggingface_hub.hf_api`, `_buckets`).
-File bytes never pass through the fake: its Xet token route answers `casUrl: local://<dir>`, so `hf_xet`
-stores and fetches chunks in a local folder itself. The fake reads a file back (to learn its size, or to serve
-a plain GET) through the client's own Xet session. The fake must run in the process that uses the client:
-huggingface_hub's Xet session is one per process and holds the local CAS's
-`xet/xorbs/global_dedup_lookup.redb` open (an exclusive redb lock) for its whole life, so a second process on
-the same folder fails ("Database already open. Cannot acquire lock"); per-process folders sharing `xorbs/` and
-`shards/` read files uploaded by another live process as empty. Several processes would need the CAS served
-over HTTP (Xet's CAS API).
+File bytes go through Xet's CAS API, served under `/cas` as the Hub's CAS service serves it to `hf_xet`
+(xet-core's `RemoteClient`): its Xet token routes answer `casUrl: <endpoint>/cas`, the client uploads xorbs
+(`POST /v1/xorbs/default/{hash}`, kept in a folder) and shards (`POST /v1/shards`: the fake reads each file's
+terms out of the shard's file info section), and reads a file by its reconstruction (`GET
+/v1/reconstructions/{hash}`: xorb chunk ranges, and the byte ranges to fetch them from `/v1/fetch_term`).
+The v2 routes and global dedup answer 404: the client falls back to v1 and skips dedup. So any number of
+processes, each with its own huggingface_hub client and Xet session, read and write the same buckets. CAS
+requests carry the Xet token, not the user's: they count against no quota and are not in `requests`.
 
 Space repos (for the deploy command): create, README metadata validation, commits of regular (base64) files,
 the file tree, variables, secrets and hardware requests. Files are kept in memory.
@@ -43,6 +43,7 @@ import hashlib
 import itertools
 import json
 import math
+import struct
 import tempfile
 import threading
 import time
@@ -53,13 +54,14 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 import yaml
-from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi import APIRouter, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from huggingface_hub.utils import parse_datetime
 
 from trainer.processes import serving_in_thread
 
 USER = "user"  # whom the token belongs to: the `me` namespace
+XET_TOKEN = "xet"  # the CAS access token the Xet token routes hand out
 FREE_TIER = {"api": 1000, "resolvers": 5000}  # requests per 5-minute window (hub-docs: rate limits)
 PRO_TIER = {"api": 2500, "resolvers": 12000}
 
@@ -119,11 +121,12 @@ class FakeHub:
     def __init__(self, cas_dir: Path, token: str = "hf_fake_token"):
         self.token = token
         self.tokens = {token}  # accepted: each has its own windows (one per component, to count them apart)
-        self.cas_url = f"local://{cas_dir}"
         self.endpoint = ""
         self._serving = contextlib.ExitStack()
         self._lock = threading.Lock()  # the server's threads and the test's share the state below
-        self._sizes: dict[str, int] = {}  # xet hash -> size (the CAS is read once per hash)
+        self._xorbs = cas_dir / "xorbs"
+        self._xorbs.mkdir(parents=True, exist_ok=True)
+        self._files: dict[str, list[Term]] = {}  # xet file hash -> its terms, from the uploaded shards
         self.closing = False
         self.reset()
         self.app = self._build_app()
@@ -180,6 +183,10 @@ class FakeHub:
         left = self.quotas[cls] - window.counts[cls]
         return int(max(left, 0)) if left >= 0 else -1, (index + 1) * self.window_s - now, window
 
+    @property
+    def cas_url(self) -> str:
+        return f"{self.endpoint}/cas"
+
     def start(self) -> None:
         self.endpoint = self._serving.enter_context(serving_in_thread(self.app))
 
@@ -188,9 +195,7 @@ class FakeHub:
         self._serving.close()
 
     def size(self, xet_hash: str) -> int:
-        if xet_hash not in self._sizes:
-            self._sizes[xet_hash] = len(self.read(xet_hash))
-        return self._sizes[xet_hash]
+        return sum(term.unpacked_length for term in self._files.get(xet_hash, []))
 
     def entry(self, bucket: str, path: str, request: Request) -> dict | None:
         """What a read of `path` sees now: its previous entry while an overwrite is within `stale_s` (except
@@ -211,13 +216,19 @@ class FakeHub:
             self.changes.append(Change(len(self.changes) + 1, now, bucket, batch, change))
 
     def read(self, xet_hash: str) -> bytes:
-        """A file's bytes, read back out of the local CAS."""
+        """A file's bytes, read out of the CAS by this process's Xet session (a real client decodes them)."""
         import hf_xet
-        from huggingface_hub.utils._xet import get_xet_session  # the client's session: no CAS lock clash
+        from huggingface_hub.utils._xet import get_xet_session
 
+        if not self._files.get(xet_hash):
+            return b""  # an empty file has no terms
         with tempfile.TemporaryDirectory() as tmp:
             dest = Path(tmp) / "file"
-            with get_xet_session().new_file_download_group(endpoint=self.cas_url) as group:
+            expiry = int(time.time()) + 3600
+            session = get_xet_session().new_file_download_group(
+                endpoint=self.cas_url, token=XET_TOKEN, token_expiry_unix_secs=expiry
+            )
+            with session as group:
                 group.start_download_file(hf_xet.XetFileInfo(xet_hash), str(dest))
             return dest.read_bytes()
 
@@ -237,8 +248,15 @@ class FakeHub:
     def _build_app(self) -> FastAPI:
         app = FastAPI()
 
+        app.include_router(self._cas_router(), prefix="/cas")
+
         @app.middleware("http")
         async def auth_quota_and_faults(request: Request, call_next):
+            if request.url.path.startswith("/cas/"):  # the CAS service: the Xet token, no Hub quota
+                presigned = request.url.path.startswith("/cas/v1/fetch_term")  # on the Hub, a storage URL
+                if not presigned and request.headers.get("authorization") != f"Bearer {XET_TOKEN}":
+                    return JSONResponse({"error": "bad Xet token"}, status_code=401)
+                return await call_next(request)
             self.requests.append(f"{request.method} {request.url.path}")
             if self.fail_status is not None:
                 return JSONResponse({"error": "injected failure"}, status_code=self.fail_status)
@@ -297,10 +315,11 @@ class FakeHub:
             # hf_xet reads the JSON body; huggingface_hub's own helper reads the headers.
             headers = {
                 "X-Xet-Cas-Url": self.cas_url,
-                "X-Xet-Access-Token": "xet",
+                "X-Xet-Access-Token": XET_TOKEN,
                 "X-Xet-Token-Expiration": str(exp),
             }
-            return JSONResponse({"accessToken": "xet", "exp": exp, "casUrl": self.cas_url}, headers=headers)
+            body = {"accessToken": XET_TOKEN, "exp": exp, "casUrl": self.cas_url}
+            return JSONResponse(body, headers=headers)
 
         @app.post("/api/buckets/{ns}/{name}/batch")
         async def batch(ns: str, name: str, request: Request):
@@ -475,7 +494,7 @@ class FakeHub:
             return {"stage": "BUILDING", "hardware": {"current": None, "requested": space.hardware}}
 
         @app.api_route("/buckets/{ns}/{name}/resolve/{path:path}", methods=["GET", "HEAD"])
-        async def resolve(ns: str, name: str, path: str, request: Request):
+        def resolve(ns: str, name: str, path: str, request: Request):  # off the loop: read() asks /cas
             self._bucket(ns, name)
             entry = self.entry(f"{ns}/{name}", path, request)
             if entry is None:
@@ -492,6 +511,58 @@ class FakeHub:
             )
 
         return app
+
+    def _cas_router(self) -> APIRouter:
+        """Xet's CAS API (v1), as xet-core's `RemoteClient` calls it."""
+        router = APIRouter()
+
+        @router.post("/v1/xorbs/{prefix}/{xorb_hash}")
+        async def upload_xorb(prefix: str, xorb_hash: str, request: Request):
+            path = self._xorbs / _hex(xorb_hash)
+            inserted = not path.exists()
+            if inserted:
+                partial = path.with_suffix(f".{id(request)}")  # no reader sees half a xorb
+                partial.write_bytes(await request.body())
+                partial.replace(path)
+            return {"was_inserted": inserted}
+
+        @router.post("/v1/shards")
+        async def upload_shard(request: Request):
+            files = _shard_files(await request.body())
+            with self._lock:
+                self._files.update(files)
+            return {"result": 1}  # SyncPerformed
+
+        @router.get("/v1/reconstructions/{file_hash}")
+        async def reconstruction(file_hash: str, request: Request):
+            terms = self._files.get(_hex(file_hash))
+            if terms is None:
+                raise HTTPException(404, "file not found")
+            size = sum(t.unpacked_length for t in terms)
+            first, last = _byte_range(request.headers.get("range"), size)
+            out, fetch_info, offset, skip = [], collections.defaultdict(list), 0, 0
+            for term in terms:  # the terms that overlap [first, last]
+                end = offset + term.unpacked_length
+                if end > first and offset <= last:
+                    skip = first - offset if not out else skip
+                    chunks = {"start": term.start, "end": term.end}
+                    out.append({"hash": term.xorb, "unpacked_length": term.unpacked_length, "range": chunks})
+                    start, stop = _chunk_bytes(self._xorbs / term.xorb, term.start, term.end)
+                    url = f"{self.cas_url}/v1/fetch_term?xorb={term.xorb}"
+                    url_range = {"start": start, "end": stop - 1}  # inclusive, as the Range header
+                    fetch_info[term.xorb].append({"range": chunks, "url": url, "url_range": url_range})
+                offset = end
+            if size and not out:
+                raise HTTPException(416, "range not satisfiable")
+            return {"offset_into_first_range": skip, "terms": out, "fetch_info": fetch_info}
+
+        @router.get("/v1/fetch_term")
+        async def fetch_term(xorb: str, request: Request):
+            data = (self._xorbs / _hex(xorb)).read_bytes()
+            first, last = _byte_range(request.headers.get("range"), len(data))
+            return Response(data[first : last + 1], status_code=206, media_type="application/octet-stream")
+
+        return router
 
     async def _stream(self, bucket: str, after: int, request: Request):
         """One feed session: the changes after seq `after` (replay), `ready`, then live changes."""
@@ -531,6 +602,72 @@ class FakeHub:
             if self.clock() - started >= self.feed_session_s:
                 yield _event("reconnect", {"cursor": str(cursor)})
                 return
+
+
+@dataclass
+class Term:
+    """A term of a file's reconstruction: chunks [start, end) of a xorb, `unpacked_length` bytes of it."""
+
+    xorb: str
+    unpacked_length: int
+    start: int
+    end: int
+
+
+_ENTRY = 48  # every record of a shard's file info section is 48 bytes
+_WITH_VERIFICATION, _WITH_METADATA_EXT = 1 << 31, 1 << 30
+
+
+def _hash_hex(raw: bytes) -> str:
+    """A Merkle hash as Xet writes it: four little-endian u64s, each as 16 hex digits."""
+    return "".join(f"{int.from_bytes(raw[i : i + 8], 'little'):016x}" for i in range(0, 32, 8))
+
+
+def _hex(name: str) -> str:
+    """`name` if it is a hash's hex (it names a file here), else a 400."""
+    if len(name) != 64 or any(c not in "0123456789abcdef" for c in name):
+        raise HTTPException(400, "not a Xet hash")
+    return name
+
+
+def _shard_files(shard: bytes) -> dict[str, list[Term]]:
+    """The files a shard describes (its file info section, after the 48-byte header, up to the bookend)."""
+    files, offset = {}, _ENTRY
+    while True:
+        file_hash, flags, count = shard[offset : offset + 32], *struct.unpack_from("<II", shard, offset + 32)
+        if file_hash == b"\xff" * 32:
+            return files
+        terms = []
+        for i in range(count):
+            xorb, (_, unpacked, start, end) = (
+                shard[offset + _ENTRY * (i + 1) : offset + _ENTRY * (i + 1) + 32],
+                struct.unpack_from("<IIII", shard, offset + _ENTRY * (i + 1) + 32),
+            )
+            terms.append(Term(_hash_hex(xorb), unpacked, start, end))
+        records = 1 + count + (count if flags & _WITH_VERIFICATION else 0) + bool(flags & _WITH_METADATA_EXT)
+        files[_hash_hex(file_hash)] = terms
+        offset += _ENTRY * records
+
+
+def _chunk_bytes(xorb: Path, start: int, end: int) -> tuple[int, int]:
+    """Where chunks [start, end) of a xorb lie in it: each chunk is an 8-byte header (its compressed length in
+    bytes 1-3) and its compressed bytes."""
+    with xorb.open("rb") as f:
+        offset, first = 0, 0
+        for index in range(end):
+            if index == start:
+                first = offset
+            f.seek(offset)
+            offset += 8 + int.from_bytes(f.read(8)[1:4], "little")
+    return first, offset
+
+
+def _byte_range(header: str | None, size: int) -> tuple[int, int]:
+    """The inclusive byte range of a `Range: bytes=a-b` header (the whole of `size` bytes without one)."""
+    if not header:
+        return 0, size - 1
+    first, _, last = header.removeprefix("bytes=").partition("-")
+    return int(first), min(int(last), size - 1) if last else size - 1
 
 
 def _event(name: str, payload: dict) -> bytes:

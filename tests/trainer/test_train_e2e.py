@@ -27,6 +27,7 @@ import pytest
 import requests
 
 from deltasync import telemetry
+from deltasync.storage import open_storage
 from tests.helpers import REPO
 from trainer.demo import freshness
 from trainer.processes import placement, serving
@@ -64,11 +65,16 @@ def run_trainer(root: Path, inference: str, env: str, model: Path, out: Path, st
     return json.loads((out / "summary.json").read_text())
 
 
-def records(root: Path, cls, folder: str) -> dict[int, telemetry.TrainerRecord | telemetry.ReplicaRecord]:
-    found = {}
-    for path in sorted((root / folder).glob("step-*.json")):
-        record = telemetry.from_json(cls, path.read_bytes(), str(path))
-        found[record.step] = record
+Records = dict[int, telemetry.TrainerRecord | telemetry.ReplicaRecord]
+
+
+def records(root: Path | str, cls, folder: str) -> Records:
+    """The telemetry records in `folder` of a sync root (a folder or a bucket), by step."""
+    storage, found = open_storage(root), {}
+    for path in storage.list(folder):
+        if path.rsplit("/", 1)[-1].startswith("step-") and path.endswith(".json"):
+            record = telemetry.from_json(cls, storage.read_bytes(path), path)
+            found[record.step] = record
     return found
 
 

@@ -2,6 +2,11 @@
 fewer rollouts in flight, and both apply and verify every step, ending bitwise equal to the trainer; the
 dashboard shows a row for each.
 
+The root is a folder, or a bucket on the fake Hub (tests/fakehub.py, served from this process): then the
+trainer and each replica are processes of their own, each with huggingface_hub's real client and its own
+Xet session, the replicas follow the bucket's change feed, and all of them share the user's token and its
+free-tier quota, without one answer of 429.
+
 Both replicas share vLLM's cores (the trainer and the env keep theirs)."""
 
 import sys
@@ -24,9 +29,14 @@ from trainer.tiny_model import default_model_dir, ensure_tiny_model
 pytestmark = pytest.mark.slow  # starts vLLM twice
 
 
-def test_trainer_with_two_replicas(tmp_path, dashboard):
+@pytest.mark.parametrize("where", ["folder", "hub"])
+def test_trainer_with_two_replicas(tmp_path, dashboard, request, where):
     model = ensure_tiny_model(default_model_dir())
-    root = tmp_path / "root"
+    if where == "hub":
+        hub = request.getfixturevalue("fake_hub")  # HF_ENDPOINT and HF_TOKEN, inherited by the processes
+        root = "hf://buckets/user/sync/run"
+    else:
+        root = tmp_path / "root"
     names = ("replica-a", "replica-b")
     env_app = [sys.executable, str(REPO / "spaces" / "env" / "app.py")]
     with (
@@ -48,3 +58,6 @@ def test_trainer_with_two_replicas(tmp_path, dashboard):
     rows = dashboard.replicas_frame(board.summary())
     assert sorted(rows["replica"]) == list(names) and set(rows["step"]) == {RESUME_STEPS}, rows
     assert set(rows["status"]) == {"ok"}, rows
+    if where == "hub":
+        assert hub.limited() == 0, hub.windows
+        assert [p for p in hub.requests if p.endswith("/events")], "the replicas did not follow the feed"
