@@ -1,9 +1,7 @@
 """The GPU kernels (deltasync.codec.gpu) against the CPU codec, bit for bit: on a GPU where there is one, else
 through Triton's interpreter (small states: the interpreter runs each program in numpy)."""
 
-import importlib
 import json
-import sys
 
 import numpy as np
 import pytest
@@ -13,22 +11,7 @@ from bench.cuda import canonical, compact_streams
 from deltasync.codec import changes, compact, fingerprint
 from deltasync.codec import patch as patches
 from deltasync.codec.bf16 import bits
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    """deltasync.codec.gpu, its kernels compiled for the GPU, or interpreted where there is none (the
-    interpreter is chosen when the kernels are defined, so the module is imported afresh for these tests)."""
-    if DEVICE == "cuda":
-        yield importlib.import_module("deltasync.codec.gpu")
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        sys.modules.pop("deltasync.codec.gpu", None)
-        yield importlib.import_module("deltasync.codec.gpu")
-        sys.modules.pop("deltasync.codec.gpu", None)
+from tests.helpers import DEVICE
 
 
 def states(seed: int, shapes: dict[str, tuple[int, ...]], density: float) -> tuple[dict, dict]:
