@@ -1,6 +1,7 @@
-"""Where the publisher keeps the previous step's bf16 copy (PublisherConfig.previous_copy): beside the weights,
-where on CUDA the GPU codec (deltasync.codec.gpu) diffs and ranks, or in host memory, where the host codec
-does. Both settings publish the same bytes. Without a GPU the kernels run interpreted on host tensors."""
+"""Where the publisher keeps the previous step's bf16 copy (PublisherConfig.previous_copy): beside the
+weights, where on CUDA the GPU codec (deltasync.codec.gpu) diffs and ranks, or in host memory, where the host
+codec does. Both settings publish the same bytes. Without a GPU the kernels run interpreted on host
+tensors."""
 
 import collections
 
@@ -24,13 +25,16 @@ def kernels(gpu, monkeypatch) -> collections.Counter:
     if DEVICE == "cpu":
         monkeypatch.setattr(bf16, "on_gpu", lambda t: True)
     calls: collections.Counter = collections.Counter()
-    for name in ("scan", "chunk_symbols", "state_fingerprint"):
 
-        def counted(*args, name=name, passes=getattr(gpu, name)):
+    def counted(name: str, passes):
+        def call(*args):
             calls[name] += 1
             return passes(*args)
 
-        monkeypatch.setattr(gpu, name, counted)
+        return call
+
+    for name in ("scan", "chunk_symbols", "state_fingerprint"):
+        monkeypatch.setattr(gpu, name, counted(name, getattr(gpu, name)))
     return calls
 
 
