@@ -606,7 +606,7 @@ def publish_part(old: State, new: State, repeat: int) -> None:
             s = statistics.median(blocked[3:])
             rows.append(
                 [f"{label}, **{setting}**", f"**{ms(s)}**", f"{s / ne_s:.1f}x", floors, f"**{ms(ready)}**",
-                 ms(statistics.median(published[3:])), f"{held_b:.1f} B", ms(blocked[0])]
+                 ms(statistics.median(published[3:])), f"{held_b:.1f} B" if cuda else "-", ms(blocked[0])]
             )  # fmt: skip
             del states
     print(
