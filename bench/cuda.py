@@ -713,13 +713,6 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown parts {unknown}; choose from {', '.join(PARTS)}")
     cuda = torch.cuda.is_available()
-    if not cuda:
-        skipped = [p for p in parts if p not in ON_THE_HOST]
-        if skipped:
-            print(f"bench.cuda: no CUDA device here: skipping {', '.join(skipped)}\n")
-        parts = [p for p in parts if p in ON_THE_HOST]
-        if not parts:
-            return
     model = f"qwen3-{a.model}"
     layers = a.layers if a.layers is not None else 36 if a.model == "8b" else 28
     device = torch.cuda.get_device_name() if cuda else "no GPU"
@@ -728,6 +721,13 @@ def main() -> None:
         f"torch {torch.__version__}; "
         f"Qwen3-{a.model.upper()} shapes, {layers} layers, density {a.density:g}\n"
     )
+    if not cuda:
+        skipped = [p for p in parts if p not in ON_THE_HOST]
+        if skipped:
+            print(f"No CUDA device here: skipping {', '.join(skipped)}\n")
+        parts = [p for p in parts if p in ON_THE_HOST]
+        if not parts:
+            return
     old, new = make_states(model, layers, a.density, "cuda" if cuda else "cpu")
     for part in parts:
         PARTS[part](old, new, 3 if part == "codec" else a.repeat)
