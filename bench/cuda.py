@@ -3,6 +3,8 @@
     python -m bench.cuda [--model 0.6b|8b] [--layers N] [--density 0.01] [--repeat 10]
                          [--only detect,step,write,engine,publish,codec]
 
+Without a GPU it says so and runs the parts that need none (publish, codec).
+
 A Qwen3-0.6B- or Qwen3-8B-shaped bf16 state (bench.codec.qwen3_shapes: real shapes, 0.6B with tied
 embeddings, 8B with an lm_head; N(0, 0.02) weights, norms at 1) made on the GPU, and a step that moves
 `--density` of its elements, at random positions, by one bf16 ulp up or down (what Adam's small steps do to
@@ -15,13 +17,16 @@ device. Parts:
   kernels), against one `ne` pass over the same tensors and one device-to-device copy of the model's bf16
   bytes. "host syncs" counts the synchronizing CUDA calls of one run (torch's sync debug mode, one codec
   thread): per call, not per tensor, is the goal.
-- step: the trainer's whole step with the previous copy on the GPU, against the same `ne` pass: blocked
-  (`make_patch`: after it the weights may change), the compact `encode` (classes and ranks on the GPU, the
-  rANS coder on every host core), bytes ready (both), rolling the previous copy forward (`apply_changes`);
+- step: the codec's calls in the trainer's step with the previous copy on the GPU, against the same `ne`
+  pass: `make_patch` (the changes and the fingerprint's move), the compact `encode` (classes and ranks on
+  the GPU, the rANS coder on every host core), bytes ready (both: what the publisher's background runs
+  after `publish` returns; the publish part measures it through the Publisher), rolling a previous copy
+  forward (`apply_changes`);
   the replica's compact bytes to weights written and verified on the GPU (deltasync.codec.gpu
   `decode_compact`, then `apply_changes`); beside the host path's `encode` of the same patch (old weights
-  copied to the host), whose bytes must be the same; every result checked bit for bit first. The follower
-  handing bytes to vLLM's workers (and its RSS) is not built yet.
+  copied to the host), whose bytes must be the same; every result checked bit for bit first. The replica
+  row decodes in this process, against weights on this GPU; the follower handing the bytes to vLLM's workers
+  and its peak RSS are measured by the follower's own bench and tests (deltasync/vllm), not here.
 - write: the writes themselves into live CUDA parameters laid out as vLLM holds them (one `index_put_` per
   HF tensor into its destination view, rows of vLLM's fused qkv_proj and gate_up_proj), and a raw patch
   file read to the device and parsed (`raw_changes`). Floor: one `index_put_` of the same count into one
@@ -31,10 +36,15 @@ device. Parts:
   parameters and tied embeddings: `update_weights` of kind "stage" (read, checks, `Layout.plan_patch`,
   while generation runs) and of kind "delta" (what runs between pause and resume), alternating a step and
   its reverse, each written state checked bit for bit. Floor: as for write.
-- publish: the caller's blocked time in `Publisher.publish` with CUDA parameters (bf16, and fp32 master
-  weights cast to bf16 on the way), against one plain `.to("cpu", bfloat16, non_blocking=True)` of every
-  tensor and one `copy_` into already pinned host buffers. The publisher writes a local folder; every call is
-  flushed (untimed) before the next, so the background encoder never shares the copy's time.
+- publish: the trainer's side of a step through `Publisher` (a local folder), for both places of the previous
+  copy (`PublisherConfig.previous_copy`): "device" (bf16 buffers beside the CUDA weights; the GPU codec diffs
+  and ranks there) and "host" (pinned host buffers; the host codec diffs), with bf16 params and fp32 master
+  weights cast on the way: the caller's blocked time in `publish` ("trainer blocked") against the copy alone,
+  the background's diff + encode from the publisher's telemetry (`encode_s`: "trainer bytes ready" after
+  `publish` returns), the time to the head read back, and the GPU memory the publisher held (peak allocated
+  over the run, per parameter: the two bf16 copies and the codec's scratch). Every call is flushed
+  (untimed) before the next, so the background never shares the copy's time. Runs without a GPU too (then
+  both settings keep host copies: the CPU trainer's numbers).
 - codec: the CPU side of a step on this host's cores: encode (`make_patch` + compact `encode`) and decode
   (`decode` with verification + `apply_changes`), as changed elements/s and MB/s of the bf16 model, on every
   core and on one, against one `ne` pass over the same host tensors (torch, every core). Runs without a GPU
@@ -54,6 +64,7 @@ import time
 import types
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -244,7 +255,7 @@ def step_part(old: State, new: State, repeat: int) -> None:
         return patches.encode(patches.make_patch(old, new, 1, 0, base_fp, threads), old, "compact", threads)
 
     calls = {
-        "**blocked**: `make_patch` (after it the weights may change)": (
+        "`make_patch` (changes and fingerprint move)": (
             lambda threads=None: patches.make_patch(old, new, 1, 0, base_fp, threads),
             "<= 20x `ne`",
         ),
@@ -281,8 +292,8 @@ def step_part(old: State, new: State, repeat: int) -> None:
         f"parameter): {changed:,} changed elements ({changed / numel:.2%}), compact patch "
         f"{len(data) / 1e6:.1f} MB, the same bytes as the host path's\n\n"
         f"Floor: one `ne` pass over the same tensors {ms(ne_s)}. Median of {repeat}. The replica's decode "
-        f"runs here in one process, against the old weights on this GPU; not built yet, so not measured: "
-        f"the follower handing the bytes to vLLM's workers, and its peak RSS.\n"
+        f"runs here in one process, against the old weights on this GPU; the follower handing the bytes to "
+        f"vLLM's workers, and its peak RSS, are not measured here (the follower's own bench and tests).\n"
     )
     table(["call", "time", "vs `ne` pass", "host syncs", "goal"], rows)
 
@@ -555,51 +566,85 @@ def engine_part(old: State, new: State, repeat: int) -> None:
 
 
 def publish_part(old: State, new: State, repeat: int) -> None:
-    from deltasync.sync.publisher import Publisher
+    from deltasync import telemetry
+    from deltasync.sync.publisher import Publisher, PublisherConfig
 
-    rows = []
-    for label, cast in (("bf16", torch.bfloat16), ("fp32 (cast to bf16 in the copy)", torch.float32)):
-        needed = 2 * sum(t.numel() for t in old.values()) * cast.itemsize
-        if torch.cuda.mem_get_info()[0] < 1.1 * needed:
-            print(f"publish, {label}: skipped, two such states need {needed / 1e9:.0f} GB of GPU memory\n")
-            continue
-        states = [{n: t.to(cast) for n, t in s.items()} for s in (old, new)]
-        params = states[0]
-        pin = torch.cuda.is_available()
-        pinned = {n: torch.empty(t.shape, dtype=torch.bfloat16, pin_memory=pin) for n, t in params.items()}
-
-        def plain_copy(params=params) -> None:
-            for t in params.values():
-                t.to("cpu", torch.bfloat16, non_blocking=True)
-
-        def pinned_copy(params=params, pinned=pinned) -> None:
-            for name, t in params.items():
-                pinned[name].copy_(t, non_blocking=True)
-
-        plain_s, pinned_s = median_s(plain_copy, repeat), median_s(pinned_copy, repeat)
-        blocked = []
-        with (
-            tempfile.TemporaryDirectory(prefix="bench-cuda-root-") as root,
-            Publisher(root, model="qwen3-0.6b-shapes") as publisher,
-        ):
-            for step in range(3 + repeat):  # steps 0-2: the anchor and the buffers' first use
-                start = time.perf_counter()
-                publisher.publish(states[step % 2], step=step)
-                blocked.append(time.perf_counter() - start)
-                publisher.flush()
-        s = statistics.median(blocked[3:])
-        nbytes = sum(2 * t.numel() for t in params.values())
-        rows.append(
-            [label, f"**{ms(s)}**", ms(plain_s), f"**{s / plain_s:.2f}x**", ms(pinned_s),
-             f"{s / pinned_s:.2f}x", f"{nbytes / s / 1e9:.1f} GB/s", ms(blocked[0])]
-        )  # fmt: skip
-        del states, params, pinned
-    print(f"### Publisher copy from CUDA into pinned host memory ({nbytes / 1e9:.2f} GB of bf16)\n")
+    cuda = torch.cuda.is_available()
+    numel = sum(t.numel() for t in old.values())
+    old_bits, new_bits = [bits(t) for t in old.values()], [bits(t) for t in new.values()]
+    ne_s = median_s(lambda: [a != b for a, b in zip(old_bits, new_bits, strict=True)], repeat)
+    rows, density = [], 0.0
+    for label, cast in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        for setting in ("device", "host"):
+            held = 4 * numel if setting == "device" else 0  # the publisher's two bf16 copies
+            needed = 2 * numel * cast.itemsize * (cast != torch.bfloat16) + held
+            if cuda and torch.cuda.mem_get_info()[0] < 1.1 * needed:
+                print(f"publish, {label}, {setting}: skipped, needs {needed / 1e9:.0f} GB more GPU memory\n")
+                continue
+            states = [{n: t.to(cast) for n, t in s.items()} for s in (old, new)]  # (bf16: the same tensors)
+            floors = publish_floors(states[0], setting, repeat)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated() if cuda else 0
+            blocked, published = [], []
+            with tempfile.TemporaryDirectory(prefix="bench-cuda-root-") as root:
+                config = PublisherConfig(previous_copy=setting)
+                with Publisher(root, model="qwen3-shapes", config=config) as publisher:
+                    for step in range(3 + repeat):  # steps 0-2: the anchor and the buffers' first use
+                        start = time.perf_counter()
+                        publisher.publish(states[step % 2], step=step)
+                        blocked.append(time.perf_counter() - start)
+                        publisher.flush()  # the background never shares the next copy's time
+                        published.append(time.perf_counter() - start - blocked[-1])
+                records = [
+                    telemetry.from_json(telemetry.TrainerRecord, p.read_bytes())
+                    for p in sorted(Path(root, telemetry.TRAINER_DIR).glob("step-*.json"))
+                ]
+            held_b = (torch.cuda.max_memory_allocated() - base) / numel if cuda else 0.0
+            deltas = [r for r in records[3:] if r.kind == "delta"]
+            ready, density = statistics.median(r.encode_s for r in deltas), deltas[0].density
+            s = statistics.median(blocked[3:])
+            rows.append(
+                [f"{label}, **{setting}**", f"**{ms(s)}**", f"{s / ne_s:.1f}x", floors, f"**{ms(ready)}**",
+                 ms(statistics.median(published[3:])), f"{held_b:.1f} B" if cuda else "-", ms(blocked[0])]
+            )  # fmt: skip
+            del states
+    print(
+        f"### `Publisher.publish`, weights on {'CUDA' if cuda else 'the host'}: the previous copy on the "
+        f"device or in host memory (`PublisherConfig.previous_copy`), {2 * numel / 1e9:.2f} GB of bf16\n\n"
+        f"Each step is flushed (untimed) before the next, so the background never shares the copy's time; "
+        f"steps alternate between two states a {density:.2%} "
+        f"step apart. Floor: one `ne` pass {ms(ne_s)}. Median of {repeat}.\n"
+    )
     table(
-        ["params", "`publish` blocked", 'plain `.to("cpu", bf16, non_blocking)`', "vs plain",
-         "`copy_` into pinned", "vs pinned", "blocked, bf16 GB/s", "first publish (allocates)"],
+        ["params, previous copy", "**trainer blocked**: `publish`", "vs `ne` pass", "the copy alone",
+         "**trainer bytes ready** after `publish` returns (`encode_s`: diff + encode)",
+         "published: bytes to head read back (local folder)", "GPU bytes per parameter held",
+         "first publish"],
         rows,
     )  # fmt: skip
+
+
+def publish_floors(params: State, setting: str, repeat: int) -> str:
+    """What the copy alone costs: into bf16 buffers beside the weights (device), or into pinned host buffers
+    and with a plain `.to("cpu", bf16, non_blocking=True)` (host)."""
+    if setting == "device":
+        buffers = {n: torch.empty(t.shape, dtype=torch.bfloat16, device=t.device) for n, t in params.items()}
+    else:
+        pin = torch.cuda.is_available()
+        buffers = {n: torch.empty(t.shape, dtype=torch.bfloat16, pin_memory=pin) for n, t in params.items()}
+
+    def copy() -> None:
+        for name, t in params.items():
+            buffers[name].copy_(t, non_blocking=True)
+
+    copy_s = median_s(copy, repeat)
+    if setting == "device":
+        return f"{ms(copy_s)} (`copy_` on the device)"
+    plain_s = median_s(
+        lambda: [t.to("cpu", torch.bfloat16, non_blocking=True) for t in params.values()], repeat
+    )
+    return f"{ms(copy_s)} (`copy_` into pinned), {ms(plain_s)} (plain `.to`)"
 
 
 # ----------------------------------------------------------------------------------------------- codec
@@ -644,6 +689,7 @@ def codec_part(old: State, new: State, repeat: int) -> None:
     table(["threads", "part", "time", "changed elements/s", "model MB/s (bf16)", "vs `ne` pass"], rows)
 
 
+ON_THE_HOST = ("publish", "codec")  # parts that also run without a GPU (publish: both settings are the host)
 PARTS = {
     "detect": detect_part,
     "step": step_part,
@@ -667,13 +713,6 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown parts {unknown}; choose from {', '.join(PARTS)}")
     cuda = torch.cuda.is_available()
-    if not cuda:
-        skipped = [p for p in parts if p != "codec"]
-        if skipped:
-            print(f"bench.cuda: no CUDA device here: skipping {', '.join(skipped)}")
-        parts = [p for p in parts if p == "codec"]
-        if not parts:
-            return
     model = f"qwen3-{a.model}"
     layers = a.layers if a.layers is not None else 36 if a.model == "8b" else 28
     device = torch.cuda.get_device_name() if cuda else "no GPU"
@@ -682,6 +721,13 @@ def main() -> None:
         f"torch {torch.__version__}; "
         f"Qwen3-{a.model.upper()} shapes, {layers} layers, density {a.density:g}\n"
     )
+    if not cuda:
+        skipped = [p for p in parts if p not in ON_THE_HOST]
+        if skipped:
+            print(f"No CUDA device here: skipping {', '.join(skipped)}\n")
+        parts = [p for p in parts if p in ON_THE_HOST]
+        if not parts:
+            return
     old, new = make_states(model, layers, a.density, "cuda" if cuda else "cpu")
     for part in parts:
         PARTS[part](old, new, 3 if part == "codec" else a.repeat)

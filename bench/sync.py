@@ -138,6 +138,7 @@ def run_ours(root: Path, links: bool, subscribers: int, encoding: str, args) -> 
             time.sleep(0.002)
         done = [next(a for a in s.history if a.step == step) for s in followers]
         entry = publisher.head.entry(step, "delta")
+        publisher.flush()  # the step's telemetry (else sent with the next step's data)
         record = json.loads((root / f"telemetry/trainer/step-{step:08d}.json").read_text())
         rows.append(
             {
@@ -280,6 +281,7 @@ def run_model(args) -> None:
                 commands.put((step, threads))
                 r = reports.get()
                 entry = publisher.head.entry(step, "delta")
+                publisher.flush()  # the step's telemetry (else sent with the next step's data)
                 record = json.loads((Path(tmp) / f"telemetry/trainer/step-{step:08d}.json").read_text())
                 cells = [step, threads, f"{entry.changed / numel:.2%}", megabytes(entry.bytes)]
                 cells += [f"{blocked_s * 1e3:.0f} ms", f"{record['encode_s']:.2f} s", f"{r['apply_s']:.2f} s"]

@@ -19,6 +19,7 @@ from deltasync.sync.publisher import Publisher, PublisherConfig
 REPO = Path(__file__).resolve().parents[1]
 # Subprocesses given an environment of their own import the code under test (a work tree by PYTHONPATH)
 CODE_UNDER_TEST = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where tests of the GPU codec put their tensors
 
 # Big enough that a chain of 20 deltas weighs less than an anchor (else the publisher anchors earlier).
 SHAPES = {

@@ -134,6 +134,16 @@ class DeltaSyncArguments:
             "choices": ["compact", "raw"],
         },
     )
+    previous_copy: str = field(
+        default=PublisherConfig.previous_copy,
+        metadata={
+            "help": "Where the publisher keeps the last published bf16 weights and the step handed over: "
+            "device (beside the weights: on a GPU, publish() blocks for a device copy and the GPU diffs; 4 B "
+            "of GPU memory per parameter), host (pinned host memory: blocks for the copy to the host, the "
+            "CPU diffs), auto (device on a GPU). See docs/benchmarks.md.",
+            "choices": ["auto", "device", "host"],
+        },
+    )
     rollouts_ahead: float = field(
         default=0.5,
         metadata={
@@ -382,7 +392,10 @@ def build_trainer(
         ours.sync_root,
         model_id=model_id,
         config=PublisherConfig(
-            encoding=ours.encoding, anchor_every=ours.anchor_every, keep_anchors=ours.keep_anchors
+            encoding=ours.encoding,
+            anchor_every=ours.anchor_every,
+            keep_anchors=ours.keep_anchors,
+            previous_copy=ours.previous_copy,
         ),
         guard=stop.guard,
         lora_name=LORA_NAME if ours.lora_r else None,

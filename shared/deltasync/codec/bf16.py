@@ -15,3 +15,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     if t.dtype != torch.bfloat16:
         raise TypeError(f"expected a bfloat16 tensor, got {t.dtype}")
     return t.detach().contiguous().reshape(-1).view(torch.int16)
+
+
+def on_gpu(t: torch.Tensor) -> bool:
+    """Whether the codec runs its passes over `t` in deltasync.codec.gpu's Triton kernels: where `t` is on
+    CUDA. (The one place that decides it, so that tests can run the kernels on host tensors, interpreted.)"""
+    return t.device.type == "cuda"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deltasync.codec import fingerprint
+from deltasync.codec import bf16, fingerprint
 from deltasync.codec.bf16 import as_bf16, bits
 from deltasync.codec.fingerprint import R1
 from deltasync.codec.parallel import parallel_map, spans
@@ -83,7 +83,7 @@ def diff_and_moves(
     on_host, on_device = {}, {}  # name -> (old bits, new bits)
     for name, t in new.items():
         new_bits, old_bits = bits(as_bf16(t)), bits(old[name])
-        if old_bits.device.type == new_bits.device.type == "cpu":  # compiled passes, no mask
+        if not bf16.on_gpu(old_bits) and old_bits.device.type == new_bits.device.type == "cpu":
             on_host[name] = (old_bits.numpy(), new_bits.numpy())
         else:
             on_device[name] = (old_bits, new_bits)
@@ -104,7 +104,7 @@ def diff_and_moves(
         values = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
         found[name] = TensorChanges(torch.from_numpy(idx), torch.from_numpy(values).view(torch.bfloat16))
         moves[name] = sum(p[2] for p in parts) & fingerprint.MASK64
-    cuda = {name: (a, b.to(a.device)) for name, (a, b) in on_device.items() if a.device.type == "cuda"}
+    cuda = {name: (a, b.to(a.device)) for name, (a, b) in on_device.items() if bf16.on_gpu(a)}
     if cuda:
         from deltasync.codec import gpu  # not at import time: it loads Triton
 

@@ -19,6 +19,7 @@ from functools import cache
 import numpy as np
 import torch
 
+from deltasync.codec import bf16
 from deltasync.codec.bf16 import bits
 
 ROW = 4096
@@ -92,7 +93,7 @@ def state_fingerprint(state: Mapping[str, torch.Tensor] | Iterable[tuple[str, to
     accelerators: one copy of row sums to the host per device)."""
     names, sums, on_cuda = [], [], []
     for name, t in state.items() if isinstance(state, Mapping) else state:  # keeps row sums, not tensors
-        if t.device.type == "cuda":
+        if bf16.on_gpu(t):
             on_cuda.append((name, t))
             continue
         names.append(name)

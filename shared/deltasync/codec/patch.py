@@ -38,7 +38,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from deltasync.codec import compact, fingerprint
+from deltasync.codec import bf16, compact, fingerprint
 from deltasync.codec.bf16 import bits
 from deltasync.codec.changes import TensorChanges, diff, diff_and_moves
 from deltasync.codec.header import DTYPE, ENCODINGS, FORMAT, VERSION, PatchInfo, read_info
@@ -140,7 +140,7 @@ def window_changes(
     moved = 0
     for name, ch in changes.items():
         idx = ch.indices.cpu().numpy()
-        before = bits(old[name]).reshape(-1).cpu().numpy()[idx]
+        before = bits(old[name])[ch.indices.to(old[name].device)].cpu().numpy()  # O(changes) off the device
         moved += fingerprint.delta(
             name, idx + windows.get(name, (0, 0))[0], before, bits(ch.values).cpu().numpy()
         )
@@ -299,7 +299,7 @@ def host_symbols(
 
 def _symbols_maker(changes: Mapping[str, TensorChanges], old: Mapping[str, torch.Tensor]) -> SymbolsMaker:
     """Triton's kernels where every changed tensor is on CUDA, else the host's loops (the same symbols)."""
-    if changes and all(old[name].device.type == "cuda" for name in changes):
+    if changes and all(bf16.on_gpu(old[name]) for name in changes):
         from deltasync.codec import gpu  # not at import time: it loads Triton
 
         return gpu.chunk_symbols

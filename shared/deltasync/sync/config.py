@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 LEASE_S = 120.0  # object stores: a writer's lease lasts this long unless renewed (every quarter)
 ANCHOR_ENCODINGS = ("plain", "packed")
+PREVIOUS_COPIES = ("auto", "device", "host")
 
 
 @dataclass
@@ -18,3 +19,15 @@ class PublisherConfig:
     threads: int | None = None  # codec threads; None: every core this process may run on
     retry_s: tuple[float, float] = (0.5, 30.0)  # backoff of failed uploads: first and longest wait
     lease_s: float = LEASE_S  # object stores: a writer's lease lasts this long unless renewed (every quarter)
+    # Where the last published bf16 state (the previous copy) and the handed-over one live: "device" beside
+    # the weights (on CUDA: publish() blocks for a device copy, the GPU codec diffs and ranks there, the
+    # host gets O(changed elements); 2 B per parameter each), "host" in (pinned) host memory (publish()
+    # blocks for the device-to-host copy, the host codec diffs), "auto" device where the weights are on
+    # CUDA. A ShardedPublisher keeps each rank's own shards there.
+    previous_copy: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.previous_copy not in PREVIOUS_COPIES:
+            raise ValueError(
+                f"previous_copy {self.previous_copy!r}: choose from {', '.join(PREVIOUS_COPIES)}"
+            )

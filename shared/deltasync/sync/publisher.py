@@ -1,6 +1,8 @@
 """Publisher: the trainer's side of the sync root.
 
-`publish()` costs the caller one bf16 copy of its weights into a host buffer; a background thread compares
+`publish()` costs the caller one bf16 copy of its weights, into a buffer where `PublisherConfig.previous_copy`
+says: beside the weights (on CUDA: a device-to-device copy; the GPU codec then diffs and ranks there and the
+host gets O(changed elements)) or in pinned host memory (the host codec diffs). A background thread compares
 it with the last published state, encodes the patch, uploads it and moves the head. When uploads lag, newer
 states replace the pending one (the skipped step is folded into the next delta) instead of queueing without
 bound. The last published state advances only once the head naming it is written and read back.
@@ -22,7 +24,7 @@ from typing import Any, TypeVar
 import torch
 
 from deltasync import telemetry
-from deltasync.codec import fingerprint
+from deltasync.codec import bf16, fingerprint
 from deltasync.codec.changes import SchemaError, name_difference
 from deltasync.codec.patch import encode, make_patch
 from deltasync.storage import (
@@ -98,7 +100,7 @@ class Publisher:
         self._spare: dict[str, torch.Tensor] | None = None  # a buffer the worker gave back
         self._run: RunInfo | None = None
         self._head: Head | None = None
-        self._published: dict[str, torch.Tensor] | None = None  # the state the head names, bf16 on the host
+        self._published: dict[str, torch.Tensor] | None = None  # the state the head names (bf16)
         self._published_fp = 0
         self._stored = False  # publish_stored() was called: the ranks, not this publisher, hold the state
         self._head_bytes: set[bytes | None] = {None}  # what the head may be now: what we wrote (or none)
@@ -261,8 +263,13 @@ class Publisher:
     def _allocate(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self._run is None:
             self._run = RunInfo.of(self.model, params, self.lora)
-        pin = any(t.is_cuda for t in params.values())  # D2H copies into pinned memory do not stall
-        return {n: torch.empty(s, dtype=torch.bfloat16, pin_memory=pin) for n, s in self._run.schema.items()}
+        on_device = keeps_on_device(self.config, params.values())
+        pin = not on_device and any(t.is_cuda for t in params.values())  # D2H copies into it do not stall
+        device = {n: t.device for n, t in params.items()} if on_device else {}  # (else: the host)
+        return {
+            n: torch.empty(s, dtype=torch.bfloat16, device=device.get(n), pin_memory=pin)
+            for n, s in self._run.schema.items()
+        }
 
     @staticmethod
     def _skipped_record(pending: _Pending) -> telemetry.TrainerRecord:
@@ -328,6 +335,8 @@ class Publisher:
         start = time.perf_counter()
         head, old = self._head, self._published
         assert self._run is not None  # known before the first job
+        if old is not None and any(old[n].device != t.device for n, t in job.state.items()):
+            old = {n: old[n].to(t.device) for n, t in job.state.items()}  # resumed: read on the host
         if head is None:
             self.storage.write_bytes(RUN_PATH, self._run.to_json())
         delta, data = self._delta(job, head, old)
@@ -402,7 +411,7 @@ class Publisher:
             return []
         encoding = anchor_encoding(self.config.anchor_encoding, isinstance(self.storage, LocalStorage))
         return write_anchor(
-            job.state,
+            {name: t.cpu() for name, t in job.state.items()},  # from a device copy: once per anchor
             job.step,
             fp,
             tmp,
@@ -519,6 +528,14 @@ class Publisher:
             collect_garbage(self.storage)  # what a crashed predecessor left
         except TransientStorageError as e:
             log.warning("garbage collection of %s failed: %s", self.storage.url, e)
+
+
+def keeps_on_device(config: PublisherConfig, params: Iterable[torch.Tensor]) -> bool:
+    """Whether the copies of published states live beside `params` (on their devices) rather than in host
+    memory: `config.previous_copy`, where "auto" means where the weights are on CUDA."""
+    if config.previous_copy == "auto":
+        return any(bf16.on_gpu(t) for t in params)
+    return config.previous_copy == "device"
 
 
 def require_floats(tensors: Mapping[str, torch.Tensor], where: str) -> None:

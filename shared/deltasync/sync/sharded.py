@@ -1,14 +1,15 @@
 """Publishing a model whose weights are sharded over ranks (FSDP2: DTensor parameters sharded on dim 0)
 without gathering the weights at every step.
 
-`publish()` costs each rank a bf16 host copy of its own shards; a background thread per rank then finds
-the elements that changed since the last step and encodes them as the rank's own part of the step: a patch
-over windows (deltasync.codec.patch), each shard one window [start, start + length) of its flat tensor. The
-fingerprint is linear mod 2^64 (see deltasync.codec.fingerprint), so the parts' moves add: the ranks
-exchange one int each, part r is a patch from the step's base plus the moves of parts < r, and the last part
-reaches the step's fingerprint. Every rank uploads its part to `protocol.delta_paths(step, world, tag)[rank]`
-under the writer's tag; the writer rank, once every part is stored, writes the head naming them
-(Publisher.publish_stored: its fencing, acknowledgement, retention and telemetry). What crosses ranks per
+`publish()` costs each rank a bf16 copy of its own shards (beside them or in host memory, as
+`PublisherConfig.previous_copy` says: on CUDA the GPU codec then diffs and ranks them there); a background
+thread per rank then finds the elements that changed since the last step and encodes them as the rank's own
+part of the step: a patch over windows (deltasync.codec.patch), each shard one window [start, start + length)
+of its flat tensor. The fingerprint is linear mod 2^64 (see deltasync.codec.fingerprint), so the parts' moves
+add: the ranks exchange one int each, part r is a patch from the step's base plus the moves of parts < r, and
+the last part reaches the step's fingerprint. Every rank uploads its part to `protocol.delta_paths(step,
+world, tag)[rank]` under the writer's tag; the writer rank, once every part is stored, writes the head naming
+them (Publisher.publish_stored: its fencing, acknowledgement, retention and telemetry). What crosses ranks per
 step is a few small objects per rank, over a process group of the publisher's own, so it never interleaves
 with the training's collectives.
 
@@ -46,7 +47,7 @@ from deltasync.codec.patch import Patch, encode, window_changes
 from deltasync.errors import EXPECTED
 from deltasync.storage import Storage, open_storage, retry
 from deltasync.sync.protocol import delta_paths
-from deltasync.sync.publisher import Publisher, PublisherConfig, StoredDelta
+from deltasync.sync.publisher import Publisher, PublisherConfig, StoredDelta, keeps_on_device
 from deltasync.sync.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ class ShardedPublisher:
     def publish(
         self, params: Iterable[tuple[str, torch.Tensor]], info: Mapping[str, float] | None = None
     ) -> None:
-        """Hand over the state after this step: a bf16 host copy of this rank's shards. Waits while an
+        """Hand over the state after this step: a bf16 copy of this rank's shards. Waits while an
         earlier step is still queued behind the one going out; raises if publishing failed. `info` (the
         writer rank's is kept) goes into the step's telemetry record.
 
@@ -155,12 +156,20 @@ class ShardedPublisher:
             problem = telemetry.info_problem(info or {})
             if problem:  # here, on every rank, rather than from the writer's Publisher a step later
                 raise ValueError(f"publish(): info {problem}")
-            copies = {}
+            parts = {}
             for name, p in params:
                 self.shapes.setdefault(name, list(p.shape))
                 part = local_shard(p, self.rank)
-                if part is not None:  # (a clone even of a bf16 host shard: the optimizer changes it in place)
-                    copies[name] = (part[0].to(torch.bfloat16, copy=True).cpu().reshape(-1), part[1])
+                if part is not None:
+                    parts[name] = part
+            on_device = keeps_on_device(self.config, (t for t, _ in parts.values()))
+            # (a clone even of a bf16 host shard: the optimizer changes it in place)
+            copies = {
+                name: (t.to(t.device if on_device else "cpu", torch.bfloat16, copy=True).reshape(-1), offset)
+                for name, (t, offset) in parts.items()
+            }
+            if any(t.is_cuda for t, _ in parts.values()):
+                torch.cuda.synchronize()  # the copies are whole when publish() returns
         except BaseException as e:
             refused = _Step({}, {}, _problem(e))
             self._worker.submit(lambda _: refused, wait=True)
@@ -280,7 +289,7 @@ class ShardedPublisher:
     def _gather(self, copies: dict[str, tuple[torch.Tensor, int]]) -> dict[str, torch.Tensor] | None:
         """The full bf16 weights on the writer rank (None on the others), from every rank's copies."""
         size = sum(copy.numel() * copy.element_size() for copy, _ in copies.values())
-        parts = self._to_writer(copies, size)
+        parts = self._to_writer({name: (copy.cpu(), offset) for name, (copy, offset) in copies.items()}, size)
         if parts is None:
             return None
         full = {name: torch.empty(shape, dtype=torch.bfloat16) for name, shape in self.shapes.items()}

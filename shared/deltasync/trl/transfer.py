@@ -7,10 +7,11 @@ AsyncGRPOTrainer(weight_transfer=...) calls, on the main process only:
 
 `send_weights` gets the LIVE trainer parameters (HF names; fp32 or bf16; CPU or CUDA; tied embeddings sent
 once, as `model.embed_tokens.weight`). It hands them to `Publisher.publish`, which copies them into a bf16
-host buffer and returns; change detection, encoding and upload run in the publisher's thread while training
-goes on. For a model whose parameters are not its checkpoint's tensors (MoE experts, fused in transformers),
-`use_model(model)` (called by `stamp_rollouts`) makes it publish the checkpoint's names and layout, the ones
-vLLM loads (`deltasync.trl.checkpoint`); dense models publish their parameters as handed.
+buffer (beside CUDA weights, or in host memory: `PublisherConfig.previous_copy`) and returns; change
+detection, encoding and upload run in the publisher's thread while training goes on. For a model whose
+parameters are not its checkpoint's tensors (MoE experts, fused in transformers), `use_model(model)` (called
+by `stamp_rollouts`) makes it publish the checkpoint's names and layout, the ones vLLM loads
+(`deltasync.trl.checkpoint`); dense models publish their parameters as handed.
 `pause`/`resume` do nothing: replicas apply steps on their own schedule, and inference never waits for the
 trainer.
 

@@ -1,34 +1,17 @@
 """The GPU kernels (deltasync.codec.gpu) against the CPU codec, bit for bit: on a GPU where there is one, else
 through Triton's interpreter (small states: the interpreter runs each program in numpy)."""
 
-import importlib
 import json
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 from bench.cuda import canonical, compact_streams
-from deltasync.codec import changes, compact, fingerprint
+from deltasync.codec import bf16, changes, compact, fingerprint
 from deltasync.codec import patch as patches
 from deltasync.codec.bf16 import bits
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    """deltasync.codec.gpu, its kernels compiled for the GPU, or interpreted where there is none (the
-    interpreter is chosen when the kernels are defined, so the module is imported afresh for these tests)."""
-    if DEVICE == "cuda":
-        yield importlib.import_module("deltasync.codec.gpu")
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        sys.modules.pop("deltasync.codec.gpu", None)
-        yield importlib.import_module("deltasync.codec.gpu")
-        sys.modules.pop("deltasync.codec.gpu", None)
+from tests.helpers import DEVICE
 
 
 def states(seed: int, shapes: dict[str, tuple[int, ...]], density: float) -> tuple[dict, dict]:
@@ -104,6 +87,26 @@ def test_chunk_symbols_make_the_host_patch(gpu, chunk, density):
     target = host(old)
     changes.apply_changes(target, patches.decode(made, target, threads=1).changes, threads=1)
     assert all(torch.equal(bits(target[n]), bits(new[n]).cpu()) for n in new)
+
+
+def test_a_rank_encodes_its_window_as_the_host_does(gpu, monkeypatch):
+    """A sharded rank's part of a step (deltasync.sync.sharded, previous copy beside its shard): the changes,
+    the fingerprint's move in the whole tensor's positions and the patch bytes over the window."""
+    old, new = states(6, {"w": (64, 100), "v": (50, 64)}, 0.03)
+    old["w"], new["w"] = old["w"].reshape(-1), new["w"].reshape(-1)  # the rank's shard: flat
+    windows, shapes = {"w": (6400, 6400)}, {"w": (128, 100), "v": (50, 64)}  # w: the second half of its rows
+    expected, moved = patches.window_changes(host(old), host(new), windows, threads=1)
+    patch = patches.Patch(1, 0, 16000, 0, moved, expected)
+    want = patches.encode(patch, host(old), threads=1, chunk=1000, windows=windows, shapes=shapes)
+    if DEVICE == "cpu":
+        monkeypatch.setattr(bf16, "on_gpu", lambda t: True)  # the kernels on host tensors, interpreted
+    found, found_moved = patches.window_changes(old, new, windows, threads=1)
+    assert found_moved == moved and found.keys() == expected.keys() == {"w", "v"}
+    for name, ch in expected.items():
+        assert torch.equal(found[name].indices.cpu(), ch.indices), name
+        assert torch.equal(bits(found[name].values).cpu(), bits(ch.values)), name
+    got = patches.encode(patch, old, threads=1, chunk=1000, windows=windows, shapes=shapes)
+    assert canonical(got) == canonical(want)
 
 
 def test_chunk_symbols_are_the_host_symbols(gpu):
