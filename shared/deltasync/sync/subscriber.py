@@ -66,12 +66,16 @@ class Applier(ABC):
     """Where a Subscriber writes verified weights: bf16 values in HF checkpoint names and flat indices."""
 
     @abstractmethod
-    def load(self, state: Mapping[str, torch.Tensor], step: int) -> float | None:
-        """Replace the whole state (an anchor). Returns the seconds serving was paused, if it serves."""
+    def load(self, state: Mapping[str, torch.Tensor], step: int, fingerprint: int) -> float | None:
+        """Replace the whole state with the anchor of `step`, whose fingerprint is `fingerprint`. Returns the
+        seconds serving was paused, if it serves."""
 
     @abstractmethod
-    def patch(self, changes: Mapping[str, TensorChanges], step: int) -> float | None:
-        """Write new values at flat indices. Returns the seconds serving was paused, if it serves."""
+    def patch(
+        self, changes: Mapping[str, TensorChanges], step: int, base: int, fingerprint: int
+    ) -> float | None:
+        """Write new values at flat indices: step `step` leads from the state `base` (fingerprint) to
+        `fingerprint`. Returns the seconds serving was paused, if it serves."""
 
     def fingerprint(self) -> int | None:
         """Fingerprint of what the target really holds, read back from its memory; None if it cannot tell."""
@@ -87,7 +91,7 @@ class TensorsApplier(Applier):
         self.names: list[str] = []
 
     @torch.no_grad()
-    def load(self, state: Mapping[str, torch.Tensor], step: int) -> None:
+    def load(self, state: Mapping[str, torch.Tensor], step: int, fingerprint: int) -> None:
         missing = [name for name in state if name not in self.tensors]
         if missing:
             raise KeyError(f"target has no tensor {missing[0]!r}")
@@ -96,7 +100,7 @@ class TensorsApplier(Applier):
         self.names = list(state)
 
     @torch.no_grad()
-    def patch(self, changes: Mapping[str, TensorChanges], step: int) -> None:
+    def patch(self, changes: Mapping[str, TensorChanges], step: int, base: int, fingerprint: int) -> None:
         # Contiguous bf16 tensors take the codec's scatter (torch's index_put_ costs ~50 ns an element).
         flat = {n for n in changes if _bf16_flat(self.tensors[n])}
         apply_changes({n: self.tensors[n] for n in flat}, {n: changes[n] for n in flat})
@@ -484,8 +488,8 @@ class Subscriber:
         try:
             if patch is None:
                 assert state is not None  # an anchor's
-                return self.applier.load(state, entry.step)
-            return self.applier.patch(patch.changes, entry.step)
+                return self.applier.load(state, entry.step, int(entry.fingerprint, 16))
+            return self.applier.patch(patch.changes, entry.step, patch.base_fingerprint, patch.fingerprint)
         except Exception as e:
             self.step = None  # the target may hold part of the write: only an anchor can fix it
             raise SyncError(f"applying {entry.kind} of step {entry.step} failed: {e}") from e

@@ -18,6 +18,8 @@ weights (written by `deltasync follow` or the inference Space):
 - `kind="anchor"`: whole bf16 tensors (one file of several); with `fingerprint`, the whole state is read back
   after the write and must match.
 - `kind="verify"`: writes nothing; the weights read back must have `fingerprint`.
+- `kind="fingerprint"`: writes nothing; rank 0 saves the fingerprint of the weights read back to the file
+  `path` as JSON (`{"step": ..., "fingerprint": ...}`: the step last written).
 - `kind="readback"`: writes nothing; each rank saves the HF tensors it holds whole to
   `path/rank-<r>.safetensors`, with how each tensor is written (`Layout.paths`: direct, packed MoE experts,
   or through vLLM's loader) as JSON in its `paths` metadata.
@@ -59,7 +61,7 @@ from deltasync.vllm import compat
 from deltasync.vllm.layout import Layout, sum_across
 
 log = init_logger(__name__)  # vLLM's logger: configured in its worker processes
-KINDS = ("delta", "stage", "anchor", "verify", "readback", "paths")
+KINDS = ("delta", "stage", "anchor", "verify", "fingerprint", "readback", "paths")
 WRITES = ("direct", "vllm")
 
 
@@ -175,6 +177,11 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
             raise ValueError(f"update_info of kind {info.kind!r} needs a path")
         if info.kind == "readback":
             return self._readback(Path(info.path))
+        if info.kind == "fingerprint":
+            held = {"step": self.step, "fingerprint": format_fingerprint(self._read_fingerprint())}
+            if compat.rank(self.group) == 0:
+                Path(info.path).write_text(json.dumps(held))
+            return None
         if info.kind == "paths":
             folder = Path(info.path)
             folder.mkdir(parents=True, exist_ok=True)

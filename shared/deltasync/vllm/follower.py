@@ -38,10 +38,10 @@ from deltasync.errors import DeltasyncError
 from deltasync.storage import POLL_BUDGET, open_storage
 from deltasync.sync.anchor import shard
 from deltasync.sync.subscriber import Applied, Applier, Subscriber
+from deltasync.vllm import compat
 
 log = logging.getLogger(__name__)
 SHARD_BYTES = 1 << 30  # an anchor reaches the workers in files of about this size, one update each
-HOLDS = re.compile(r"weights read back hold ([0-9a-f]{16})")
 KvPolicy = Literal["keep", "recompute"]
 WritePath = Literal["direct", "vllm"]
 PATHS = ("direct", "packed", "loader")  # how the workers write a tensor: `deltasync.vllm.layout.Layout.paths`
@@ -155,9 +155,7 @@ def _reason(body: bytes) -> str:
         message = message.get("message", message) if isinstance(message, dict) else message
     except (ValueError, AttributeError):
         message = body.decode(errors="replace")
-    text = str(message)
-    inner = re.search(r"Worker failed with error '(.*)', please check", text, re.S)
-    return inner.group(1) if inner else text
+    return compat.worker_error(str(message))
 
 
 class AsyncEngine:
@@ -200,8 +198,8 @@ class AsyncEngine:
 
 
 class EngineApplier(Applier):
-    """Writes the subscriber's verified steps through `engine`. Call `attach(subscriber)` before syncing:
-    each update carries the fingerprints the subscriber verified, which the workers check again.
+    """Writes the subscriber's verified steps through `engine`; each update carries the fingerprints the
+    step starts from and leads to, which the workers check again.
 
     `write`: the engine's write path ("direct" or "vllm", see `DeltasyncInitInfo`). `kv_on_update`: "keep"
     (running requests continue on the KV they have; their next tokens come from the new weights) or
@@ -219,7 +217,6 @@ class EngineApplier(Applier):
         self.engine, self.root, self.write, self.kv_on_update = engine, root, write, kv_on_update
         self.in_flight, self.update_s = in_flight, 0.0
         self.paused_with: int | None = None
-        self.subscriber: Subscriber | None = None
         self.step: int | None = None  # the step last written
         self.anchor_step: int | None = None
         self.version = "model"  # the weight version label generation runs under
@@ -236,27 +233,14 @@ class EngineApplier(Applier):
             raise
         log.info("tensors written in place: %s", json.dumps(path_summary(self.paths)))
 
-    def attach(self, subscriber: Subscriber) -> None:
-        self.subscriber = subscriber
-
     def close(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def load(self, state: Mapping[str, torch.Tensor], step: int) -> float:
-        return self.write_anchor(state, step, self._target(step))
+    def load(self, state: Mapping[str, torch.Tensor], step: int, fingerprint: int) -> float:
+        return self.write_anchor(state, step, format_fingerprint(fingerprint))
 
-    def patch(self, changes: Mapping[str, TensorChanges], step: int) -> float:
-        base = format_fingerprint(self._attached().fingerprint)
-        return self.write_delta(changes, step, base, self._target(step))
-
-    def fingerprint(self) -> int:
-        subscriber = self._attached()
-        return self.read_fingerprint(subscriber.step, subscriber.fingerprint)
-
-    def _attached(self) -> Subscriber:
-        if self.subscriber is None:
-            raise RuntimeError("EngineApplier.attach(subscriber) first: updates carry its fingerprints")
-        return self.subscriber
+    def patch(self, changes: Mapping[str, TensorChanges], step: int, base: int, fingerprint: int) -> float:
+        return self.write_delta(changes, step, format_fingerprint(base), format_fingerprint(fingerprint))
 
     def write_anchor(self, state: Mapping[str, torch.Tensor], step: int, fingerprint: str) -> float:
         """Write the whole state of `step` (whose fingerprint is `fingerprint`); the seconds paused."""
@@ -293,18 +277,17 @@ class EngineApplier(Applier):
         self.last_write["stage_s"] = stage_s
         return pause_s
 
-    def read_fingerprint(self, step: int | None, expected: int) -> int:
-        """What the workers read back: `expected` when they confirm it, else theirs."""
-        info = {"step": step, "kind": "verify", "fingerprint": format_fingerprint(expected)}
+    def fingerprint(self) -> int:
+        """The fingerprint of the weights the workers hold, read back from their memory."""
+        report = self.tmp / "fingerprint.json"
+        self._paused([{"step": -1, "kind": "fingerprint", "path": str(report)}], pause=False)  # a read
         try:
-            self._paused([info], pause=False)  # a read: generation goes on
-        except WriteRefused as e:
-            held = HOLDS.search(str(e))
-            if held is None:
-                raise
-            return int(held.group(1), 16)
-        self.readback = {"step": step, "at": time.time(), "fingerprint": format_fingerprint(expected)}
-        return expected
+            held = json.loads(report.read_text())["fingerprint"]
+            report.unlink()
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise WriteRefused(f"the server's workers reported no fingerprint in {report}: {e}") from None
+        self.readback = {"step": self.step, "at": time.time(), "fingerprint": held}
+        return int(held, 16)
 
     def _read_paths(self) -> dict[str, str]:
         """`Layout.paths` of the workers; a tensor any rank writes other than directly counts as such."""
@@ -328,10 +311,6 @@ class EngineApplier(Applier):
         """Switch the engine's write path (its layout is kept)."""
         self.engine.init({"root": self.root, "write": write})
         self.write = write
-
-    def _target(self, step: int) -> str:
-        head = self._attached().head
-        return next(e.fingerprint for e in (head.entries if head else ()) if e.step == step)
 
     def _paused(self, infos: list[dict], version: str | None = None, pause: bool = True) -> float:
         """Pause, run the updates, finish (setting `version`) and resume; the seconds generation was paused.
@@ -369,7 +348,7 @@ class EngineApplier(Applier):
         try:
             self.engine.finish(self.version)
         except WriteRefused as e:
-            if "without a matching start_weight_update" not in str(e):
+            if not compat.update_not_open(str(e)):
                 raise
 
     def _write(self, infos: list[dict], step: int, kind: str, nbytes: int) -> float:
@@ -434,7 +413,6 @@ def follow(
     applier = EngineApplier(engine, root)
     storage = open_storage(root, poll_budget=poll_budget)
     subscriber = Subscriber(storage, applier, replica=replica, verify_every=verify_every)
-    applier.attach(subscriber)
     try:
         subscriber.follow(stop, poll_s, on_applied=log_applied)
     finally:
