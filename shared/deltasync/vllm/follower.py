@@ -1,11 +1,15 @@
 """Follow a sync root into a vLLM server whose weight-transfer backend is deltasync (`deltasync.vllm.engine`).
 
-The subscriber polls the root, downloads, decodes and verifies each step once; `EngineApplier` writes the
-verified weights to a local file and has the server's workers write them in place through vLLM's
-weight-update protocol, with generation paused (`keep`: running requests freeze where they are) only around
-the write:
+The subscriber polls the root, downloads each step once and checks its files' headers against the head;
+`EngineApplier` hands the files (their local paths) to the server's workers through vLLM's weight-update
+protocol. Each worker decodes them against the weights it holds, checks that the ranks together reach the
+promised fingerprint, and writes in place, with generation paused (`keep`: running requests freeze where
+they are) only around the writes (a delta is decoded and planned, `stage`, while generation runs):
 
-    pause(keep) -> start_weight_update -> update_weights(file) -> finish_weight_update(step) -> resume
+    pause(keep) -> start_weight_update -> update_weights(files) -> finish_weight_update(step) -> resume
+
+The follower decodes nothing and keeps no copy of the weights: its memory is the patch bytes and the
+interpreter.
 
 The protocol is reached either over vLLM's RL routes (`HttpEngine`: `deltasync follow ROOT --vllm-url URL`,
 beside any server started with VLLM_SERVER_DEV_MODE=1 on a private address) or in-process through the engine
@@ -28,20 +32,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-import torch
-from safetensors.torch import save_file
-
-from deltasync.codec.changes import TensorChanges
 from deltasync.codec.fingerprint import format_fingerprint
-from deltasync.codec.patch import raw_entries
-from deltasync.errors import DeltasyncError
+from deltasync.errors import DeltasyncError, Refused
 from deltasync.storage import POLL_BUDGET, open_storage
-from deltasync.sync.anchor import shard
-from deltasync.sync.subscriber import Applied, Applier, Subscriber
+from deltasync.sync.subscriber import Applied, FileApplier, Subscriber
 from deltasync.vllm import compat
 
 log = logging.getLogger(__name__)
-SHARD_BYTES = 1 << 30  # an anchor reaches the workers in files of about this size, one update each
 KvPolicy = Literal["keep", "recompute"]
 WritePath = Literal["direct", "vllm"]
 PATHS = ("direct", "packed", "loader")  # how the workers write a tensor: `deltasync.vllm.layout.Layout.paths`
@@ -56,6 +53,10 @@ DEV_MODE_HINT = (
 class WriteRefused(DeltasyncError, RuntimeError):
     """The server refused an update (its reason is the message). Unless `EngineApplier.stuck`, it wrote
     nothing."""
+
+
+class FilesRefused(WriteRefused, Refused):
+    """The workers found the step's files bad (corrupt, or not the state they promise); nothing written."""
 
 
 class Engine(Protocol):
@@ -197,7 +198,7 @@ class AsyncEngine:
         self._run(self.engine.reset_prefix_cache(reset_running_requests=True))
 
 
-class EngineApplier(Applier):
+class EngineApplier(FileApplier):
     """Writes the subscriber's verified steps through `engine`; each update carries the fingerprints the
     step starts from and leads to, which the workers check again.
 
@@ -236,43 +237,36 @@ class EngineApplier(Applier):
     def close(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def load(self, state: Mapping[str, torch.Tensor], step: int, fingerprint: int) -> float:
-        return self.write_anchor(state, step, format_fingerprint(fingerprint))
-
-    def patch(self, changes: Mapping[str, TensorChanges], step: int, base: int, fingerprint: int) -> float:
-        return self.write_delta(changes, step, format_fingerprint(base), format_fingerprint(fingerprint))
-
-    def write_anchor(self, state: Mapping[str, torch.Tensor], step: int, fingerprint: str) -> float:
-        """Write the whole state of `step` (whose fingerprint is `fingerprint`); the seconds paused."""
-        shards = shard(state, SHARD_BYTES)
-        files = [self.tmp / f"anchor-{step}-{i}.safetensors" for i in range(len(shards))]
-        for tensors, path in zip(shards, files, strict=True):
-            save_file(tensors, path)
-        last = len(files) - 1  # the whole state is read back and checked after the last shard
-        infos = [
-            {"step": step, "kind": "anchor", "path": str(f), "fingerprint": (None, fingerprint)[i == last]}
-            for i, f in enumerate(files)
-        ]
-        pause_s = self._write(infos, step, "anchor", sum(f.stat().st_size for f in files))
+    def load_files(self, files: list[Path], step: int, fingerprint: int) -> float:
+        """Have the workers check and write the anchor of `step` in `files`; the seconds paused."""
+        info = {"step": step, "kind": "anchor", "paths": [str(f) for f in files]}
+        info |= {"fingerprint": format_fingerprint(fingerprint), "report": str(self.tmp / "refused.json")}
+        pause_s = self._write(info, "anchor", sum(f.stat().st_size for f in files))
         self.anchor_step = step
         return pause_s
 
-    def write_delta(
-        self, changes: Mapping[str, TensorChanges], step: int, base: str, fingerprint: str
-    ) -> float:
-        """Write the changes of `step`, from weights `base` to `fingerprint`; the seconds paused. The workers
-        check and plan it while generation goes on (`stage`); the pause covers the writes."""
-        path = self.tmp / f"delta-{step}.safetensors"
-        save_file(raw_entries(changes), path)  # the raw encoding's entries, without the patch's metadata
-        info = {"step": step, "kind": "delta", "path": str(path), "base": base, "fingerprint": fingerprint}
-        start = time.perf_counter()
+    def patch_bytes(self, parts: list[bytes], step: int, base: int, fingerprint: int) -> float:
+        """Have the workers decode and write the patch of `step`, from weights `base` to `fingerprint`; the
+        seconds paused. They decode, check and plan it while generation goes on (`stage`); the pause covers
+        the writes."""
+        files = [self.tmp / f"delta-{step}-{i}.safetensors" for i in range(len(parts))]
+        info = {
+            "step": step,
+            "kind": "delta",
+            "paths": [str(f) for f in files],
+            "base": format_fingerprint(base),
+        }
+        info |= {"fingerprint": format_fingerprint(fingerprint), "report": str(self.tmp / "refused.json")}
         try:
+            for data, path in zip(parts, files, strict=True):
+                path.write_bytes(data)
+            start = time.perf_counter()
             self._paused([{**info, "kind": "stage"}], pause=False)
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
-        stage_s = time.perf_counter() - start
-        pause_s = self._write([info], step, "delta", path.stat().st_size)
+            stage_s = time.perf_counter() - start
+            pause_s = self._write(info, "delta", sum(map(len, parts)))
+        finally:
+            for path in files:
+                path.unlink(missing_ok=True)
         assert self.last_write is not None
         self.last_write["stage_s"] = stage_s
         return pause_s
@@ -329,11 +323,12 @@ class EngineApplier(Applier):
             self.update_s = time.perf_counter() - start
             if pause and self.kv_on_update == "recompute":
                 self.engine.recompute_running()
-        except WriteRefused:
-            self.stuck |= written > 0  # an anchor's later shard refused: the earlier ones are written
+        except WriteRefused as e:
+            self.stuck |= written > 0  # an update after the first refused: the earlier ones are written
             self._close_refused_update()
             if pause and not self.stuck:
                 self.engine.resume()
+            self._raise_refused_files(e)
             raise
         except BaseException:
             self.stuck = True  # the call itself failed: the workers may hold part of the write
@@ -351,12 +346,16 @@ class EngineApplier(Applier):
             if not compat.update_not_open(str(e)):
                 raise
 
-    def _write(self, infos: list[dict], step: int, kind: str, nbytes: int) -> float:
-        try:
-            pause_s = self._paused(infos, str(step))
-        finally:
-            for info in infos:
-                Path(info["path"]).unlink(missing_ok=True)
+    def _raise_refused_files(self, error: WriteRefused) -> None:
+        """FilesRefused if the workers reported that the files themselves are bad."""
+        report = self.tmp / "refused.json"
+        if report.exists():
+            report.unlink()
+            raise FilesRefused(str(error)) from None
+
+    def _write(self, info: dict, kind: str, nbytes: int) -> float:
+        step = info["step"]
+        pause_s = self._paused([info], str(step))
         self.version, self.step, self.stuck = str(step), step, False
         self.last_write = {
             "step": step,
