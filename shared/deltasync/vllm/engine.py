@@ -221,31 +221,25 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
 
     def _refusing(self, info: DeltasyncUpdateInfo, check):
         """`check(info)`, agreed on by every rank before any writes: one rank's refusal stops them all
-        (else the others would wait for ever in the collectives that follow). Refusals of the files
-        themselves are reported to `info.report`."""
+        (else the others would wait for ever in the collectives that follow). A refusal of the files
+        themselves (Refused, on any rank) is also reported to `info.report`."""
+        error, files, result = None, False, None
         try:
             result = check(info)
         except (OSError, SafetensorError) as e:
             error = f"step {info.step}: cannot read its files: {type(e).__name__}: {e}"
-            self._agree(error)
-            raise ValueError(error) from None
         except ValueError as e:
-            if isinstance(e, Refused) and info.report and compat.reports_errors(self.group):
-                Path(info.report).write_text(json.dumps({"refused": str(e)}))
-            self._agree(str(e))
-            raise
-        self._agree(None)
-        return result
-
-    def _agree(self, error: str | None) -> None:
-        """Raise on every rank, with the first rank's reason, if any rank refused."""
-        if self.group is None:
-            return
-        errors: list[str | None] = [None] * torch.distributed.get_world_size(self.group)
-        torch.distributed.all_gather_object(errors, error, group=self.group)
-        first = next((e for e in errors if e is not None), None)
-        if first is not None and error is None:
-            raise ValueError(first)
+            error, files = str(e), isinstance(e, Refused)
+        verdicts = [(error, files)]
+        if self.group is not None:
+            verdicts = [(None, False)] * torch.distributed.get_world_size(self.group)
+            torch.distributed.all_gather_object(verdicts, (error, files), group=self.group)
+        first = next((e for e, _ in verdicts if e is not None), None)
+        if first is None:
+            return result
+        if any(f for _, f in verdicts) and info.report and compat.reports_errors(self.group):
+            Path(info.report).write_text(json.dumps({"refused": first}))
+        raise ValueError(first)
 
     # ---------------------------------------------------------------------------------------------------
 

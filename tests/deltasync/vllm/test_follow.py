@@ -116,7 +116,7 @@ def following(root: Path, server: Server, log: Path, replica: str):
     """`deltasync follow ROOT --vllm-url URL` beside the server; yields its log."""
     argv = [sys.executable, "-m", "deltasync.cli", "follow", str(root), "--vllm-url", server.url]
     argv += ["--replica", replica, "--poll-s", "0.2", "--verify-every", "1"]
-    proc = start_process(argv, log, {}, cpus=CPUS.others)
+    proc = start_process(argv, log, CODE_UNDER_TEST, cpus=CPUS.others)  # this tree's deltasync
     yield log
     stop_process(proc, grace_s=30)
     assert proc.returncode == 0, log.read_text()[-3000:]
@@ -318,7 +318,9 @@ def test_the_follower_holds_no_copy_of_the_weights(tmp_path):
     with stock_server(run.model_dir, tmp_path / "server", "--max-model-len", "512") as server:
         log = tmp_path / "follower.log"
         argv = [sys.executable, "-m", "deltasync.cli", "follow", str(run.served), "--vllm-url", server.url]
-        proc = start_process([*argv, "--replica", REPLICA, "--poll-s", "0.2"], log, {}, cpus=CPUS.others)
+        proc = start_process(
+            [*argv, "--replica", REPLICA, "--poll-s", "0.2"], log, CODE_UNDER_TEST, cpus=CPUS.others
+        )
         try:
             # Started and polling an empty root: what it holds before any weights move.
             wait_for(lambda: "no run in" in log.read_text(), "the follower to poll")
