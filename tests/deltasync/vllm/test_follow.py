@@ -302,6 +302,7 @@ def build_model(path: Path) -> Path:
     for key, value in dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8).items():
         setattr(config, key, value)
     config.num_attention_heads, config.num_key_value_heads, config.initializer_range = 16, 8, 0.02
+    config.layer_types = [config.layer_types[0]] * config.num_hidden_layers
     Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
     return path
 
