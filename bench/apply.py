@@ -10,7 +10,8 @@ on the others), and the follower's EngineApplier writing synthetic steps through
 weight-update methods. Two tables:
 
 1. Apply, per density and write path, while two request streams keep generating: "stage", the update
-   that has the workers read the patch file, check it against the weights they hold and plan the writes,
+   that has the workers read the compact patch file, decode and check it against the weights they hold
+   and plan the writes,
    outside the pause (each worker is busy with it between two forward steps); "update", the engine's start,
    update and finish calls inside the pause (the writes and the RPC round trips); "paused", the whole window
    generation was paused (from the engine's pause acknowledgement to its resume acknowledgement); "floor",
@@ -37,13 +38,14 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from bench import load_space_app
 from deltasync.codec.changes import TensorChanges
-from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
-from deltasync.codec.patch import fingerprint_after
+from deltasync.codec.fingerprint import state_fingerprint
+from deltasync.codec.patch import Patch, encode, fingerprint_after, read_entries, read_info
+from deltasync.sync.anchor import write_anchor
 from deltasync.vllm import compat
 from deltasync.vllm.follower import AsyncEngine, EngineApplier
 from trainer.processes import Placement, placement
@@ -128,10 +130,10 @@ async def apply_table(engine, applier, cpus, state, densities, paths, repeat) ->
                 changes = random_changes(state, density, step)
                 base, fp = fp, fingerprint_after(fp, state, changes)
                 changed = sum(len(c) for c in changes.values())
-                target = format_fingerprint(fp)
-                await asyncio.to_thread(applier.write_delta, changes, step, format_fingerprint(base), target)
+                data = encode(Patch(step, step - 1, numel, base, fp, changes), state)
+                await asyncio.to_thread(applier.patch_bytes, [data], step, base, fp)
                 floor = await floor_s(engine, cpus, state, changes)  # writes the changes into `state`
-                readback = await asyncio.to_thread(applier.read_fingerprint, step, fp)
+                readback = await asyncio.to_thread(applier.fingerprint)
                 assert readback == fp, f"readback after step {step}"
                 w = applier.last_write
                 assert w["write"] == path, w
@@ -139,7 +141,7 @@ async def apply_table(engine, applier, cpus, state, densities, paths, repeat) ->
                     {
                         "changed": changed,
                         "share": changed / numel,
-                        "raw MB": 6 * changed / 1e6,
+                        "patch MB": len(data) / 1e6,
                         "stage ms": 1e3 * w["stage_s"],
                         "update ms": 1e3 * w["update_s"],
                         "paused ms": 1e3 * w["pause_s"],
@@ -168,8 +170,9 @@ async def throughput_window(engine, applier, a, policy: str, pool: list, totals:
         await asyncio.sleep(max(0.0, next_at - elapsed))
         if policy != "none" and time.perf_counter() - start < a.seconds:
             totals["step"] += 1
-            changes, base, fp = pool[(totals["step"] - 10_001) % len(pool)]  # in order: step, undo, ...
-            await asyncio.to_thread(applier.write_delta, changes, totals["step"], base, fp)
+            data, base, fp = pool[(totals["step"] - 10_001) % len(pool)]  # in order: step, undo, ...
+            data = renumbered(data, totals["step"])
+            await asyncio.to_thread(applier.patch_bytes, [data], totals["step"], base, fp)
             totals[policy]["costs"].append((applier.last_write["update_s"], applier.last_write["pause_s"]))
             updates += 1
     row = totals[policy]
@@ -183,21 +186,30 @@ async def throughput_window(engine, applier, a, policy: str, pool: list, totals:
     await asyncio.gather(*streams, return_exceptions=True)
 
 
+def renumbered(data: bytes, step: int) -> bytes:
+    """Patch `data` as step `step` (its changes as they are)."""
+    meta = read_info(data).metadata | {"step": str(step), "base_step": str(step - 1)}
+    return save(read_entries(data), metadata=meta)
+
+
 async def throughput_table(engine, applier, state, a, preemptions) -> list[dict]:
     """The policies take turns in a.rounds rounds of windows, so that a change in the machine's load (other
     jobs on these cores) falls on all of them alike."""
     # Steps cycle through a few change sets made beforehand: this process's CPU goes to the serving path
     # (patch file, stage, pause), as the subscriber's would, not to making random changes.
-    # Each step is a fresh change set of the same state, written and then undone: (changes, base, fingerprint)
+    # Each step is a fresh change set of the same state, written and then undone: (patch, base, fingerprint)
     # for the step and its undo alternate, so the engine's fingerprint checks hold throughout.
-    here = state_fingerprint(state)
+    here, numel = state_fingerprint(state), sum(t.numel() for t in state.values())
     pool = []
     for i in range(2):
         changes = random_changes(state, a.step_density, 10_000 + i)
         undo = {n: TensorChanges(ch.indices, state[n].view(-1)[ch.indices]) for n, ch in changes.items()}
         moved = fingerprint_after(here, state, changes)
-        pool += [(changes, format_fingerprint(here), format_fingerprint(moved))]
-        pool += [(undo, format_fingerprint(moved), format_fingerprint(here))]
+        after = {n: t.clone() for n, t in state.items()}
+        for n, ch in changes.items():
+            after[n].view(-1)[ch.indices] = ch.values
+        pool += [(encode(Patch(0, 0, numel, here, moved, changes), state), here, moved)]
+        pool += [(encode(Patch(0, 0, numel, moved, here, undo), after), moved, here)]
     await asyncio.to_thread(applier.use_write, "direct")  # the default path (the apply table leaves the last)
     policies = ("none", "keep", "recompute")
     totals = {p: {"seconds": 0.0, "tokens": 0, "updates": 0, "preemptions": 0, "costs": []} for p in policies}
@@ -241,8 +253,10 @@ async def server_bench(model: Path, a, cpus) -> tuple[list[dict], list[dict]]:
         applier = await asyncio.to_thread(EngineApplier, AsyncEngine(engine, asyncio.get_running_loop()), "-")
         state = {n: t.clone() for n, t in load_file(model / "model.safetensors").items()}  # paged in
         fp = state_fingerprint(state)
-        await asyncio.to_thread(applier.write_anchor, state, 0, format_fingerprint(fp))
-        assert await asyncio.to_thread(applier.read_fingerprint, 0, fp) == fp, "anchor readback"
+        with tempfile.TemporaryDirectory(prefix="deltasync-bench-") as tmp:
+            files = [f for f, _ in write_anchor(state, 0, fp, Path(tmp))]
+            await asyncio.to_thread(applier.load_files, files, 0, fp)
+        assert await asyncio.to_thread(applier.fingerprint) == fp, "anchor readback"
         stop, tokens = asyncio.Event(), [0, 0]
         streams = [asyncio.create_task(generate(engine, s, 32, tokens, stop)) for s in range(2)]
         await asyncio.sleep(2.0)

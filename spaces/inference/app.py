@@ -479,7 +479,6 @@ async def serve(cfg: Settings) -> None:
         await engine.update_weight_version(applier.version)
         storage = open_storage(cfg.sync_root, poll_budget=cfg.poll_budget)
         subscriber = Subscriber(storage, applier, replica=cfg.replica_id, verify_every=cfg.verify_every)
-        applier.attach(subscriber)
         app = await public_app(
             cfg,
             args,

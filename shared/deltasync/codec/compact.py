@@ -281,3 +281,18 @@ def decode_chunk(
     if status:
         raise CompactDecodeError(kernels.DECODE_ERRORS[status])
     return idx, new, int(moved)
+
+
+def ranked_changes(data: bytes, size: int, tables: Tables) -> tuple[np.ndarray, ...]:
+    """One chunk stream's changes, grouped by class: class bounds as limits, then per change its class,
+    in-class rank, value step and escaped raw pattern (kernels.decode_symbols' first loop, in numpy), for
+    decoders that place ranks among old values held elsewhere (a GPU's, or tensor-parallel ranks')."""
+    from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
+
+    bounds, starts, rice, q, r, steps, raws = read_symbols(data, size, tables)
+    cls = np.repeat(np.arange(len(starts) - 1, dtype=np.int8), np.diff(starts))
+    gaps = (q << rice[cls]) + r + 1  # q < 2^33, rice <= MAX_RICE: no overflow
+    if (gaps > size).any():  # (and below, the cumulative sums of at most 2^31 gaps <= 2^31 stay exact)
+        raise CompactDecodeError(kernels.DECODE_ERRORS[1])
+    ranks = np.concatenate([np.cumsum(gaps[a:b]) - 1 for a, b in zip(starts[:-1], starts[1:], strict=True)])
+    return _limits(bounds), cls, ranks, steps, raws

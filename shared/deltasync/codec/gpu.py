@@ -361,20 +361,6 @@ def chunk_symbols(
 # ----------------------------------------------------------------------------------------------- decode
 
 
-def _ranked_changes(data: bytes, size: int, tables: compact.Tables) -> tuple[np.ndarray, ...]:
-    """One chunk stream's changes, grouped by class: class bounds as limits, then per change its class,
-    in-class rank, value step and escaped raw pattern (kernels.decode_symbols' first loop, in numpy)."""
-    from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
-
-    bounds, starts, rice, q, r, steps, raws = compact.read_symbols(data, size, tables)
-    cls = np.repeat(np.arange(len(starts) - 1, dtype=np.int8), np.diff(starts))
-    gaps = (q << rice[cls]) + r + 1  # q < 2^33, rice <= MAX_RICE: no overflow
-    if (gaps > size).any():  # (and below, the cumulative sums of at most 2^31 gaps <= 2^31 stay exact)
-        raise compact.CompactDecodeError(kernels.DECODE_ERRORS[1])
-    ranks = np.concatenate([np.cumsum(gaps[a:b]) - 1 for a, b in zip(starts[:-1], starts[1:], strict=True)])
-    return compact._limits(bounds), cls, ranks, steps, raws
-
-
 def decode_compact(
     name: str,
     streams: list[bytes],
@@ -397,7 +383,7 @@ def decode_compact(
         raise compact.CompactDecodeError(f"{len(streams)} chunks, {n} elements need {-(-n // chunk)}")
     sizes = [min(chunk, n - lo) for lo in range(0, n, chunk)]
     chunks = parallel_map(
-        lambda work: _ranked_changes(*work, tables), list(zip(streams, sizes, strict=True)), threads
+        lambda work: compact.ranked_changes(*work, tables), list(zip(streams, sizes, strict=True)), threads
     )
     limits, cls, ranks, steps, raws = (np.concatenate(part) for part in zip(*chunks, strict=True))
     which = np.repeat(np.arange(len(chunks)), [c[1].size for c in chunks])

@@ -386,11 +386,7 @@ def decode(
             f"patch applies to state {fingerprint.format_fingerprint(info.base_fingerprint)} "
             f"(step {info.base_step}), base is {fingerprint.format_fingerprint(base_fingerprint)}"
         )
-    try:
-        entries = load_safetensors(data)
-    except Exception as e:  # safetensors raises its own error types for every kind of corruption
-        raise PatchError(f"corrupt patch payload: {e}") from None
-    changes, moved = _changes(info, entries, local, threads)
+    changes, moved = _changes(info, read_entries(data), local, threads)
     others = {n: ch for n, ch in changes.items() if info.tensors[n]["mode"] != "compact"}
     fp = fingerprint_after(base_fingerprint + moved, base, others, threads)
     if fp != info.fingerprint:
@@ -442,12 +438,8 @@ def _changes(
     chunks: list[ChunkStream] = []
     decoded: list[tuple[np.ndarray, np.ndarray, int]] = []
     if info.encoding == "compact":
-        try:
-            models = compact.Models.from_json(json.loads(info.metadata.get("models", "null")) or {})
-        except (json.JSONDecodeError, compact.CompactDecodeError) as e:
-            raise PatchError(f"bad compact models: {e}") from None
         chunks = _compact_chunks(info, entries, local)
-        tables = models.tables()
+        tables = read_tables(info)
         decoded = parallel_map(lambda work: _decode_chunk(*work, tables), chunks, threads)
     changes = {}
     for name, t in info.tensors.items():
@@ -491,9 +483,16 @@ def decode_parts(
         decoded.append(part)
     if not decoded:
         raise PatchError("a step of no parts")
+    changes = merge_changes([p.changes for p in decoded])
+    first, last = decoded[0], decoded[-1]
+    return Patch(first.step, first.base_step, first.numel, first.base_fingerprint, last.fingerprint, changes)
+
+
+def merge_changes(parts: Sequence[Mapping[str, TensorChanges]]) -> dict[str, TensorChanges]:
+    """The changes of the parts of one step as one set; PatchError if two parts change the same element."""
     changes: dict[str, TensorChanges] = {}
-    for name in dict.fromkeys(n for p in decoded for n in p.changes):
-        pieces = [p.changes[name] for p in decoded if name in p.changes]
+    for name in dict.fromkeys(n for p in parts for n in p):
+        pieces = [p[name] for p in parts if name in p]
         if len(pieces) == 1:
             changes[name] = pieces[0]
             continue
@@ -504,8 +503,7 @@ def decode_parts(
         if (idx[1:] == idx[:-1]).any():
             raise PatchError(f"{name}: parts change the same element")
         changes[name] = TensorChanges(idx, values)
-    first, last = decoded[0], decoded[-1]
-    return Patch(first.step, first.base_step, first.numel, first.base_fingerprint, last.fingerprint, changes)
+    return changes
 
 
 ChunkStream = tuple[str, bytes, np.ndarray, int]  # (tensor name, chunk stream, old bits, offset)
@@ -514,30 +512,101 @@ ChunkStream = tuple[str, bytes, np.ndarray, int]  # (tensor name, chunk stream, 
 def _compact_chunks(info: PatchInfo, entries: dict, local: Mapping[str, torch.Tensor]) -> list[ChunkStream]:
     """(name, chunk stream, old bits, offset) of every chunk of the compact tensors of a patch; `local` holds
     what each entry covers, and offsets count from the tensor's start."""
+    chunk = chunk_size(info)
+    out = []
+    for name, t in info.tensors.items():
+        if t["mode"] != "compact":
+            continue
+        old_bits = bits(local[name]).cpu().numpy()
+        streams = chunk_streams(name, entries, old_bits.size, chunk)
+        pieces, start = spans(old_bits.size, chunk), info.windows.get(name, (0, 0))[0]
+        out += [(name, s, old_bits[lo:hi], start + lo) for s, (lo, hi) in zip(streams, pieces, strict=True)]
+    return out
+
+
+def read_entries(data: bytes) -> dict[str, torch.Tensor]:
+    """A patch's entries (after `read_info` accepted its header)."""
+    try:
+        return load_safetensors(data)
+    except Exception as e:  # safetensors raises its own error types for every kind of corruption
+        raise PatchError(f"corrupt patch payload: {e}") from None
+
+
+def read_tables(info: PatchInfo) -> compact.Tables:
+    """The rANS tables of a compact patch."""
+    try:
+        return compact.Models.from_json(json.loads(info.metadata.get("models", "null")) or {}).tables()
+    except (json.JSONDecodeError, compact.CompactDecodeError) as e:
+        raise PatchError(f"bad compact models: {e}") from None
+
+
+def chunk_size(info: PatchInfo) -> int:
+    """Elements per chunk of a compact patch."""
     try:
         chunk = int(info.metadata["chunk"])
     except (KeyError, ValueError):
         raise PatchError("compact patch lacks a valid chunk size") from None
     if not 1 <= chunk <= compact.MAX_CHUNK:
         raise PatchError(f"chunk size {chunk} not in 1..{compact.MAX_CHUNK}")
-    out = []
-    for name, t in info.tensors.items():
-        if t["mode"] != "compact":
-            continue
-        stream = entries[name]
-        if stream.dtype != torch.uint8 or stream.dim() != 1:
-            raise PatchError(f"{name}: compact entry must be 1-D uint8")
+    return chunk
+
+
+def chunk_streams(name: str, entries: dict, numel: int, chunk: int) -> list[bytes]:
+    """The chunk streams of `name`'s compact entry, which covers `numel` elements."""
+    stream = entries[name]
+    if stream.dtype != torch.uint8 or stream.dim() != 1:
+        raise PatchError(f"{name}: compact entry must be 1-D uint8")
+    try:
+        streams = compact.split_chunks(stream.numpy().tobytes())
+    except compact.CompactDecodeError as e:
+        raise PatchError(f"{name}: corrupt compact data: {e}") from None
+    needed = -(-numel // chunk)
+    if len(streams) != needed:  # (before listing the spans: `chunk` comes from the patch)
+        raise PatchError(f"{name}: {len(streams)} chunks, {numel} elements need {needed}")
+    return streams
+
+
+def decode_entry(
+    info: PatchInfo, entries: dict, name: str, old: torch.Tensor, tables: compact.Tables | None, threads=None
+) -> TensorChanges:
+    """The changes of `name`'s entry (positions in the whole tensor, on `old`'s device) decoded against
+    `old`, the old values of what the entry covers (the tensor, or its window), wherever they live: one
+    tensor at a time, so that a caller holding the weights in place (a vLLM worker) needs no copy of the
+    model. Compact entries decode with the numba kernels on CPU, with deltasync.codec.gpu on a GPU. Raises
+    PatchError."""
+    t = info.tensors[name]
+    start = info.windows.get(name, (0, 0))[0]
+    if t["mode"] != "compact":
         try:
-            streams = compact.split_chunks(stream.numpy().tobytes())
-        except compact.CompactDecodeError as e:
-            raise PatchError(f"{name}: corrupt compact data: {e}") from None
-        old_bits = bits(local[name]).cpu().numpy()
-        needed = -(-old_bits.size // chunk)
-        if len(streams) != needed:  # (before listing the spans: `chunk` comes from the patch)
-            raise PatchError(f"{name}: {len(streams)} chunks, {old_bits.size} elements need {needed}")
-        pieces, start = spans(old_bits.size, chunk), info.windows.get(name, (0, 0))[0]
-        out += [(name, s, old_bits[lo:hi], start + lo) for s, (lo, hi) in zip(streams, pieces, strict=True)]
-    return out
+            ch = _decode_tensor(name, t, entries, old)
+        except PatchError:
+            raise
+        except (ValueError, RuntimeError, OverflowError) as e:
+            raise PatchError(f"{name}: corrupt {t['mode']} data: {e}") from None
+        return TensorChanges(ch.indices + start, ch.values) if start else ch
+    assert tables is not None  # a compact patch's
+    chunk = chunk_size(info)
+    streams = chunk_streams(name, entries, old.numel(), chunk)
+    try:
+        if old.is_cuda:
+            from deltasync.codec import gpu  # Triton: only where a GPU holds the weights
+
+            idx, new_bits, _ = gpu.decode_compact(name, streams, old, chunk, tables, threads, start)
+            idx = idx + start
+        else:
+            old_bits = bits(old).reshape(-1).numpy()
+            pieces = spans(old_bits.size, chunk)
+            work = [
+                (name, s, old_bits[lo:hi], start + lo) for s, (lo, hi) in zip(streams, pieces, strict=True)
+            ]
+            parts = parallel_map(lambda w: _decode_chunk(*w, tables), work, threads)
+            idx = torch.from_numpy(np.concatenate([p[0] for p in parts]))
+            new_bits = torch.from_numpy(np.concatenate([p[1] for p in parts]).view(np.int16))
+        return _checked(name, t, old, idx, new_bits.view(torch.bfloat16), start)
+    except PatchError:
+        raise
+    except (compact.CompactDecodeError, ValueError, RuntimeError, OverflowError) as e:
+        raise PatchError(f"{name}: corrupt compact data: {e}") from None
 
 
 def _decode_chunk(

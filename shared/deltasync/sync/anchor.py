@@ -19,7 +19,7 @@ bytes cost nothing and vLLM's loader could read the shards directly. Set "plain"
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -95,32 +95,7 @@ def read_anchor(
 ) -> dict[str, torch.Tensor]:
     """Load and check the shards of the anchor of `step` (plain or packed, unpacked on `threads` threads),
     which must hold exactly `run`'s schema and have fingerprint `fp`."""
-    state: dict[str, torch.Tensor] = {}
-    for path in files:
-        try:
-            with safe_open(path, "pt") as f:
-                meta = f.metadata() or {}
-                if (meta.get("format"), meta.get("step")) != (ANCHOR_FORMAT, str(step)):
-                    raise AnchorError(f"{path.name}: not an anchor of step {step} (metadata {meta!r:.200})")
-                unpack = _unpacker(path, meta, run.schema, threads)
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    if name not in run.schema:
-                        raise AnchorError(f"{path.name}: unknown tensor {name!r}")
-                    if name in state:
-                        raise AnchorError(f"{path.name}: tensor {name!r} appears twice")
-                    t = unpack(name, f.get_tensor(name))
-                    if t.dtype != torch.bfloat16 or list(t.shape) != run.schema[name]:
-                        raise AnchorError(
-                            f"{path.name}: {name} is {t.dtype} {list(t.shape)}, "
-                            f"expected bf16 {run.schema[name]}"
-                        )
-                    state[name] = t
-        except AnchorError:
-            raise
-        except SafetensorError as e:
-            raise AnchorError(f"{path.name}: corrupt safetensors file: {e}") from None
-        except Exception as e:  # the file is untrusted: whatever decoding it raises refuses the file
-            raise AnchorError(f"{path.name}: unreadable: {type(e).__name__}: {e}") from None
+    state = dict(anchor_tensors(files, run.schema, step, threads))
     missing = [n for n in run.schema if n not in state]
     if missing:
         raise AnchorError(f"anchor of step {step} lacks {len(missing)} tensors, e.g. {missing[0]!r}")
@@ -130,6 +105,41 @@ def read_anchor(
     if actual != fp:
         raise AnchorError(f"anchor of step {step} has fingerprint {actual}, the head promises {fp}")
     return state
+
+
+def anchor_tensors(
+    files: list[Path], schema: Mapping[str, list[int]], step: int, threads: int | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of the shards of the anchor of `step`, one at a time (a reader that writes each where it
+    goes holds one tensor at a time), each checked to be a bf16 tensor of `schema` seen once. Whether all
+    of `schema` is there, and the fingerprint, are the caller's to check."""
+    seen: set[str] = set()
+    for path in files:
+        try:
+            with safe_open(path, "pt") as f:
+                meta = f.metadata() or {}
+                if (meta.get("format"), meta.get("step")) != (ANCHOR_FORMAT, str(step)):
+                    raise AnchorError(f"{path.name}: not an anchor of step {step} (metadata {meta!r:.200})")
+                unpack = _unpacker(path, meta, schema, threads)
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    if name not in schema:
+                        raise AnchorError(f"{path.name}: unknown tensor {name!r}")
+                    if name in seen:
+                        raise AnchorError(f"{path.name}: tensor {name!r} appears twice")
+                    t = unpack(name, f.get_tensor(name))
+                    if t.dtype != torch.bfloat16 or list(t.shape) != list(schema[name]):
+                        raise AnchorError(
+                            f"{path.name}: {name} is {t.dtype} {list(t.shape)}, "
+                            f"expected bf16 {list(schema[name])}"
+                        )
+                    seen.add(name)
+                    yield name, t
+        except AnchorError:
+            raise
+        except SafetensorError as e:
+            raise AnchorError(f"{path.name}: corrupt safetensors file: {e}") from None
+        except Exception as e:  # the file is untrusted: whatever decoding it raises refuses the file
+            raise AnchorError(f"{path.name}: unreadable: {type(e).__name__}: {e}") from None
 
 
 def _unpacker(

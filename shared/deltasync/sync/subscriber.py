@@ -3,7 +3,9 @@
 It polls the head, plans the cheapest path by bytes from what it holds to the newest step (replay deltas, or a
 complete anchor plus the deltas after it), downloads with retries, decodes each patch against its own bf16
 shadow of the state (HF names and layout), verifies the fingerprint, and only then hands the changes to an
-`Applier`: the real target (a dict of tensors, a torch module's state dict, a vLLM engine). A file that fails
+`Applier`: the real target (a dict of tensors, a torch module's state dict). A `FileApplier` (a vLLM server,
+whose workers decode against the weights they hold) takes the files instead, checked from their headers
+alone: then the subscriber holds no weights. A file that fails
 verification (or is not the size the head lists) is never retried; the subscriber waits on the last good
 step until a path around it (a newer anchor) appears. It trusts fingerprints, not step numbers: a target
 whose state is not the one the head names for its step is reloaded from an anchor.
@@ -34,7 +36,7 @@ import torch
 from deltasync import telemetry
 from deltasync.codec import fingerprint
 from deltasync.codec.changes import TensorChanges, apply_changes
-from deltasync.codec.patch import Patch, decode, decode_parts, read_info
+from deltasync.codec.patch import Patch, decode, decode_parts, read_info, schema_hash
 from deltasync.errors import DeltasyncError, PatchError, Refused
 from deltasync.storage import RateLimited, Storage, TooLargeError, TransientStorageError, open_storage, retry
 from deltasync.sync.anchor import read_anchor
@@ -66,12 +68,36 @@ class Applier(ABC):
     """Where a Subscriber writes verified weights: bf16 values in HF checkpoint names and flat indices."""
 
     @abstractmethod
-    def load(self, state: Mapping[str, torch.Tensor], step: int) -> float | None:
-        """Replace the whole state (an anchor). Returns the seconds serving was paused, if it serves."""
+    def load(self, state: Mapping[str, torch.Tensor], step: int, fingerprint: int) -> float | None:
+        """Replace the whole state with the anchor of `step`, whose fingerprint is `fingerprint`. Returns the
+        seconds serving was paused, if it serves."""
 
     @abstractmethod
-    def patch(self, changes: Mapping[str, TensorChanges], step: int) -> float | None:
-        """Write new values at flat indices. Returns the seconds serving was paused, if it serves."""
+    def patch(
+        self, changes: Mapping[str, TensorChanges], step: int, base: int, fingerprint: int
+    ) -> float | None:
+        """Write new values at flat indices: step `step` leads from the state `base` (fingerprint) to
+        `fingerprint`. Returns the seconds serving was paused, if it serves."""
+
+    def fingerprint(self) -> int | None:
+        """Fingerprint of what the target really holds, read back from its memory; None if it cannot tell."""
+        return None
+
+
+class FileApplier(ABC):
+    """Where a Subscriber hands a step's files undecoded, their headers checked against the head: the target
+    decodes and verifies them against the weights it holds, so the subscriber keeps no copy of them. Raises
+    `Refused` (before writing anything) when the files themselves are bad: never asked for again."""
+
+    @abstractmethod
+    def load_files(self, files: list[Path], step: int, fingerprint: int) -> float | None:
+        """Replace the whole state with the anchor of `step` in `files` (its shards, unchecked), whose
+        fingerprint must be `fingerprint`. Returns the seconds serving was paused, if it serves."""
+
+    @abstractmethod
+    def patch_bytes(self, parts: list[bytes], step: int, base: int, fingerprint: int) -> float | None:
+        """Apply the patch of `step` (its parts: one, or one per rank of a sharded publisher), from the state
+        `base` (fingerprint) to `fingerprint`. Returns the seconds serving was paused, if it serves."""
 
     def fingerprint(self) -> int | None:
         """Fingerprint of what the target really holds, read back from its memory; None if it cannot tell."""
@@ -87,7 +113,7 @@ class TensorsApplier(Applier):
         self.names: list[str] = []
 
     @torch.no_grad()
-    def load(self, state: Mapping[str, torch.Tensor], step: int) -> None:
+    def load(self, state: Mapping[str, torch.Tensor], step: int, fingerprint: int) -> None:
         missing = [name for name in state if name not in self.tensors]
         if missing:
             raise KeyError(f"target has no tensor {missing[0]!r}")
@@ -96,7 +122,7 @@ class TensorsApplier(Applier):
         self.names = list(state)
 
     @torch.no_grad()
-    def patch(self, changes: Mapping[str, TensorChanges], step: int) -> None:
+    def patch(self, changes: Mapping[str, TensorChanges], step: int, base: int, fingerprint: int) -> None:
         # Contiguous bf16 tensors take the codec's scatter (torch's index_put_ costs ~50 ns an element).
         flat = {n for n in changes if _bf16_flat(self.tensors[n])}
         apply_changes({n: self.tensors[n] for n in flat}, {n: changes[n] for n in flat})
@@ -155,12 +181,13 @@ class Applied:
 
 
 class Subscriber:
-    """Follows the sync root `root` into `applier` (None: the subscriber's own `state` is the target)."""
+    """Follows the sync root `root` into `applier` (None: the subscriber's own `state` is the target; a
+    FileApplier: the subscriber holds no state)."""
 
     def __init__(
         self,
         root: str | Path | Storage,
-        applier: Applier | None = None,
+        applier: Applier | FileApplier | None = None,
         replica: str | None = None,
         *,
         retries: int = 4,
@@ -180,6 +207,7 @@ class Subscriber:
         self.run: RunInfo | None = None
         self.head: Head | None = None
         self._head_data: bytes | None = None  # what `head` was parsed from: an unchanged poll parses nothing
+        self.decodes = not isinstance(applier, FileApplier)  # else the target decodes: no shadow here
         self.state: dict[str, torch.Tensor] | None = None  # bf16 shadow of the target, HF names
         self.step: int | None = None  # the step the target holds, verified; None: unknown
         self.fingerprint = 0
@@ -353,11 +381,13 @@ class Subscriber:
                     raise Refused(f"its files hold {size} bytes, the head lists {entry.bytes}")
                 download_s = time.perf_counter() - start
                 apply_start = time.perf_counter()  # apply_s: decode, verify and write
-                if entry.kind == "anchor":
-                    patch = None
+                state, patch = None, None
+                if not self.decodes:
+                    pause_s = self._hand(entry, local, parts if entry.kind == "delta" else [])
+                elif entry.kind == "anchor":
                     state = read_anchor(local, self.run, entry.step, entry.fingerprint, self.threads)
                 else:
-                    state, patch = None, self._decode(parts, entry, decoded)
+                    patch = self._decode(parts, entry, decoded)
             except FileNotFoundError:  # planned around from now on, while another path exists
                 self._missing.update((f, entry.bytes) for f in entry.files)
                 raise
@@ -367,12 +397,13 @@ class Subscriber:
                 self._report_refused(entry, head, str(e))
                 raise SyncError(f"refused {self._refusal}") from None
         self._missing.difference_update((f, entry.bytes) for f in entry.files)
-        pause_s = self._write(entry, state, patch)
-        if patch is None:
-            self.state = state
-        else:
-            assert self.state is not None  # a delta applies to the state held
-            apply_changes(self.state, patch.changes, self.threads)
+        if self.decodes:
+            pause_s = self._write(entry, state, patch)
+            if patch is None:
+                self.state = state
+            else:
+                assert self.state is not None  # a delta applies to the state held
+                apply_changes(self.state, patch.changes, self.threads)
         fp = int(entry.fingerprint, 16)  # verified above: by the anchor's content or the patch's promise
         self.last_error = None  # before the step moves: a status read must not pair the new step with it
         self.step, self.fingerprint = entry.step, fp
@@ -381,7 +412,7 @@ class Subscriber:
             step=entry.step,
             kind=entry.kind,
             payload_bytes=entry.bytes,
-            changed=entry.changed if patch else self.run.numel,
+            changed=entry.changed if entry.kind == "delta" else self.run.numel,
             published_at=entry.published_at,
             applied_at=time.time(),
             download_s=download_s,
@@ -476,16 +507,54 @@ class Subscriber:
             )
         return patch
 
+    def _check(self, parts: list[bytes], entry: Entry) -> None:
+        """What can be checked of a delta's parts without the weights (their headers): that they are the
+        step the head names, for this run's model, from the state held to the one the head promises."""
+        assert self.run is not None  # read with the head
+        base, changed, schema = self.fingerprint, 0, schema_hash(self.run.schema)
+        for i, data in enumerate(parts):
+            info = read_info(data)
+            where = f"part {i + 1} of {len(parts)}" if len(parts) > 1 else "patch"
+            if info.metadata.get("schema") != schema or info.numel != self.run.numel:
+                raise PatchError(f"{where} was made for another model schema than the run's")
+            if (info.step, info.base_fingerprint) != (entry.step, base):
+                was, held = (fingerprint.format_fingerprint(f) for f in (info.base_fingerprint, base))
+                raise PatchError(
+                    f"{where} is step {info.step} from {was}; the head: step {entry.step} from {held}"
+                )
+            base, changed = info.fingerprint, changed + info.changed
+        if changed != entry.changed:
+            raise PatchError(f"patch claims {changed} changes, the head lists {entry.changed}")
+        if fingerprint.format_fingerprint(base) != entry.fingerprint:
+            reached = fingerprint.format_fingerprint(base)
+            raise PatchError(f"patch leads to state {reached}, the head names {entry.fingerprint}")
+
+    def _hand(self, entry: Entry, files: list[Path], parts: list[bytes]) -> float | None:
+        """Hand a step's files to the FileApplier, which decodes them; Refused if it finds them bad."""
+        assert isinstance(self.applier, FileApplier)
+        fp = int(entry.fingerprint, 16)
+        if entry.kind == "delta":
+            self._check(parts, entry)
+        try:
+            if entry.kind == "anchor":
+                return self.applier.load_files(files, entry.step, fp)
+            return self.applier.patch_bytes(parts, entry.step, self.fingerprint, fp)
+        except Refused:
+            raise  # the files, refused before anything was written
+        except Exception as e:
+            self.step = None  # the target may hold part of the write: only an anchor can fix it
+            raise SyncError(f"applying {entry.kind} of step {entry.step} failed: {e}") from e
+
     def _write(
         self, entry: Entry, state: dict[str, torch.Tensor] | None, patch: Patch | None
     ) -> float | None:
-        if self.applier is None:
+        if not isinstance(self.applier, Applier):
             return None
         try:
             if patch is None:
                 assert state is not None  # an anchor's
-                return self.applier.load(state, entry.step)
-            return self.applier.patch(patch.changes, entry.step)
+                return self.applier.load(state, entry.step, int(entry.fingerprint, 16))
+            return self.applier.patch(patch.changes, entry.step, patch.base_fingerprint, patch.fingerprint)
         except Exception as e:
             self.step = None  # the target may hold part of the write: only an anchor can fix it
             raise SyncError(f"applying {entry.kind} of step {entry.step} failed: {e}") from e

@@ -14,6 +14,11 @@
   `vllm._custom_ops.cpu_prepack_moe_weight(weight, isa)` after loading (`deltasync.vllm.experts` learns where
   that puts each element). No padding rule is mirrored: the loader's own views skip the padding. Any other
   expert kernel on CPU is refused.
+- The text of two of vLLM's errors, which reach the follower only as text (over HTTP or vLLM's RPC):
+  the multiprocess executor wraps a worker's error as `Worker failed with error '<error>', please check the
+  stack trace above for the root cause` (`worker_error` unwraps it), and a worker refuses
+  `finish_weight_update` outside an update with `finish_weight_update called without a matching
+  start_weight_update.` (`update_not_open`).
 - `vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`: on CPUs with oneDNN (AVX-512) or AMX,
   vLLM runs linear layers from packed copies made at load time and frees the parameters, so an in-place write
   could never reach the compute. `keep_live_cpu_weights` wraps it so that, only in a server whose
@@ -28,9 +33,26 @@ unchanged there, but for the OpenAI server's argument parser, which 0.33 moved t
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 BACKEND = "deltasync"
+
+
+WORKER_FAILED = re.compile(r"Worker failed with error '(.*)', please check the", re.S)
+UPDATE_NOT_OPEN = "finish_weight_update called without a matching start_weight_update"
+
+
+def worker_error(text: str) -> str:
+    """A worker's own error message out of the executor's wrapping of it (the text itself if unwrapped)."""
+    inner = WORKER_FAILED.search(text)
+    return inner.group(1) if inner else text
+
+
+def update_not_open(text: str) -> bool:
+    """Whether `text` is a worker refusing to finish an update it is not in."""
+    return UPDATE_NOT_OPEN in text
 
 
 def model_group():

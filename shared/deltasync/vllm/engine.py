@@ -5,19 +5,25 @@ place.
         --weight-transfer-config '{"backend":"deltasync"}'
 
 (registered by the `vllm.general_plugins` entry point, `deltasync.vllm.plugin`). Each worker holds one
-engine. `init_info` names the sync root; `update_info` names a step and the local file with its verified
-weights (written by `deltasync follow` or the inference Space):
+engine. `init_info` names the sync root; `update_info` names a step and the local files of the sync root's
+own step, as downloaded (by `deltasync follow` or the inference Space, which decode nothing and hold no
+weights: each worker decodes against the weights it holds, on their device):
 
-- `kind="delta"`: a raw patch (`name/indices` I32 flat HF positions, `name/values` BF16 new values). `base`
-  is the fingerprint it applies to, `fingerprint` the one it leads to. Before writing anything, every worker
-  reads the old values at its changed elements; the ranks' shares of how the fingerprint moves must sum to
-  `fingerprint - base`, else the update is refused.
-- `kind="stage"`: the checks and the plan of a delta (the same fields), nothing written: a `delta` update of
-  the same step and file that follows it, on unchanged weights, only writes. Staging while generation runs
-  keeps the pause to the writes.
-- `kind="anchor"`: whole bf16 tensors (one file of several); with `fingerprint`, the whole state is read back
-  after the write and must match.
+- `kind="delta"`: the step's patch files (`paths`: one, or one part per rank of a sharded publisher), in
+  any encoding (compact: decoded against this rank's own parameters, tensor by tensor, by the numba kernels
+  on CPU and `deltasync.codec.gpu` on a GPU). `base` is the fingerprint it applies to, `fingerprint` the one
+  it leads to. Before writing anything, every worker decodes and reads the old values at its changed
+  elements; the ranks' shares of how the fingerprint moves must sum to `fingerprint - base`, else the update
+  is refused.
+- `kind="stage"`: the decoding, checks and plan of a delta (the same fields), nothing written: a `delta`
+  update of the same step and files that follows it, on unchanged weights, only writes. Staging while
+  generation runs keeps the pause to the writes.
+- `kind="anchor"`: the shard files of an anchor (`paths`, plain or packed); every rank reads them tensor by
+  tensor, the ranks check the whole state's fingerprint against `fingerprint` before writing anything, and
+  read it back after the write.
 - `kind="verify"`: writes nothing; the weights read back must have `fingerprint`.
+- `kind="fingerprint"`: writes nothing; rank 0 saves the fingerprint of the weights read back to the file
+  `path` as JSON (`{"step": ..., "fingerprint": ...}`: the step last written).
 - `kind="readback"`: writes nothing; each rank saves the HF tensors it holds whole to
   `path/rank-<r>.safetensors`, with how each tensor is written (`Layout.paths`: direct, packed MoE experts,
   or through vLLM's loader) as JSON in its `paths` metadata.
@@ -28,7 +34,10 @@ MoE models work alike: on CPU their experts live in vLLM's prepacked layout, whi
 by element (`deltasync.vllm.experts`); `write="vllm"` is refused for them (vLLM's loader writes the
 unpacked layout).
 
-A refused update raises before any write (a ValueError naming the cause); vLLM's route reports it.
+A refused update raises before any write (a ValueError naming the cause); vLLM's route reports it. When
+the cause is the step's files themselves (corrupt, or not the state they promise), the reporting rank also
+writes the reason as JSON (`{"refused": ...}`) to the update's `report` file, so that the follower knows
+the files are bad, not the server.
 """
 
 from __future__ import annotations
@@ -39,9 +48,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -53,13 +63,18 @@ from vllm.model_executor.model_loader.checkpoint_weight_patch import (
     load_checkpoint_weight_patches,
 )
 
+from deltasync.codec import fingerprint
+from deltasync.codec.changes import TensorChanges
 from deltasync.codec.fingerprint import format_fingerprint
-from deltasync.codec.patch import PatchError, raw_changes
+from deltasync.codec.patch import decode_entry, merge_changes, read_entries, read_info, read_tables
+from deltasync.errors import PatchError, Refused
+from deltasync.sync.anchor import anchor_tensors
 from deltasync.vllm import compat
 from deltasync.vllm.layout import Layout, sum_across
+from deltasync.vllm.split import decode_held
 
 log = init_logger(__name__)  # vLLM's logger: configured in its worker processes
-KINDS = ("delta", "stage", "anchor", "verify", "readback", "paths")
+KINDS = ("delta", "stage", "anchor", "verify", "fingerprint", "readback", "paths")
 WRITES = ("direct", "vllm")
 
 
@@ -80,8 +95,10 @@ class DeltasyncUpdateInfo(WeightTransferUpdateInfo):
     step: int
     kind: str = "delta"
     path: str | None = None
+    paths: list[str] | None = None
     base: str | None = None
     fingerprint: str | None = None
+    report: str | None = None
 
 
 @dataclass
@@ -89,14 +106,14 @@ class _Plan:
     """A delta checked against the weights `base`, ready to write (`writes`: this rank's indexed writes)."""
 
     step: int
-    path: str
+    paths: list[str]
     base: int
     new: int
     changes: dict
     writes: list
 
     def matches(self, info: DeltasyncUpdateInfo, held: int | None) -> bool:
-        return (self.step, self.path, self.base) == (info.step, info.path, held) and info.fingerprint == (
+        return (self.step, self.paths, self.base) == (info.step, info.paths, held) and info.fingerprint == (
             format_fingerprint(self.new)
         )
 
@@ -154,8 +171,9 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
         info = super().parse_update_info(update_dict)
         if info.kind not in KINDS:
             raise ValueError(f"update_info kind {info.kind!r} is not one of {', '.join(KINDS)}")
-        if info.kind != "verify" and not info.path:
-            raise ValueError(f"update_info of kind {info.kind!r} needs a path")
+        files = info.kind in ("delta", "stage", "anchor")
+        if info.kind != "verify" and not (info.paths if files else info.path):
+            raise ValueError(f"update_info of kind {info.kind!r} needs {'paths' if files else 'a path'}")
         return info
 
     def receive_weights(self, update_info: DeltasyncUpdateInfo) -> None:
@@ -171,52 +189,57 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
     def _receive(self, info: DeltasyncUpdateInfo) -> None:
         if info.kind == "verify":
             return self._verify(self._read_fingerprint(), info)
+        if info.kind in ("delta", "stage", "anchor"):
+            return self._receive_files(info)
         if info.path is None:  # parse_update_info refused it already
             raise ValueError(f"update_info of kind {info.kind!r} needs a path")
         if info.kind == "readback":
             return self._readback(Path(info.path))
-        if info.kind == "paths":
-            folder = Path(info.path)
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"rank-{compat.rank(self.group)}.json").write_text(json.dumps(self._ready().paths()))
+        if info.kind == "fingerprint":
+            held = {"step": self.step, "fingerprint": format_fingerprint(self._read_fingerprint())}
+            if compat.rank(self.group) == 0:
+                Path(info.path).write_text(json.dumps(held))
             return None
+        folder = Path(info.path)  # kind "paths"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank-{compat.rank(self.group)}.json").write_text(json.dumps(self._ready().paths()))
+        return None
+
+    def _receive_files(self, info: DeltasyncUpdateInfo) -> None:
         staged, self.staged = self.staged, None
         if info.kind == "delta" and staged is not None and staged.matches(info, self.fingerprint):
             return self._write_delta(staged, info)
-        # Every rank checks the file before any writes, and all agree: one rank's refusal stops them all
-        # before the collectives below (else the others would wait in them for ever).
-        try:
-            entries = load_file(info.path, device="cpu")
-            checked = (
-                self._check_anchor(entries, info)
-                if info.kind == "anchor"
-                else self._check_delta(entries, info)
-            )
-        except ValueError as e:
-            self._agree(str(e))
-            raise
-        except (OSError, SafetensorError) as e:
-            error = f"step {info.step}: cannot read {info.path}: {type(e).__name__}: {e}"
-            self._agree(error)
-            raise ValueError(error) from None
-        self._agree(None)
         if info.kind == "anchor":
-            return self._write_anchor(checked, info)
-        plan = self._plan_delta(checked, info)
+            self._refusing(info, self._check_anchor)
+            return self._write_anchor(info)
+        plan = self._refusing(info, self._plan_delta)
         if info.kind == "stage":
             self.staged = plan
         else:
             self._write_delta(plan, info)
+        return None
 
-    def _agree(self, error: str | None) -> None:
-        """Raise on every rank, with the first rank's reason, if any rank refused."""
-        if self.group is None:
-            return
-        errors: list[str | None] = [None] * torch.distributed.get_world_size(self.group)
-        torch.distributed.all_gather_object(errors, error, group=self.group)
-        first = next((e for e in errors if e is not None), None)
-        if first is not None and error is None:
-            raise ValueError(first)
+    def _refusing(self, info: DeltasyncUpdateInfo, check):
+        """`check(info)`, agreed on by every rank before any writes: one rank's refusal stops them all
+        (else the others would wait for ever in the collectives that follow). A refusal of the files
+        themselves (Refused, on any rank) is also reported to `info.report`."""
+        error, files, result = None, False, None
+        try:
+            result = check(info)
+        except (OSError, SafetensorError) as e:
+            error = f"step {info.step}: cannot read its files: {type(e).__name__}: {e}"
+        except ValueError as e:
+            error, files = str(e), isinstance(e, Refused)
+        verdicts = [(error, files)]
+        if self.group is not None:
+            verdicts = [(None, False)] * torch.distributed.get_world_size(self.group)
+            torch.distributed.all_gather_object(verdicts, (error, files), group=self.group)
+        first = next((e for e, _ in verdicts if e is not None), None)
+        if first is None:
+            return result
+        if any(f for _, f in verdicts) and info.report and compat.reports_errors(self.group):
+            Path(info.report).write_text(json.dumps({"refused": first}))
+        raise ValueError(first)
 
     # ---------------------------------------------------------------------------------------------------
 
@@ -225,35 +248,83 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
             raise ValueError("deltasync engine not initialized: POST /init_weight_transfer_engine first")
         return self.layout
 
-    def _check_delta(self, entries: dict[str, torch.Tensor], info: DeltasyncUpdateInfo) -> dict:
+    def _decode_delta(self, info: DeltasyncUpdateInfo) -> dict[str, TensorChanges]:
+        """The step's changes, decoded part by part against the weights held (every part applies to them:
+        the parts of a sharded publisher cover disjoint elements)."""
         layout = self._ready()
         if info.base is None or info.fingerprint is None:
             raise ValueError(f"step {info.step}: a delta needs its base and fingerprint")
         here = None if self.fingerprint is None else format_fingerprint(self.fingerprint)
         if info.base != here:
             raise ValueError(f"step {info.step} applies to weights {info.base}, this server holds {here}")
-        try:
-            changes = raw_changes(entries, layout.shapes)
-        except PatchError as e:
-            raise ValueError(f"step {info.step}: {e}") from None
-        through_loader = sorted(set(changes) & set(layout.loader))
-        if through_loader:  # its old values are not readable here, so the promise cannot be checked
-            raise ValueError(f"step {info.step}: {through_loader[0]!r} cannot be patched in place")
+        decoded, base, problems, gathered = [], int(info.base, 16), [], 0
+        start = time.perf_counter()
+        for i, path in enumerate(info.paths or ()):
+            data = Path(path).read_bytes()
+            where = f"step {info.step}, part {i + 1} of {len(info.paths or ())}"
+            patch = read_info(data)
+            if (patch.step, patch.base_fingerprint) != (info.step, base):
+                was = format_fingerprint(patch.base_fingerprint)
+                raise PatchError(
+                    f"{where} is step {patch.step} from weights {was}, expected step {info.step} from "
+                    f"{format_fingerprint(base)}"
+                )
+            unknown = sorted(set(patch.tensors) - set(layout.shapes))
+            if unknown:
+                raise PatchError(f"{where}: unknown tensor {unknown[0]!r}")
+            through_loader = sorted(set(patch.tensors) & set(layout.loader))
+            if through_loader:  # its old values are not readable here, so the promise cannot be checked
+                raise ValueError(f"{where}: {through_loader[0]!r} cannot be patched in place")
+            entries = read_entries(data)
+            tables = read_tables(patch) if patch.encoding == "compact" else None
+            changes = {}
+            for name in patch.tensors:  # in the patch's order on every rank: collectives run per tensor
+                numel = int(np.prod(layout.shapes[name]))
+                lo, n = patch.windows.get(name, (0, numel))
+                if lo + n > numel:
+                    raise PatchError(f"{where}: {name}: window [{lo}, {lo + n}) is outside its {numel}")
+                if name in layout.split:  # only this rank's part of it: its changes there
+                    blocks = layout.blocks.get(name, [])
+                    held = decode_held(patch, entries, name, n, tables, blocks, self.group)
+                    changes[name] = held[0]
+                    problems.append(held[1])
+                    gathered += held[2]
+                else:
+                    old = layout.old_values(name).reshape(-1)[lo : lo + n]
+                    changes[name] = decode_entry(patch, entries, name, old, tables)
+            decoded.append(changes)
+            base = patch.fingerprint
+        problem = next((p for p in problems if p), None)
+        if problem:  # seen by this rank alone, after every collective: the ranks agree on it next
+            raise PatchError(f"step {info.step}: {problem}")
+        if format_fingerprint(base) != info.fingerprint:
+            raise PatchError(
+                f"step {info.step}: its files lead to {format_fingerprint(base)}, not {info.fingerprint}"
+            )
+        changes = merge_changes(decoded)
+        log.info(
+            "deltasync: step %d decoded on rank %d in %.3f s: %d changes here, %d B of class counts gathered",
+            info.step,
+            compat.rank(self.group),
+            time.perf_counter() - start,
+            sum(len(c) for c in changes.values()),
+            gathered,
+        )
         if self.write == "vllm" and any(torch.isnan(ch.values).any() for ch in changes.values()):
             raise ValueError(f"step {info.step}: NaN values cannot be patched through vLLM's loader")
         return changes
 
-    def _plan_delta(self, changes: dict, info: DeltasyncUpdateInfo) -> _Plan:
-        layout = self._ready()
-        writes, moved = layout.plan_patch(changes)
+    def _plan_delta(self, info: DeltasyncUpdateInfo) -> _Plan:
+        changes = self._decode_delta(info)
+        writes, moved = self._ready().plan_patch(changes)
         base = int(str(info.base), 16)  # the weights held: checked in _check_delta
         new = (base + sum_across(moved, self.group)) & ((1 << 64) - 1)
         if format_fingerprint(new) != info.fingerprint:
-            raise ValueError(
+            raise PatchError(
                 f"step {info.step} would lead to weights {format_fingerprint(new)}, it promises "
                 f"{info.fingerprint}: refused, nothing written"
             )
-        return _Plan(info.step, str(info.path), base, new, changes, writes)
+        return _Plan(info.step, list(info.paths or ()), base, new, changes, writes)
 
     def _write_delta(self, plan: _Plan, info: DeltasyncUpdateInfo) -> None:
         layout = self._ready()
@@ -271,33 +342,46 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
                     dst.index_put_(index, values)
         self.fingerprint, self.step = plan.new, info.step
 
-    def _check_anchor(self, entries: dict[str, torch.Tensor], info: DeltasyncUpdateInfo) -> dict:
-        for name, values in entries.items():
-            shape = self._ready().shapes.get(name)
-            if shape is None:
-                raise ValueError(f"step {info.step}: unknown tensor {name!r}")
-            if values.dtype != torch.bfloat16 or tuple(values.shape) != shape:
-                got = f"{values.dtype} {list(values.shape)}"
-                raise ValueError(f"step {info.step}: {name} is {got}, expected bf16 {list(shape)}")
-        return entries
+    def _anchor(self, info: DeltasyncUpdateInfo):
+        """The anchor's tensors, one at a time, checked against the served schema."""
+        schema = {name: list(shape) for name, shape in self._ready().shapes.items()}
+        return anchor_tensors([Path(p) for p in info.paths or ()], schema, info.step)
 
-    def _write_anchor(self, entries: dict[str, torch.Tensor], info: DeltasyncUpdateInfo) -> None:
+    def _check_anchor(self, info: DeltasyncUpdateInfo) -> None:
+        """The anchor's fingerprint, each rank reading a share of its tensors, against `info.fingerprint`."""
+        if info.fingerprint is None:
+            raise ValueError(f"step {info.step}: an anchor needs its fingerprint")
+        world = 1 if self.group is None else torch.distributed.get_world_size(self.group)
+        rank, total, names = compat.rank(self.group), 0, set()
+        for i, (name, values) in enumerate(self._anchor(info)):
+            names.add(name)
+            if i % world == rank:
+                total += fingerprint.tensor_fingerprint(name, values)
+        missing = sorted(set(self._ready().shapes) - names)
+        if missing:
+            raise PatchError(f"anchor of step {info.step} lacks {len(missing)} tensors, e.g. {missing[0]!r}")
+        actual = format_fingerprint(sum_across(total, self.group))
+        if actual != info.fingerprint:
+            raise PatchError(
+                f"anchor of step {info.step} has fingerprint {actual}, it promises {info.fingerprint}"
+            )
+
+    def _write_anchor(self, info: DeltasyncUpdateInfo) -> None:
         layout = self._ready()
         self.fingerprint = None  # from the first write until the read-back below, the state is mixed
         with torch.no_grad():
             loader = []
-            for name, values in entries.items():
+            for name, values in self._anchor(info):
                 if name in layout.loader or self.write == "vllm":
                     loader.append((name, values.to(self.device)))
                     continue
                 for b in layout.blocks.get(name, []):
-                    b.write(values.as_strided(b.size, b.stride, b.offset))
+                    b.write(values.as_strided(b.size, b.stride, b.offset).to(b.dst.device))
             if loader:
                 self.model.load_weights(loader)  # type: ignore[operator]
-        if info.fingerprint is not None:
-            self.fingerprint = self._read_fingerprint()
-            self._verify(self.fingerprint, info)
-            self.step = info.step
+        self.fingerprint = self._read_fingerprint()
+        self._verify(self.fingerprint, info)
+        self.step = info.step
 
     def _verify(self, actual: int, info: DeltasyncUpdateInfo) -> None:
         if info.fingerprint is None:

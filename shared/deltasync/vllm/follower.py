@@ -1,11 +1,15 @@
 """Follow a sync root into a vLLM server whose weight-transfer backend is deltasync (`deltasync.vllm.engine`).
 
-The subscriber polls the root, downloads, decodes and verifies each step once; `EngineApplier` writes the
-verified weights to a local file and has the server's workers write them in place through vLLM's
-weight-update protocol, with generation paused (`keep`: running requests freeze where they are) only around
-the write:
+The subscriber polls the root, downloads each step once and checks its files' headers against the head;
+`EngineApplier` hands the files (their local paths) to the server's workers through vLLM's weight-update
+protocol. Each worker decodes them against the weights it holds, checks that the ranks together reach the
+promised fingerprint, and writes in place, with generation paused (`keep`: running requests freeze where
+they are) only around the writes (a delta is decoded and planned, `stage`, while generation runs):
 
-    pause(keep) -> start_weight_update -> update_weights(file) -> finish_weight_update(step) -> resume
+    pause(keep) -> start_weight_update -> update_weights(files) -> finish_weight_update(step) -> resume
+
+The follower decodes nothing and keeps no copy of the weights: its memory is the patch bytes and the
+interpreter.
 
 The protocol is reached either over vLLM's RL routes (`HttpEngine`: `deltasync follow ROOT --vllm-url URL`,
 beside any server started with VLLM_SERVER_DEV_MODE=1 on a private address) or in-process through the engine
@@ -28,20 +32,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-import torch
-from safetensors.torch import save_file
-
-from deltasync.codec.changes import TensorChanges
 from deltasync.codec.fingerprint import format_fingerprint
-from deltasync.codec.patch import raw_entries
-from deltasync.errors import DeltasyncError
+from deltasync.errors import DeltasyncError, Refused
 from deltasync.storage import POLL_BUDGET, open_storage
-from deltasync.sync.anchor import shard
-from deltasync.sync.subscriber import Applied, Applier, Subscriber
+from deltasync.sync.subscriber import Applied, FileApplier, Subscriber
+from deltasync.vllm import compat
 
 log = logging.getLogger(__name__)
-SHARD_BYTES = 1 << 30  # an anchor reaches the workers in files of about this size, one update each
-HOLDS = re.compile(r"weights read back hold ([0-9a-f]{16})")
 KvPolicy = Literal["keep", "recompute"]
 WritePath = Literal["direct", "vllm"]
 PATHS = ("direct", "packed", "loader")  # how the workers write a tensor: `deltasync.vllm.layout.Layout.paths`
@@ -56,6 +53,10 @@ DEV_MODE_HINT = (
 class WriteRefused(DeltasyncError, RuntimeError):
     """The server refused an update (its reason is the message). Unless `EngineApplier.stuck`, it wrote
     nothing."""
+
+
+class FilesRefused(WriteRefused, Refused):
+    """The workers found the step's files bad (corrupt, or not the state they promise); nothing written."""
 
 
 class Engine(Protocol):
@@ -155,9 +156,7 @@ def _reason(body: bytes) -> str:
         message = message.get("message", message) if isinstance(message, dict) else message
     except (ValueError, AttributeError):
         message = body.decode(errors="replace")
-    text = str(message)
-    inner = re.search(r"Worker failed with error '(.*)', please check", text, re.S)
-    return inner.group(1) if inner else text
+    return compat.worker_error(str(message))
 
 
 class AsyncEngine:
@@ -199,9 +198,9 @@ class AsyncEngine:
         self._run(self.engine.reset_prefix_cache(reset_running_requests=True))
 
 
-class EngineApplier(Applier):
-    """Writes the subscriber's verified steps through `engine`. Call `attach(subscriber)` before syncing:
-    each update carries the fingerprints the subscriber verified, which the workers check again.
+class EngineApplier(FileApplier):
+    """Writes the subscriber's verified steps through `engine`; each update carries the fingerprints the
+    step starts from and leads to, which the workers check again.
 
     `write`: the engine's write path ("direct" or "vllm", see `DeltasyncInitInfo`). `kv_on_update`: "keep"
     (running requests continue on the KV they have; their next tokens come from the new weights) or
@@ -219,7 +218,6 @@ class EngineApplier(Applier):
         self.engine, self.root, self.write, self.kv_on_update = engine, root, write, kv_on_update
         self.in_flight, self.update_s = in_flight, 0.0
         self.paused_with: int | None = None
-        self.subscriber: Subscriber | None = None
         self.step: int | None = None  # the step last written
         self.anchor_step: int | None = None
         self.version = "model"  # the weight version label generation runs under
@@ -236,75 +234,54 @@ class EngineApplier(Applier):
             raise
         log.info("tensors written in place: %s", json.dumps(path_summary(self.paths)))
 
-    def attach(self, subscriber: Subscriber) -> None:
-        self.subscriber = subscriber
-
     def close(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def load(self, state: Mapping[str, torch.Tensor], step: int) -> float:
-        return self.write_anchor(state, step, self._target(step))
-
-    def patch(self, changes: Mapping[str, TensorChanges], step: int) -> float:
-        base = format_fingerprint(self._attached().fingerprint)
-        return self.write_delta(changes, step, base, self._target(step))
-
-    def fingerprint(self) -> int:
-        subscriber = self._attached()
-        return self.read_fingerprint(subscriber.step, subscriber.fingerprint)
-
-    def _attached(self) -> Subscriber:
-        if self.subscriber is None:
-            raise RuntimeError("EngineApplier.attach(subscriber) first: updates carry its fingerprints")
-        return self.subscriber
-
-    def write_anchor(self, state: Mapping[str, torch.Tensor], step: int, fingerprint: str) -> float:
-        """Write the whole state of `step` (whose fingerprint is `fingerprint`); the seconds paused."""
-        shards = shard(state, SHARD_BYTES)
-        files = [self.tmp / f"anchor-{step}-{i}.safetensors" for i in range(len(shards))]
-        for tensors, path in zip(shards, files, strict=True):
-            save_file(tensors, path)
-        last = len(files) - 1  # the whole state is read back and checked after the last shard
-        infos = [
-            {"step": step, "kind": "anchor", "path": str(f), "fingerprint": (None, fingerprint)[i == last]}
-            for i, f in enumerate(files)
-        ]
-        pause_s = self._write(infos, step, "anchor", sum(f.stat().st_size for f in files))
+    def load_files(self, files: list[Path], step: int, fingerprint: int) -> float:
+        """Have the workers check and write the anchor of `step` in `files`; the seconds paused."""
+        info = {"step": step, "kind": "anchor", "paths": [str(f) for f in files]}
+        info |= {"fingerprint": format_fingerprint(fingerprint), "report": str(self.tmp / "refused.json")}
+        pause_s = self._write(info, "anchor", sum(f.stat().st_size for f in files))
         self.anchor_step = step
         return pause_s
 
-    def write_delta(
-        self, changes: Mapping[str, TensorChanges], step: int, base: str, fingerprint: str
-    ) -> float:
-        """Write the changes of `step`, from weights `base` to `fingerprint`; the seconds paused. The workers
-        check and plan it while generation goes on (`stage`); the pause covers the writes."""
-        path = self.tmp / f"delta-{step}.safetensors"
-        save_file(raw_entries(changes), path)  # the raw encoding's entries, without the patch's metadata
-        info = {"step": step, "kind": "delta", "path": str(path), "base": base, "fingerprint": fingerprint}
-        start = time.perf_counter()
+    def patch_bytes(self, parts: list[bytes], step: int, base: int, fingerprint: int) -> float:
+        """Have the workers decode and write the patch of `step`, from weights `base` to `fingerprint`; the
+        seconds paused. They decode, check and plan it while generation goes on (`stage`); the pause covers
+        the writes."""
+        files = [self.tmp / f"delta-{step}-{i}.safetensors" for i in range(len(parts))]
+        info = {
+            "step": step,
+            "kind": "delta",
+            "paths": [str(f) for f in files],
+            "base": format_fingerprint(base),
+        }
+        info |= {"fingerprint": format_fingerprint(fingerprint), "report": str(self.tmp / "refused.json")}
         try:
+            for data, path in zip(parts, files, strict=True):
+                path.write_bytes(data)
+            start = time.perf_counter()
             self._paused([{**info, "kind": "stage"}], pause=False)
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
-        stage_s = time.perf_counter() - start
-        pause_s = self._write([info], step, "delta", path.stat().st_size)
+            stage_s = time.perf_counter() - start
+            pause_s = self._write(info, "delta", sum(map(len, parts)))
+        finally:
+            for path in files:
+                path.unlink(missing_ok=True)
         assert self.last_write is not None
         self.last_write["stage_s"] = stage_s
         return pause_s
 
-    def read_fingerprint(self, step: int | None, expected: int) -> int:
-        """What the workers read back: `expected` when they confirm it, else theirs."""
-        info = {"step": step, "kind": "verify", "fingerprint": format_fingerprint(expected)}
+    def fingerprint(self) -> int:
+        """The fingerprint of the weights the workers hold, read back from their memory."""
+        report = self.tmp / "fingerprint.json"
+        self._paused([{"step": -1, "kind": "fingerprint", "path": str(report)}], pause=False)  # a read
         try:
-            self._paused([info], pause=False)  # a read: generation goes on
-        except WriteRefused as e:
-            held = HOLDS.search(str(e))
-            if held is None:
-                raise
-            return int(held.group(1), 16)
-        self.readback = {"step": step, "at": time.time(), "fingerprint": format_fingerprint(expected)}
-        return expected
+            held = json.loads(report.read_text())["fingerprint"]
+            report.unlink()
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise WriteRefused(f"the server's workers reported no fingerprint in {report}: {e}") from None
+        self.readback = {"step": self.step, "at": time.time(), "fingerprint": held}
+        return int(held, 16)
 
     def _read_paths(self) -> dict[str, str]:
         """`Layout.paths` of the workers; a tensor any rank writes other than directly counts as such."""
@@ -329,10 +306,6 @@ class EngineApplier(Applier):
         self.engine.init({"root": self.root, "write": write})
         self.write = write
 
-    def _target(self, step: int) -> str:
-        head = self._attached().head
-        return next(e.fingerprint for e in (head.entries if head else ()) if e.step == step)
-
     def _paused(self, infos: list[dict], version: str | None = None, pause: bool = True) -> float:
         """Pause, run the updates, finish (setting `version`) and resume; the seconds generation was paused.
         A refused update resumes generation on the unchanged weights, unless an anchor was half written."""
@@ -350,11 +323,12 @@ class EngineApplier(Applier):
             self.update_s = time.perf_counter() - start
             if pause and self.kv_on_update == "recompute":
                 self.engine.recompute_running()
-        except WriteRefused:
-            self.stuck |= written > 0  # an anchor's later shard refused: the earlier ones are written
+        except WriteRefused as e:
+            self.stuck |= written > 0  # an update after the first refused: the earlier ones are written
             self._close_refused_update()
             if pause and not self.stuck:
                 self.engine.resume()
+            self._raise_refused_files(e)
             raise
         except BaseException:
             self.stuck = True  # the call itself failed: the workers may hold part of the write
@@ -369,15 +343,19 @@ class EngineApplier(Applier):
         try:
             self.engine.finish(self.version)
         except WriteRefused as e:
-            if "without a matching start_weight_update" not in str(e):
+            if not compat.update_not_open(str(e)):
                 raise
 
-    def _write(self, infos: list[dict], step: int, kind: str, nbytes: int) -> float:
-        try:
-            pause_s = self._paused(infos, str(step))
-        finally:
-            for info in infos:
-                Path(info["path"]).unlink(missing_ok=True)
+    def _raise_refused_files(self, error: WriteRefused) -> None:
+        """FilesRefused if the workers reported that the files themselves are bad."""
+        report = self.tmp / "refused.json"
+        if report.exists():
+            report.unlink()
+            raise FilesRefused(str(error)) from None
+
+    def _write(self, info: dict, kind: str, nbytes: int) -> float:
+        step = info["step"]
+        pause_s = self._paused([info], str(step))
         self.version, self.step, self.stuck = str(step), step, False
         self.last_write = {
             "step": step,
@@ -434,7 +412,6 @@ def follow(
     applier = EngineApplier(engine, root)
     storage = open_storage(root, poll_budget=poll_budget)
     subscriber = Subscriber(storage, applier, replica=replica, verify_every=verify_every)
-    applier.attach(subscriber)
     try:
         subscriber.follow(stop, poll_s, on_applied=log_applied)
     finally:

@@ -132,6 +132,9 @@ class Layout:
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], blocks: dict[str, list[Block]], loader: list[str]):
         self.shapes, self.blocks, self.loader = shapes, blocks, loader
+        self.split: set[str] = set()  # tensors the ranks hold in disjoint parts (tensor parallel)
+        self.shared: set[str] = set()  # tensors some ranks hold parts of, some of them on several ranks
+        self.group = None
 
     @classmethod
     @torch.no_grad()
@@ -194,23 +197,50 @@ class Layout:
         if group is None or torch.distributed.get_world_size(group) == 1:
             return
         rank, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+        self.group = group
         for name, shape in self.shapes.items():
             numel = int(np.prod(shape))
             held = sum(int(np.prod(b.size)) for b in self.blocks.get(name, []))
             counts = torch.tensor([held, int(held == numel)], dtype=torch.int64)
             torch.distributed.all_reduce(counts, group=group)
             if int(counts[0]) == numel:  # disjoint shards: every rank counts its own
+                self.split.add(name)
                 continue
             if int(counts[1]) == world:  # whole on every rank: rank 0 counts it
                 for b in self.blocks.get(name, []):
                     b.owned = torch.zeros(int(np.prod(b.size)), dtype=torch.bool) if rank else None
                 continue
+            self.shared.add(name)
             owner = torch.full((numel,), world, dtype=torch.int32)
             for b in self.blocks.get(name, []):
                 owner[b.positions()] = rank
             torch.distributed.all_reduce(owner, op=torch.distributed.ReduceOp.MIN, group=group)
             for b in self.blocks.get(name, []):
                 b.owned = owner[b.positions()] == rank
+
+    def old_values(self, name: str) -> torch.Tensor:
+        """The whole HF tensor `name` (not one of `split`) as this rank's weights hold it: a view of them
+        where one block holds it in order, else a copy (tensor by tensor). A `shared` tensor is gathered
+        whole on every rank (a collective: every rank calls it for the same names in the same order)."""
+        shape, blocks = self.shapes[name], self.blocks.get(name, [])
+        alone = name not in self.shared and len(blocks) == 1 and blocks[0].packing is None
+        if alone and blocks[0].whole(shape):
+            return blocks[0].dst.view(shape)
+        device = blocks[0].dst.device if blocks else torch.device("cpu")
+        if name not in self.shared:
+            whole = torch.empty(shape, dtype=torch.bfloat16, device=device)
+            for b in blocks:
+                whole.as_strided(b.size, b.stride, b.offset).copy_(b.read())
+            return whole
+        # Each rank adds the elements it counts (the ranks' `owned` parts tile the tensor) into zeros.
+        whole = torch.zeros(shape, dtype=torch.int32)
+        for b in blocks:
+            values = bits(b.read().cpu()).to(torch.int32)
+            if b.owned is not None:
+                values = torch.where(b.owned.view(b.size), values, 0)
+            whole.as_strided(b.size, b.stride, b.offset).copy_(values)
+        torch.distributed.all_reduce(whole, group=self.group)
+        return whole.to(torch.int16).view(torch.bfloat16).to(device)
 
     def partial_fingerprint(self, names: list[str] | None = None) -> int:
         """This rank's share of the state fingerprint (`names`, default all held): the shares of all ranks

@@ -21,6 +21,33 @@ def test_world_group_has_a_cpu_group():
     assert "cpu_group" in annotations and "world_size" in annotations
 
 
+def test_worker_errors_are_unwrapped_as_the_executor_wraps_them():
+    """The executor's wrapping of a worker's error, in its source and applied to a message."""
+    from vllm.v1.executor import multiproc_executor
+
+    from deltasync.vllm import compat
+
+    source = inspect.getsource(multiproc_executor.MultiprocExecutor.collective_rpc)
+    template = next(line for line in source.splitlines() if "Worker failed with error" in line)
+    follows = source[source.index(template) + len(template) :].lstrip().splitlines()[0]
+    assert template.strip() == """f"Worker failed with error '{result}', please check the\""""
+    assert follows.strip() == '" stack trace above for the root cause"'
+    result = "step 3 applies to weights 00ff, this server holds 1234"
+    wrapped = f"Worker failed with error '{result}', please check the stack trace above for the root cause"
+    assert compat.worker_error(wrapped) == result and compat.worker_error(result) == result
+
+
+def test_finish_outside_an_update_is_refused_in_these_words():
+    from vllm.v1.worker import gpu_worker
+
+    from deltasync.vllm import compat
+
+    source = inspect.getsource(gpu_worker.Worker.finish_weight_update)
+    assert '"finish_weight_update called without a matching start_weight_update."' in source
+    assert compat.update_not_open("finish_weight_update called without a matching start_weight_update.")
+    assert not compat.update_not_open("start_weight_update called while a weight update is already active")
+
+
 def test_cpu_gemm_dispatch_is_looked_up_at_call_time():
     """The linear layers import `dispatch_cpu_unquantized_gemm` inside process_weights_after_loading, so
     replacing the module attribute reaches them."""

@@ -18,8 +18,11 @@ import pytest
 import requests
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from deltasync import telemetry
+from deltasync.codec.fingerprint import format_fingerprint
+from deltasync.codec.patch import encode, make_patch, read_entries, read_info
 from tests.helpers import CODE_UNDER_TEST, ServedRun, assert_bitwise_equal, wait_for
 from trainer.processes import free_port, placement, start_process, stop_process, wait_healthy
 from trainer.tiny_model import build_tiny_model
@@ -113,7 +116,7 @@ def following(root: Path, server: Server, log: Path, replica: str):
     """`deltasync follow ROOT --vllm-url URL` beside the server; yields its log."""
     argv = [sys.executable, "-m", "deltasync.cli", "follow", str(root), "--vllm-url", server.url]
     argv += ["--replica", replica, "--poll-s", "0.2", "--verify-every", "1"]
-    proc = start_process(argv, log, {}, cpus=CPUS.others)
+    proc = start_process(argv, log, CODE_UNDER_TEST, cpus=CPUS.others)  # this tree's deltasync
     yield log
     stop_process(proc, grace_s=30)
     assert proc.returncode == 0, log.read_text()[-3000:]
@@ -145,25 +148,39 @@ def test_follows_three_steps_bitwise(run, server, follower):
     assert all("bytes" in line and "paused" in line for line in lines)
 
 
+def patch_file(path: Path, data: bytes, rename: dict[str, str] | None = None, **metadata: str) -> str:
+    """`data`, a patch, saved to `path` with some metadata replaced and entries renamed."""
+    meta = read_info(data).metadata | metadata
+    entries = {(rename or {}).get(n, n): t for n, t in read_entries(data).items()}
+    save_file(entries, path, metadata=meta)
+    return str(path)
+
+
 def test_refused_update_writes_nothing_and_tells_why(run, server, follower, tmp_path):
     step = run.publisher.last_step
     server.wait_applied(run, REPLICA, step)
     before = server.readback()
     fingerprint = run.fingerprints[step]
-    patch = tmp_path / "patch.safetensors"
     name = "model.layers.0.mlp.up_proj.weight"
-    values = before[name].view(-1)[:3] + 1
-    indices = torch.tensor([0, 1, 2], dtype=torch.int32)
-    save_file({f"{name}/indices": indices, f"{name}/values": values}, patch)
-    unknown = tmp_path / "unknown.safetensors"
-    save_file({"no.such.weight/indices": indices, "no.such.weight/values": values}, unknown)
+    after = dict(before)
+    after[name] = before[name].clone()
+    after[name].view(-1)[:3] += 1
+    patch = make_patch(before, after, step + 100, step)
+    data = encode(patch, before, "compact")
+    new = format_fingerprint(patch.fingerprint)
+    good = patch_file(tmp_path / "good.safetensors", data)
+    # A patch whose header promises another state than its changes reach: refused once decoded.
+    lying = patch_file(tmp_path / "lying.safetensors", data, fingerprint="0" * 16)
+    unknown = patch_file(tmp_path / "unknown.safetensors", data, {name: "no.such.weight"})
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
     cases = [
-        ({"path": str(patch), "base": "0" * 16, "fingerprint": fingerprint}, "this server holds"),
-        ({"path": str(patch), "base": fingerprint, "fingerprint": "0" * 16}, "refused, nothing written"),
-        ({"path": str(unknown), "base": fingerprint, "fingerprint": fingerprint}, "no.such.weight"),
-        ({"path": str(garbage), "base": fingerprint, "fingerprint": fingerprint}, "cannot read"),
+        ({"paths": [good], "base": "0" * 16, "fingerprint": new}, "this server holds"),
+        ({"paths": [lying], "base": fingerprint, "fingerprint": "0" * 16}, "refused, nothing written"),
+        ({"paths": [good], "base": fingerprint, "fingerprint": "0" * 16}, f"its files lead to {new}"),
+        ({"paths": [unknown], "base": fingerprint, "fingerprint": new}, "no.such.weight"),
+        ({"paths": [str(garbage)], "base": fingerprint, "fingerprint": new}, "corrupt"),
+        ({"paths": [str(tmp_path / "absent")], "base": fingerprint, "fingerprint": new}, "cannot read"),
     ]
     for info, reason in cases:
         response = server.update(step=step + 100, kind="delta", **info)
@@ -272,3 +289,50 @@ def test_tensor_parallel_request_across_an_update(tp_run, tp_server, tp_follower
     assert [s["version"] for s in spans] == [str(before), str(step)], spans
     assert spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == LONG
     assert tp_server.verify(step, tp_run.fingerprints[step]).status_code == 200
+
+
+# ------------------------------------------------------------------ the follower holds no copy of the weights
+
+
+def build_model(path: Path) -> Path:
+    """A random bf16 Qwen3 of ~107M elements (214 MB): the tiny model's tokenizer, larger shapes, so that a
+    copy of the weights in the follower would stand far above the noise of its memory."""
+    build_tiny_model(path)
+    config = Qwen3Config.from_pretrained(path)
+    for key, value in dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8).items():
+        setattr(config, key, value)
+    config.num_attention_heads, config.num_key_value_heads, config.initializer_range = 16, 8, 0.02
+    config.layer_types = [config.layer_types[0]] * config.num_hidden_layers
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def memory_kb(pid: int, field: str) -> int:
+    """`VmRSS` (now) or `VmHWM` (peak) of process `pid`, in kB."""
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1])
+
+
+def test_the_follower_holds_no_copy_of_the_weights(tmp_path):
+    run = ServedRun(tmp_path, build_model(tmp_path / "model"), anchor_every=ANCHOR_EVERY)
+    model_kb = sum(t.nbytes for t in run.state.values()) // 1024
+    with stock_server(run.model_dir, tmp_path / "server", "--max-model-len", "512") as server:
+        log = tmp_path / "follower.log"
+        argv = [sys.executable, "-m", "deltasync.cli", "follow", str(run.served), "--vllm-url", server.url]
+        proc = start_process(
+            [*argv, "--replica", REPLICA, "--poll-s", "0.2"], log, CODE_UNDER_TEST, cpus=CPUS.others
+        )
+        try:
+            # Started and polling an empty root: what it holds before any weights move.
+            wait_for(lambda: "no run in" in log.read_text(), "the follower to poll")
+            before = memory_kb(proc.pid, "VmRSS")
+            for _ in range(3):  # an anchor, then deltas
+                step = run.step()
+            server.wait_applied(run, REPLICA, step)
+            peak = memory_kb(proc.pid, "VmHWM")
+        finally:
+            stop_process(proc, grace_s=30)
+        assert_bitwise_equal(server.readback(), run.states[step])
+    assert peak - before < model_kb / 5, (
+        f"the follower grew by {peak - before} kB, the model is {model_kb} kB"
+    )

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
-from deltasync.codec.patch import raw_changes
+from deltasync.codec.patch import decode_parts
+from deltasync.storage import open_storage
+from deltasync.sync.anchor import read_anchor
+from deltasync.sync.protocol import read_run
 from deltasync.sync.subscriber import Subscriber, SyncError
 from deltasync.vllm.follower import EngineApplier, HttpEngine, WriteRefused, path_summary
 from tests.helpers import SHAPES, assert_bitwise_equal, run_steps
@@ -25,11 +27,12 @@ from tests.helpers import SHAPES, assert_bitwise_equal, run_steps
 
 class FakeEngine:
     """vLLM's protocol as the workers keep it: an update only between start and finish; a refusal (from
-    `refuse`) ends the update; `verify` and `paths` answer as the deltasync engine does (`paths`: what each
-    rank reports)."""
+    `refuse`) ends the update; `fingerprint` and `paths` answer as the deltasync engine does (`paths`: what
+    each rank reports)."""
 
-    def __init__(self, paths: list[dict[str, str]] | None = None):
+    def __init__(self, paths: list[dict[str, str]] | None = None, root: Path | None = None):
         self.state: dict[str, torch.Tensor] = {}
+        self.run = read_run(open_storage(root)) if root else None
         self.paths = paths or [{}]
         self.calls: list[str] = []
         self.active = self.paused = False
@@ -57,12 +60,12 @@ class FakeEngine:
         self.calls.append(f"update {info['kind']}")
         if self.refuse:
             self.active = False
+            if self.refuse.startswith("bad file") and info.get("report"):  # as the workers report it
+                Path(info["report"]).write_text(json.dumps({"refused": self.refuse}))
             raise WriteRefused(self.refuse)
-        if info["kind"] == "verify":
+        if info["kind"] == "fingerprint":
             held = format_fingerprint(state_fingerprint(self.state))
-            if held != info["fingerprint"]:
-                self.active = False
-                raise WriteRefused(f"the weights read back hold {held}, step {info['step']} is x")
+            Path(info["path"]).write_text(json.dumps({"step": 0, "fingerprint": held}))
             return
         if info["kind"] == "stage":  # the checks only
             return
@@ -71,12 +74,13 @@ class FakeEngine:
             for rank, paths in enumerate(self.paths):
                 (Path(info["path"]) / f"rank-{rank}.json").write_text(json.dumps(paths))
             return
-        entries = load_file(info["path"])
         if info["kind"] == "anchor":
-            self.state |= {n: t.clone() for n, t in entries.items()}
+            files = [Path(p) for p in info["paths"]]
+            self.state = read_anchor(files, self.run, info["step"], info["fingerprint"])
             return
         assert info["base"] == format_fingerprint(state_fingerprint(self.state))
-        for name, ch in raw_changes(entries, {n: t.shape for n, t in self.state.items()}).items():
+        parts = [Path(p).read_bytes() for p in info["paths"]]
+        for name, ch in decode_parts(parts, self.state).changes.items():
             self.state[name].view(-1)[ch.indices] = ch.values
 
     def finish(self, version):
@@ -92,10 +96,9 @@ class FakeEngine:
 @pytest.fixture
 def followed(tmp_path):
     states = run_steps(tmp_path / "root", 3)
-    engine = FakeEngine()
+    engine = FakeEngine(root=tmp_path / "root")
     applier = EngineApplier(engine, str(tmp_path / "root"))
     subscriber = Subscriber(tmp_path / "root", applier, verify_every=1)
-    applier.attach(subscriber)
     yield states, engine, applier, subscriber
     applier.close()
 
@@ -106,7 +109,7 @@ def test_each_step_is_one_paused_update_then_a_read_back(followed):
     assert_bitwise_equal(engine.state, states[-1])
     assert engine.version == "2" and applier.version == "2" and not engine.paused and not engine.active
     delta = ["start", "update stage", "finish", "pause", "start", "update delta", "finish", "resume"]
-    delta += ["start", "update verify", "finish"]
+    delta += ["start", "update fingerprint", "finish"]
     # Checked and read back while generation goes on; paused for the writes only.
     assert engine.calls[-len(delta) :] == delta
     assert applier.readback["step"] == 2 and applier.last_write["kind"] == "delta"
@@ -127,6 +130,27 @@ def test_refused_update_is_closed_before_pausing(followed, tmp_path):
     assert not engine.paused and not engine.active and engine.version == "1"
     assert_bitwise_equal(engine.state, states[1])
     assert "this server holds 1234" in subscriber.last_error and not applier.stuck
+
+
+def test_the_follower_hands_files_and_holds_no_weights(followed):
+    states, engine, applier, subscriber = followed
+    subscriber.sync()
+    assert_bitwise_equal(engine.state, states[-1])
+    assert subscriber.state is None and subscriber.fingerprint == state_fingerprint(states[-1])
+
+
+def test_files_the_workers_refuse_are_never_asked_for_again(followed):
+    states, engine, applier, subscriber = followed
+    subscriber.sync(1)
+    engine.refuse = "bad file: step 2 would lead to weights 0000000000000000"
+    with pytest.raises(SyncError, match="would lead to weights"):
+        subscriber.sync()
+    engine.refuse = None  # the same file is not handed again: only a newer anchor can lead on
+    engine.calls.clear()
+    with pytest.raises(SyncError, match="waiting for a newer anchor"):
+        subscriber.sync()
+    assert "update stage" not in engine.calls and subscriber.step == 1
+    assert_bitwise_equal(engine.state, states[1])
 
 
 def test_read_back_reports_what_the_workers_hold(followed):
