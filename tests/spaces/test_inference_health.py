@@ -9,13 +9,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from fastapi.testclient import TestClient
 
-from bench import load_space_app
-
-
-@pytest.fixture(scope="module")
-def app():
-    return load_space_app("inference")
-
 
 def test_poll_budget_is_read_from_the_environment(app, monkeypatch):
     monkeypatch.setenv("MODEL", "tiny")

@@ -5,19 +5,7 @@ line when run.json contradicts the setting. Imports the app (and so vLLM) but st
 import pytest
 import torch
 
-from bench import load_space_app
 from deltasync.sync.publisher import Publisher
-from trainer.tiny_model import build_tiny_model
-
-
-@pytest.fixture(scope="module")
-def app():
-    return load_space_app("inference")
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"))
 
 
 def settings(app, model, root, **env):

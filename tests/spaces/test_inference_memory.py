@@ -8,20 +8,7 @@ import pytest
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from bench import load_space_app
-from trainer.tiny_model import build_tiny_model
-
 LEN = 1024
-
-
-@pytest.fixture(scope="module")
-def app():
-    return load_space_app("inference")
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"))
 
 
 @pytest.fixture(scope="module")
