@@ -27,7 +27,8 @@ The Hub's terms, as huggingface_hub 2.4 meets them:
   `reconnect` with the cursor once a session has lasted `feed_session_s`;
 - faults: `stale_s` (reads of a path overwritten less than that long ago see its previous entry: listings,
   paths-info and resolve; every `stale_every`th such read; not for `fresh_tokens`), `lose_responses(n,
-  status)` (the next n batches land, but are answered `status`), `fail_status` (every request fails).
+  status)` (the next n batches land, but are answered `status`), `fail_status` (every request fails),
+  `feed_status` (the feed's open sessions end and new ones are answered that status: a feed outage).
 A test clock (`clock`, default `time.time`) or short windows keep tests fast; the client itself sleeps in real
 time until a 429's window ends.
 
@@ -138,6 +139,7 @@ class FakeHub:
         self.spaces: dict[str, Space] = {}  # Space id -> what was created, committed and configured
         self.requests: list[str] = []  # "METHOD /path" of every request, so tests can count round trips
         self.fail_status: int | None = None  # when set, every request fails with it (an outage)
+        self.feed_status: int | None = None  # when set, the feed alone fails with it
         self.clock: Callable[[], float] = time.time
         self.quotas: dict[str, int] = dict(FREE_TIER)
         self.window_s = 300.0
@@ -394,6 +396,8 @@ class FakeHub:
             bucket = f"{ns}/{name}"
             if not self.feed:
                 raise HTTPException(404, "the change feed is not served here")
+            if self.feed_status is not None:
+                raise HTTPException(self.feed_status, "injected feed failure")
             self._bucket(ns, name)
             with self._lock:
                 oldest = self.changes[-self.feed_buffer].seq if len(self.changes) >= self.feed_buffer else 1
@@ -585,7 +589,9 @@ class FakeHub:
         last_sent = time.monotonic()
         while True:
             await asyncio.sleep(0.02)
-            if self.closing or self.fail_status is not None or changes is not self.changes:
+            if self.closing or changes is not self.changes:
+                return
+            if self.fail_status is not None or self.feed_status is not None:
                 return
             if await request.is_disconnected():
                 return

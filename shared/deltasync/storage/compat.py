@@ -7,4 +7,19 @@ a callback, which is what a follower needs. tests/deltasync/storage/test_compat.
 
 from huggingface_hub._bucket_live_follow import BucketFileChange, BucketFollower
 
-__all__ = ["BucketFileChange", "BucketFollower"]
+__all__ = ["BucketFileChange", "Follower"]
+
+
+class Follower(BucketFollower):
+    """A `BucketFollower` that says whether one of its sessions is open now (`in_session`): its `subscribed`
+    stays True once any session was ready, though after a failed reconnect it waits up to 80 s between
+    tries, and a follower that trusted it would hear of nothing meanwhile."""
+
+    in_session = False
+
+    def _follow_once(self) -> bool:
+        self.in_session = True
+        try:
+            return super()._follow_once()
+        finally:
+            self.in_session = False

@@ -38,7 +38,7 @@ from deltasync.storage.base import (
     check_path,
     rate_limited_line,
 )
-from deltasync.storage.compat import BucketFileChange, BucketFollower
+from deltasync.storage.compat import BucketFileChange, Follower
 
 _HUB_MISSING = (BucketNotFoundError, EntryNotFoundError)
 WINDOW_S = 300.0  # the Hub's quota window
@@ -67,7 +67,7 @@ class _Feed:
         self.log: list[str] = []  # keys changed, in order ("": anything may have changed)
         self.dropped = 0  # entries trimmed from the log's front
         self.cursors: dict[str, int] = {}  # each consumer's position in the log (counting the dropped)
-        self.follower: BucketFollower | None = None
+        self.follower: Follower | None = None
 
     def log_change(self, key: str) -> None:
         self.log.append(key)
@@ -89,7 +89,7 @@ class _Feed:
     @property
     def live(self) -> bool:
         follower = self.follower
-        return follower is not None and follower.subscribed and follower.is_alive()
+        return follower is not None and follower.subscribed and follower.in_session and follower.is_alive()
 
     def on_changes(self, changes: list[BucketFileChange]) -> None:
         with self.cond:
@@ -215,7 +215,7 @@ class HubBucketStorage(Storage):
             if follower is not None and not follower.subscribed:
                 return  # it gave up before it ever followed: not served or refused here; poll
             me = weakref.ref(self)
-            self._feed.follower = BucketFollower(
+            self._feed.follower = Follower(
                 endpoint=self.api.endpoint,
                 bucket_id=self.bucket_id,
                 token=self._token,

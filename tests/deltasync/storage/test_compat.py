@@ -5,17 +5,20 @@ import dataclasses
 import inspect
 import threading
 
-from deltasync.storage.compat import BucketFileChange, BucketFollower
+from deltasync.storage.compat import BucketFileChange, Follower
 
 
 def test_bucket_follower():
-    assert issubclass(BucketFollower, threading.Thread)
+    assert issubclass(Follower, threading.Thread)
     keywords = ["endpoint", "bucket_id", "token", "on_changes", "on_reconcile", "is_alive"]
-    assert list(inspect.signature(BucketFollower.__init__).parameters)[1:] == keywords
-    follower = BucketFollower(
+    assert list(inspect.signature(Follower.__init__).parameters)[1:] == keywords
+    # One call per session, returning whether it was healthy: Follower.in_session wraps it.
+    assert list(inspect.signature(Follower.__mro__[1]._follow_once).parameters) == ["self"]
+    follower = Follower(
         endpoint="http://x", bucket_id="a/b", on_changes=print, on_reconcile=print, is_alive=lambda: False
     )
     assert follower.daemon and follower.subscribed is False  # True once a session reached `ready`
+    assert follower.in_session is False
 
 
 def test_bucket_file_change():

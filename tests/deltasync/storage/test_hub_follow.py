@@ -53,6 +53,23 @@ def test_on_the_feed_a_step_is_applied_on_its_heads_event_and_idling_costs_nothi
     publisher.close()
 
 
+def test_while_the_feed_is_down_a_replica_polls_instead_of_waiting_for_its_reconnect(fake_hub):
+    publisher, params = trainer()
+    subscriber, target = replica(follow=True)
+    stop = threading.Event()
+    threading.Thread(target=subscriber.follow, args=(stop, 0.2), daemon=True).start()
+    eventually(lambda: subscriber.step == 0 and subscriber.storage.live)
+    fake_hub.feed_status = 503  # the session ends; huggingface_hub's follower retries in 10, 20, 40, 80 s
+    eventually(lambda: not subscriber.storage.live)
+    train_step(params, 1)
+    publisher.publish(params, step=1)
+    publisher.flush()
+    eventually(lambda: subscriber.step == 1, timeout=8.0)  # polled: well before the follower's next try
+    assert bitwise_equal(target, bf16(params))
+    stop.set()
+    publisher.close()
+
+
 def test_an_idle_poll_without_the_feed_costs_no_api_call(fake_hub):
     publisher, _ = trainer()
     subscriber, _ = replica(follow=False)
