@@ -330,6 +330,19 @@ def _new_pattern(old, step, raw):
     return value & 0xFFFF if -(1 << 15) <= value < 1 << 15 else -1
 
 
+@_jit
+def new_patterns(old, steps, raws):
+    """The new patterns (uint16) of changes by step from old patterns (int16; raws where a step is
+    V_SYMBOLS), and whether every step stays in the 16-bit range."""
+    new = np.empty(old.size, np.uint16)
+    for j in range(old.size):
+        pattern = _new_pattern(old[j], steps[j], raws[j])
+        if pattern < 0:
+            return new, False
+        new[j] = pattern
+    return new, True
+
+
 @_inline
 def _pattern_step(old, pattern):
     """new - old of the signed patterns (old int16, pattern 0..65535), as the fingerprint weighs it."""

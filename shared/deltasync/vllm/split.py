@@ -21,7 +21,7 @@ from deltasync.codec.changes import TensorChanges
 from deltasync.codec.header import PatchInfo
 from deltasync.codec.parallel import parallel_map
 from deltasync.codec.patch import chunk_size, chunk_streams, raw_changes
-from deltasync.codec.symbols import MAX_CLASSES, V_SYMBOLS
+from deltasync.codec.symbols import MAX_CLASSES
 from deltasync.errors import PatchError
 
 SEGMENT_BYTES = 8 + 4 * MAX_CLASSES  # what a segment costs in the all-gather: its start and class counts
@@ -48,6 +48,8 @@ def decode_held(
     in the whole tensor), and the first problem only this rank can see (a new pattern out of range), which
     the caller must agree on with the other ranks before it raises: a collective runs per compact tensor.
     Also the bytes all-gathered (every rank's segments). Raises PatchError on what every rank sees alike."""
+    from deltasync.codec import kernels  # numba: never at module level (see kernels)
+
     t = info.tensors[name]
     lo = info.windows.get(name, (0, 0))[0]
     positions, old = held(blocks, lo, n)
@@ -120,13 +122,8 @@ def decode_held(
     ours = positions.size > 0
     hit = held_key[sorted_keys[at]] == wanted if ours else np.zeros(wanted.size, bool)
     element = sorted_keys[at[hit]]
-    before_bits, step, raw = old[element].astype(np.int64), steps[hit], raws[hit]
-    value = before_bits + ((step >> 1) ^ -(step & 1))
-    escaped = step == V_SYMBOLS
-    problem = None
-    if (~escaped & ((value < -(1 << 15)) | (value >= 1 << 15))).any():
-        problem = f"{name}: corrupt compact data: a value step leaves the bf16 range"
-    new = np.where(escaped, raw - ((raw & 0x8000) << 1), value).astype(np.int16)
+    new, in_range = kernels.new_patterns(old[element], steps[hit], raws[hit])
+    problem = None if in_range else f"{name}: corrupt compact data: a value step leaves the bf16 range"
     order = np.argsort(positions[element])
     return (
         _changes(positions[element][order] + lo, new[order], device),

@@ -84,6 +84,15 @@ def test_decoding_a_chunk_gives_its_fingerprint_move(numel, chunk, density, seed
     assert moved == moved_by("w", b, new)
 
 
+def test_new_patterns_steps_old_patterns_and_refuses_a_step_out_of_the_16_bit_range():
+    old = np.array([0, 5, -3, 32767], np.int16)
+    steps = np.array([2, 1, V_SYMBOLS, 2], np.int64)  # zigzag: +1, -1, a raw pattern, +1
+    raws = np.array([0, 0, 0x8001, 0], np.int64)
+    new, in_range = kernels.new_patterns(old[:3], steps[:3], raws[:3])
+    assert in_range and new.tolist() == [1, 4, 0x8001]
+    assert not kernels.new_patterns(old, steps, raws)[1]  # 32767 + 1
+
+
 def ans_words(starts, q, v, freq, cum) -> list[int]:
     """The rANS words of ans_encode, in Python integers (the coder as specified, no machine types)."""
     words, x, low, renorm = [], 1 << 16, 1 << 16, ((1 << 16) >> ANS_SCALE) << 16
