@@ -237,12 +237,12 @@ class Publisher:
             log.warning("telemetry or GC of published steps failed, retrying later: %s", e)
 
     def close(self, timeout: float | None = None) -> None:
-        """Publish what is pending, stop the worker and let the next writer in; publish() then raises."""
-        stopped = False
+        """Publish what is pending, stop the worker and let the next writer in; publish() then raises, and
+        so does close() if publishing failed (after letting the next writer in)."""
         try:
-            stopped = self._worker.close(timeout)
+            self._worker.close(timeout)
         finally:
-            if stopped:
+            if self._worker.stopped:
                 if self._worker.error is None:
                     self._send_due()
                     self._restore_head()

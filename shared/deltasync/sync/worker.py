@@ -70,8 +70,8 @@ class Worker(Generic[J]):
             if not done:
                 raise TimeoutError(f"{self.what} still busy after {timeout} s")
 
-    def close(self, timeout: float | None = None) -> bool:
-        """Run what is pending (see `flush`), then stop the thread; whether it has stopped."""
+    def close(self, timeout: float | None = None) -> None:
+        """Run what is pending (see `flush`, whose failure it raises), then stop the thread."""
         try:
             self.flush(timeout)
         finally:
@@ -79,6 +79,9 @@ class Worker(Generic[J]):
                 self._closed = True
                 self.lock.notify_all()
             self._thread.join(timeout)
+
+    @property
+    def stopped(self) -> bool:
         return not self._thread.is_alive()
 
     def raise_if_failed(self) -> None:

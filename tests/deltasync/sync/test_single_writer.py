@@ -113,6 +113,22 @@ def test_second_local_publisher_is_refused_naming_the_holder(tmp_path):
         assert second.publish(make_params(1)) == 1
 
 
+def test_a_failed_publisher_lets_the_next_writer_in_when_closed(tmp_path, monkeypatch):
+    first = Publisher(tmp_path, model="tiny")
+    first.publish(make_params(0))
+    first.flush()
+
+    def fail(job):
+        raise RuntimeError("the encoder failed")
+
+    monkeypatch.setattr(first, "_publish", fail)  # a failure no retry helps (a bug, a fenced writer)
+    first.publish(make_params(1))
+    with pytest.raises(RuntimeError, match="the encoder failed"):
+        first.close()  # raises the failure, after releasing the root
+    with Publisher(tmp_path) as second:  # step 1 was never acknowledged: it continues from step 0
+        assert second.publish(make_params(2)) == 1
+
+
 def test_hub_lease_refuses_a_second_writer_and_fences_a_stale_one(fake_hub):
     root = "hf://buckets/user/sync/run"
     config = PublisherConfig(lease_s=3600)  # no renewal during the test: the takeover below is deterministic
@@ -130,6 +146,8 @@ def test_hub_lease_refuses_a_second_writer_and_fences_a_stale_one(fake_hub):
     first.publish(make_params(1))  # the stale writer wakes up: fenced, its step is never acknowledged
     with pytest.raises(RuntimeError, match="another publisher moved the head"):
         first.flush()
+    with pytest.raises(RuntimeError, match="another publisher moved the head"):
+        first.close()  # stops the fenced writer, leaving the new writer's lease alone (checked below)
     assert second.publish(make_params(2)) == 1
     second.close()
     reader = Subscriber(root)
