@@ -48,29 +48,31 @@ class System:
         self.board.refresh()
         return self.dashboard.status_markdown(self.board.summary(), 2.0)
 
-    def close(self) -> None:
+    def __enter__(self) -> "System":
+        return self
+
+    def __exit__(self, *exc) -> None:
         self.stop.set()
         self.publisher.close()
 
 
 def test_free_tier_over_six_windows_without_a_429(fake_hub, dashboard):
     fake_hub.clock = clock = Clock()
-    system = System(dashboard)
-    steps = 62  # one every 30 s of the test clock: six 5-minute windows and more
-    for step in range(1, steps + 1):
-        clock.advance(30)
-        system.step(step)
-        eventually(lambda s=step: system.caught_up(s), timeout=60)
-        system.status()
-    done = [(name, steps + 1, 0) for name in REPLICAS]  # the anchor and every step, none refused
+    with System(dashboard) as system:
+        steps = 62  # one every 30 s of the test clock: six 5-minute windows and more
+        for step in range(1, steps + 1):
+            clock.advance(30)
+            system.step(step)
+            eventually(lambda s=step: system.caught_up(s), timeout=60)
+            system.status()
+        done = [(name, steps + 1, 0) for name in REPLICAS]  # the anchor and every step, none refused
 
-    def shown_on_the_board():
-        system.status()
-        rows = system.board.summary()["replicas"]
-        return [(r["replica"], r["applied"], r["refused"]) for r in rows] == done
+        def shown_on_the_board():
+            system.status()
+            rows = system.board.summary()["replicas"]
+            return [(r["replica"], r["applied"], r["refused"]) for r in rows] == done
 
-    eventually(shown_on_the_board)
-    system.close()
+        eventually(shown_on_the_board)
     final = bf16(system.params)
     for name, (subscriber, tensors) in system.replicas.items():
         assert bitwise_equal(tensors, final), name
@@ -81,29 +83,31 @@ def test_free_tier_over_six_windows_without_a_429(fake_hub, dashboard):
 
 
 def test_a_quota_too_small_is_shown_and_recovered_from(fake_hub, dashboard):
-    system = System(dashboard)  # the free tier while the run starts
-    fake_hub.window_s = 3.0  # then short windows on the real clock (the client sleeps for real)
-    # Fewer resolver calls per window than one step's reads (the trainer's read-backs, each replica's head
-    # and delta), which come together on the head's event: the replicas meet 429s, not only the others.
-    fake_hub.quotas = {"api": 12, "resolvers": 4}
-    shown, errors, watching = [], [], threading.Event()
+    with System(dashboard) as system:  # the free tier while the run starts
+        fake_hub.window_s = 3.0  # then short windows on the real clock (the client sleeps for real)
+        # Fewer resolver calls per window than one step's reads (the trainer's read-backs, each replica's
+        # head and delta), which come together on the head's event: the replicas meet 429s, not only the
+        # others.
+        fake_hub.quotas = {"api": 12, "resolvers": 4}
+        shown, errors, watching = [], [], threading.Event()
 
-    def watch():  # what a person would see on the dashboard and in the replicas' status meanwhile
-        for tick in itertools.count():
-            if watching.wait(0.05):
-                return
-            if tick % 20 == 0:  # the dashboard refreshes every second or two, not at this rate
-                shown.append(system.status())
-            errors.extend(s.last_error for s, _ in system.replicas.values() if s.last_error)
+        def watch():  # what a person would see on the dashboard and in the replicas' status meanwhile
+            for tick in itertools.count():
+                if watching.wait(0.05):
+                    return
+                if tick % 20 == 0:  # the dashboard refreshes every second or two, not at this rate
+                    shown.append(system.status())
+                errors.extend(s.last_error for s, _ in system.replicas.values() if s.last_error)
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    for step in range(1, 5):
-        system.step(step)
-    eventually(lambda: system.caught_up(4), timeout=120)
-    watching.set()
-    watcher.join()
-    system.close()
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            for step in range(1, 5):
+                system.step(step)
+            eventually(lambda: system.caught_up(4), timeout=120)
+        finally:
+            watching.set()
+            watcher.join()
     assert fake_hub.limited() > 0
     assert any("rate limited until" in e for e in errors), errors
     assert any("Rate limited" in s or "rate limited until" in s for s in shown), shown
