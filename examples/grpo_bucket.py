@@ -96,7 +96,7 @@ def main() -> None:
     )  # fmt: skip
     if trainer.accelerator.is_main_process:  # nothing is published unless all is usable
         schema = ds.schema_of(trainer.model, adapter=lora is not None)
-        ds.check_or_exit(ours.sync_root, schema, name, urls)
+        ds.check_or_exit(ours.sync_root, schema, name, urls, lora_rank=ours.lora_r)
     ds.stamp_rollouts(trainer, transfer, replica_urls=urls, max_ahead=max_ahead, seed=args.seed)
     trainer.train()
 

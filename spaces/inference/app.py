@@ -84,6 +84,7 @@ from vllm.platforms import current_platform
 
 from appkit.asgi import BodyLimit
 from appkit.settings import from_env
+from deltasync.codec.patch import schema_hash
 from deltasync.storage import POLL_BUDGET, open_storage, rate_limited_line, redact
 from deltasync.sync.protocol import read_run
 from deltasync.sync.subscriber import Subscriber
@@ -163,6 +164,8 @@ def sync_status(cfg: Settings, subscriber: Subscriber, applier: EngineApplier, i
         "lag_s": now - min(waiting) if waiting else (recent[-1].lag_s if recent else None),
         "applied_at": recent[-1].applied_at if recent else None,
         "weight_version": applier.version,
+        "schema_hash": schema_hash(subscriber.run.schema) if subscriber.run else None,  # checked by preflight
+        "lora_config": None,  # full weights (a LoRA trainer's preflight refuses this replica)
         "paused_until_anchor": applier.stuck,
         "last_error": subscriber.last_error,
         "rate_limited_until": subscriber.storage.rate_limited_until,  # the Hub refuses requests until then
@@ -425,9 +428,9 @@ def lora_rank(lora: dict) -> int:
     return int(lora.get("adapter_config", {}).get("r", 0))
 
 
-def lora_status(cfg: Settings, resolver: DeltasyncLoRAResolver, in_flight: InFlight) -> dict:
+def lora_status(cfg: Settings, resolver: DeltasyncLoRAResolver, in_flight: InFlight, args) -> dict:
     """GET /weights for a LoRA root: each request names its adapter version, resolved when first named."""
-    head = resolver.reader.head
+    head, run = resolver.reader.head, resolver.reader.run
     return {
         "replica": cfg.replica_id,
         "model": cfg.model,
@@ -437,6 +440,8 @@ def lora_status(cfg: Settings, resolver: DeltasyncLoRAResolver, in_flight: InFli
         "lag_steps": None,
         "lag_s": None,
         "weight_version": "model",  # the base model's: an adapter's version is its name
+        "schema_hash": schema_hash(run.schema) if run else None,
+        "lora_config": {"max_lora_rank": args.max_lora_rank, "max_loras": args.max_loras},  # vLLM's names
         "adapters": resolver.resolved,
         "last_error": resolver.last_error,
         "requests_in_flight": in_flight.count,
@@ -450,7 +455,7 @@ async def serve_adapters(cfg: Settings, engine, args, sock: socket.socket) -> No
     resolver = LoRAResolverRegistry.get_resolver(RESOLVER)
     assert isinstance(resolver, DeltasyncLoRAResolver)  # registered by serve()
     in_flight = InFlight(None)
-    status = functools.partial(lora_status, cfg, resolver, in_flight)
+    status = functools.partial(lora_status, cfg, resolver, in_flight, args)
     limited = lambda: resolver.reader.storage.rate_limited_until  # noqa: E731
     app = await public_app(cfg, args, engine, status, lambda: "model", in_flight, limited)
     await uvicorn.Server(uvicorn.Config(app)).serve(sockets=[sock])

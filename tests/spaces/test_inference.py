@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from deltasync.trl.preflight import preflight
 from tests.helpers import REPO, ServedRun
 from trainer.processes import placement, serving
 from trainer.tiny_model import build_tiny_model
@@ -165,13 +166,24 @@ def server(run, tmp_path_factory):
 
 
 class TestFollowingServer:
-    def test_starts_from_the_first_anchor(self, run, server):
+    def test_starts_from_the_first_anchor(self, run, server, monkeypatch, tmp_path):
         status = server.wait_for(lambda s: s["readback"] and s["readback"]["step"] == 0, "the first anchor")
         assert status["anchor"] == 0 and status["weight_version"] == "0" and status["last_error"] is None
         assert status["step"] == 0 and status["readback"]["fingerprint"] == run.fingerprints[0]
         # a dense model: every tensor written in place, straight into vLLM's parameter views
         direct = {"direct": len(run.states[0]), "packed": 0, "loader": 0}
         assert status["write_paths"] == {"counts": direct, "other": {}}
+        # What a trainer's preflight reads there: the run's parameters, full weights.
+        monkeypatch.setenv("INFERENCE_API_TOKEN", TOKEN)
+        schema = {n: list(t.shape) for n, t in run.states[0].items()}
+        assert preflight(run.served, schema, server.model, [server.url]) is None
+        refused = preflight(run.served, schema, server.model, [server.url], lora_rank=16)
+        assert refused == f"inference server {server.url} serves full weights, not a LoRA adapter " + (
+            "(a Space: set MAX_LORA_RANK)"
+        )
+        other = {name: [1, *shape] for name, shape in schema.items()}  # another model, on a fresh root
+        refused = preflight(tmp_path / "fresh", other, server.model, [server.url])
+        assert refused.startswith(f"inference server {server.url} holds other parameters than the trainer")
 
     def test_every_step_applied_verified_and_served(self, run, server):
         outputs = {0: server.greedy()}

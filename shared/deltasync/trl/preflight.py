@@ -2,6 +2,7 @@
 they all hold the same model.
 
     failure = preflight(root, schema_of(model), model_name, replica_urls, env_url)   # None when all is well
+    failure = preflight(root, schema_of(peft_model, adapter=True), ..., lora_rank=16)  # adapter mode
 
 Read-only checks come first; the root's write check (one probe object, deleted again) comes last, so a run
 that fails preflight leaves the root as it found it. `check_or_exit` prints the failure as one line and exits
@@ -58,8 +59,10 @@ def preflight(
     model_name: str,
     replica_urls: Iterable[str] = (),
     env_url: str | None = None,
+    lora_rank: int = 0,
 ) -> str | None:
-    """None if training may start, else one line naming what failed and where."""
+    """None if training may start, else one line naming what failed and where. `lora_rank`: the adapter's
+    rank in adapter mode (0: full weights), which a replica that reports its LoRA settings must serve."""
     storage = root if isinstance(root, Storage) else open_storage(root)
     where = redact(storage.url)
     try:
@@ -81,7 +84,7 @@ def preflight(
             except EXPECTED as e:
                 return f"sync root {where}: {HEAD_PATH} cannot be read: {_reason(e)}"
     for url in replica_urls:
-        problem = _check_replica(url.rstrip("/"), model_name, schema)
+        problem = _check_replica(url.rstrip("/"), model_name, schema, lora_rank)
         if problem:
             return problem
     if env_url:
@@ -108,9 +111,12 @@ def check_or_exit(*args, **kwargs) -> None:
         raise SystemExit(2)
 
 
-def _check_replica(url: str, model_name: str, schema: Mapping[str, Sequence[int]]) -> str | None:
+def _check_replica(
+    url: str, model_name: str, schema: Mapping[str, Sequence[int]], lora_rank: int
+) -> str | None:
     """The replica answers, serves `model_name` and, if it reports its sync status (`/weights`, as the
-    project's inference Space does), the same parameters; logs its weight version."""
+    project's inference Space does), the same parameters, in the same mode (vLLM's `lora_config`: None, or
+    its max_lora_rank at least the adapter's); logs its weight version."""
     body, problem = _get(f"{url}/v1/models", "inference server")
     if problem:
         return problem
@@ -127,6 +133,9 @@ def _check_replica(url: str, model_name: str, schema: Mapping[str, Sequence[int]
     if problem:
         return problem
     if isinstance(status, dict):
+        problem = _mode_mismatch(status["lora_config"], lora_rank) if "lora_config" in status else None
+        if problem:
+            return f"inference server {redact(url)} {problem}"
         reported = status.get("schema_hash")
         if reported is not None and reported != schema_hash(schema):
             return (
@@ -173,6 +182,20 @@ def _schema_mismatch(stored: Mapping[str, Sequence[int]], ours: Mapping[str, Seq
             return f"{name} has shape {list(stored[name])} there, {list(shape)} here"
     extra = next((name for name in stored if name not in ours), None)
     return f"the model here has no parameter {extra}" if extra else None
+
+
+def _mode_mismatch(lora_config: object, lora_rank: int) -> str | None:
+    """Why a replica with these LoRA settings (vLLM's `lora_config`) cannot serve the trainer, if so."""
+    if lora_config is None:
+        return "serves full weights, not a LoRA adapter (a Space: set MAX_LORA_RANK)" if lora_rank else None
+    if not lora_rank:
+        return "serves LoRA adapters, not full weights (a Space: unset MAX_LORA_RANK)"
+    served = lora_config.get("max_lora_rank", 0) if isinstance(lora_config, dict) else 0
+    if served < lora_rank:
+        return (
+            f"serves LoRA adapters up to rank {served}, below the trainer's {lora_rank} (raise MAX_LORA_RANK)"
+        )
+    return None
 
 
 def _reason(e: BaseException) -> str:

@@ -1,6 +1,6 @@
-"""Preflight: a dead environment, a dead replica, a replica serving another model, an unwritable root or a
-root holding another model's run each end in one line naming what and where (exit status 2 from the scripts),
-and the root holds nothing new afterwards."""
+"""Preflight: a dead environment, a dead replica, a replica serving another model or in the other mode (full
+weights or a LoRA adapter), an unwritable root or a root holding another model's run each end in one line
+naming what and where (exit status 2 from the scripts), and the root holds nothing new afterwards."""
 
 import contextlib
 import http.server
@@ -29,9 +29,11 @@ SCHEMA = {"model.embed_tokens.weight": [16, 8], "model.norm.weight": [8]}
 
 
 @contextlib.contextmanager
-def fake_replica(served: str = MODEL, schema: dict | None = None, models: object = None) -> Iterator[str]:
+def fake_replica(
+    served: str = MODEL, schema: dict | None = None, models: object = None, lora: object = ...
+) -> Iterator[str]:
     """Answers /v1/models with `served` (or `models` as the list's data) and, like the inference Space,
-    /weights with its sync status."""
+    /weights with its sync status (with `lora`: its vLLM `lora_config`)."""
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -42,6 +44,7 @@ def fake_replica(served: str = MODEL, schema: dict | None = None, models: object
     @app.get("/weights")
     def weights():
         status = {"model": served, "step": 4, "weight_version": "4"}
+        status |= {"lora_config": lora} if lora is not ... else {}
         return status | ({"schema_hash": schema_hash(schema)} if schema is not None else {})
 
     @app.get("/health")
@@ -97,6 +100,30 @@ def test_replica_holding_other_parameters(root):
     with fake_replica(schema=other) as url:
         failure = preflight(root, SCHEMA, MODEL, [url])
     assert failure.startswith(f"inference server {url} holds other parameters than the trainer"), failure
+    assert listing(root) == []
+
+
+@pytest.mark.parametrize(
+    "lora, lora_rank, problem",
+    [
+        (None, 16, "serves full weights, not a LoRA adapter (a Space: set MAX_LORA_RANK)"),
+        (
+            {"max_lora_rank": 8, "max_loras": 6},
+            16,
+            "serves LoRA adapters up to rank 8, below the trainer's 16",
+        ),
+        ({"max_lora_rank": 16, "max_loras": 6}, 0, "serves LoRA adapters, not full weights"),
+        ({"max_lora_rank": 16, "max_loras": 6}, 16, None),
+        (None, 0, None),
+    ],
+)
+def test_replica_in_the_other_mode(root, lora, lora_rank, problem):
+    with fake_replica(lora=lora) as url:
+        failure = preflight(root, SCHEMA, MODEL, [url], lora_rank=lora_rank)
+    if problem is None:
+        assert failure is None
+    else:
+        assert failure.startswith(f"inference server {url} {problem}"), failure
     assert listing(root) == []
 
 

@@ -13,6 +13,7 @@ from deltasync import telemetry
 from deltasync.storage import open_storage
 from deltasync.sync.protocol import read_head
 from deltasync.sync.publisher import Publisher
+from deltasync.trl.preflight import preflight
 from tests.deltasync.vllm.test_follow import Server, stock_server
 from tests.deltasync.vllm.test_moe import ENV, PROMPT
 from tests.trainer.test_example import STEPS, run_example
@@ -102,3 +103,11 @@ def test_the_inference_space_serves_a_lora_root_by_version(tmp_path):
         status = requests.get(f"{url}/weights", timeout=10).json()
         assert status["adapters"] == ["policy-v0", "policy-v1"] and status["head_step"] == 1
         assert status["last_error"] == f"LoRA adapter policy-v2: step 2 is not in {root} yet (head 1)"
+        # What a trainer's preflight reads there: the adapter's parameters, LoRA up to the adapter's rank.
+        schema = {n: list(t.shape) for n, t in adapter.items()}
+        assert preflight(root, schema, str(model), [url], lora_rank=8) is None
+        refused = preflight(root, schema, str(model), [url])  # a trainer of all the weights
+        assert (
+            refused
+            == f"inference server {url} serves LoRA adapters, not full weights (a Space: unset MAX_LORA_RANK)"
+        )
