@@ -198,6 +198,7 @@ def main() -> None:
     hub = FakeHub(Path(tempfile.mkdtemp(prefix="bench-hub-cas-")))
     hub.start()
     os.environ["HF_ENDPOINT"] = hub.endpoint
+    os.environ["HF_XET_CACHE"] = str(hub.client_cache)
     from huggingface_hub import constants
 
     constants.ENDPOINT = hub.endpoint  # read at import: point the imported client at the fake

@@ -32,8 +32,9 @@ def fake_hub(_fake_hub_server, monkeypatch):
     """A fake Hub served from this process (empty for each test) that HfApi clients created in the test, and
     the processes it starts (HF_ENDPOINT and HF_TOKEN are in their environment), talk to.
 
-    Yields the FakeHub: `.endpoint`, `.token` (also set as HF_TOKEN), `.buckets`, `.requests`, `.fail_status`,
-    and the Hub's terms (quotas, windows, pages, change feed, stale reads, lost responses: tests/fakehub.py).
+    Yields the FakeHub: `.endpoint`, `.token` (also set as HF_TOKEN), `.client_cache` (HF_XET_CACHE),
+    `.buckets`, `.requests`, `.fail_status`, and the Hub's terms (quotas, windows, pages, change feed, stale
+    reads, lost responses: tests/fakehub.py).
     """
     hub = _fake_hub_server
     hub.reset()
@@ -41,6 +42,7 @@ def fake_hub(_fake_hub_server, monkeypatch):
     # huggingface_hub reads HF_ENDPOINT once, at import: point the already imported module at the fake too.
     monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
     monkeypatch.setenv("HF_TOKEN", hub.token)
+    monkeypatch.setenv("HF_XET_CACHE", str(hub.client_cache))
     return hub
 
 

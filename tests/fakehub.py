@@ -4,7 +4,7 @@ Routes and wire formats follow huggingface_hub 2.4's bucket client (`huggingface
 File bytes go through Xet's CAS API, served under `/cas` as the Hub's CAS service serves it to `hf_xet`
 (xet-core's `RemoteClient`): its Xet token routes answer `casUrl: <endpoint>/cas`, the client uploads xorbs
 (`POST /v1/xorbs/default/{hash}`, kept in a folder) and shards (`POST /v1/shards`: the fake reads each file's
-terms out of the shard's file info section), and reads a file by its reconstruction (`GET
+terms out of the shard's file info section, and refuses with a 400 a shard naming a xorb it lacks), and reads a file by its reconstruction (`GET
 /v1/reconstructions/{hash}`: xorb chunk ranges, and the byte ranges to fetch them from `/v1/fetch_term`).
 The v2 routes and global dedup answer 404: the client falls back to v1 and skips dedup. So any number of
 processes, each with its own huggingface_hub client and Xet session, read and write the same buckets. CAS
@@ -127,6 +127,9 @@ class FakeHub:
         self._lock = threading.Lock()  # the server's threads and the test's share the state below
         self._xorbs = cas_dir / "xorbs"
         self._xorbs.mkdir(parents=True, exist_ok=True)
+        # The Xet client keeps a dedup cache per endpoint URL (HF_XET_CACHE): this Hub's clients need one of
+        # their own, or a fake on a port an earlier fake used would be sent shards naming that one's xorbs.
+        self.client_cache = cas_dir / "client-xet-cache"
         self._files: dict[str, list[Term]] = {}  # xet file hash -> its terms, from the uploaded shards
         self.closing = False
         self.reset()
@@ -533,6 +536,13 @@ class FakeHub:
         @router.post("/v1/shards")
         async def upload_shard(request: Request):
             files = _shard_files(await request.body())
+            missing = sorted(
+                {t.xorb for terms in files.values() for t in terms if not (self._xorbs / t.xorb).exists()}
+            )
+            if missing:  # as the CAS does (hub-docs, xet/api.md: "a referenced Xorb doesn't exist")
+                raise HTTPException(
+                    400, f"shard references {len(missing)} xorb(s) never uploaded: {missing[0]}"
+                )
             with self._lock:
                 self._files.update(files)
             return {"result": 1}  # SyncPerformed

@@ -1,6 +1,7 @@
 """The Hub bucket backend on the Hub's terms: the fake Hub's quotas, 429s, pages, change feed and faults,
 through huggingface_hub's real client and the storage layer."""
 
+import os
 import threading
 import time
 
@@ -87,6 +88,18 @@ def test_requests_are_counted_per_class_and_window(fake_hub, storage):
     clock.advance(300)
     storage.read_bytes("run.json")
     assert fake_hub.counts("api")[-2:] == [1, 0] and fake_hub.counts("resolvers")[-2:] == [1, 1]
+
+
+def test_the_cas_refuses_a_shard_naming_a_xorb_it_never_received(fake_hub, storage):
+    """A client's dedup cache can name xorbs this CAS lacks (one kept from an earlier fake on the same port):
+    the write fails, as on the Hub, instead of landing a file whose reads fail."""
+    data = os.urandom(1000)
+    storage.write_bytes("a", data)
+    for term in fake_hub._files[fake_hub.buckets["user/sync"]["a"]["xetHash"]]:
+        (fake_hub._xorbs / term.xorb).unlink()
+    with pytest.raises(TransientStorageError, match="400"):
+        storage.write_bytes("b", data)  # deduplicated against the xorb the CAS lost
+    assert "b" not in fake_hub.buckets["user/sync"]
 
 
 def test_tree_listings_come_in_pages(fake_hub, storage):
