@@ -4,11 +4,12 @@ Routes and wire formats follow huggingface_hub 2.4's bucket client (`huggingface
 File bytes go through Xet's CAS API, served under `/cas` as the Hub's CAS service serves it to `hf_xet`
 (xet-core's `RemoteClient`): its Xet token routes answer `casUrl: <endpoint>/cas`, the client uploads xorbs
 (`POST /v1/xorbs/default/{hash}`, kept in a folder) and shards (`POST /v1/shards`: the fake reads each file's
-terms out of the shard's file info section, and refuses with a 400 a shard naming a xorb it lacks), and reads a file by its reconstruction (`GET
-/v1/reconstructions/{hash}`: xorb chunk ranges, and the byte ranges to fetch them from `/v1/fetch_term`).
-The v2 routes and global dedup answer 404: the client falls back to v1 and skips dedup. So any number of
-processes, each with its own huggingface_hub client and Xet session, read and write the same buckets. CAS
-requests carry the Xet token, not the user's: they count against no quota and are not in `requests`.
+terms out of the shard's file info section, and refuses with a 400 a shard naming a xorb it lacks), and
+reads a file by its reconstruction (`GET /v1/reconstructions/{hash}`: xorb chunk ranges, and the byte ranges
+to fetch them from `/v1/fetch_term`). The v2 routes and global dedup answer 404: the client falls back to v1
+and skips dedup. So any number of processes, each with its own huggingface_hub client and Xet session (and
+Xet cache, `client_cache`), read and write the same buckets. CAS requests carry the Xet token, not the
+user's: they count against no quota and are not in `requests`.
 
 Space repos (for the deploy command): create, README metadata validation, commits of regular (base64) files,
 the file tree, variables, secrets and hardware requests. Files are kept in memory.
