@@ -47,7 +47,8 @@ class HookedRolloutLoop(_AsyncRolloutLoop):
       the rollout's task);
     - `after_rollout(completion_ids, sequences)` gets a finished rollout's tokens and training rows, and
       `rollout_finished(server)` is told when a rollout ends, finished or failed;
-    - `after_scoring(group, samples)` gets a scored group's samples before TRL queues them;
+    - `after_scoring(group, samples)` gets a scored group's samples before TRL queues them, and returns those
+      to queue;
     - `request_model()` names the model of each request (TRL's: the model, or `{lora_name}-v{model_version}`),
       read once per request, in the rollout's task.
     """
@@ -77,8 +78,10 @@ class HookedRolloutLoop(_AsyncRolloutLoop):
     def rollout_finished(self, server: str) -> None:
         """Called when a rollout served by `server` ends, complete or failed."""
 
-    def after_scoring(self, group: RolloutGroup, samples: list[RolloutSample]) -> None:
-        """Called with a scored group before TRL queues its samples (no await in between)."""
+    def after_scoring(self, group: RolloutGroup, samples: list[RolloutSample]) -> list[RolloutSample]:
+        """Called with a scored group before TRL queues its samples (no await in between); returns those to
+        queue."""
+        return samples
 
     def stopping(self) -> bool:
         """Whether the loop was asked to stop: a hook that waits must then stop waiting, or the loop, which
@@ -126,9 +129,7 @@ class HookedRolloutLoop(_AsyncRolloutLoop):
         return result
 
     async def _score_group(self, group: RolloutGroup) -> list[RolloutSample]:
-        samples = await super()._score_group(group)
-        self.after_scoring(group, samples)
-        return samples
+        return self.after_scoring(group, await super()._score_group(group))
 
 
 def use_loop(worker: AsyncRolloutWorker, loop_cls: type[HookedRolloutLoop], **loop_kwargs: Any) -> None:

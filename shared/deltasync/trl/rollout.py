@@ -16,7 +16,8 @@ nothing about when the replica applied it. `VersionedRolloutLoop` keeps TRL's lo
   steps ahead of training and its rollouts go stale),
 - counts what it generated (`RolloutCounters`), so the trainer can tell per step how much of it was trained,
 - optionally leaves out of the loss a final turn cut off by `max_completion_length` (`mask_truncated`: TRL's
-  GRPOTrainer flag `mask_truncated_completions`, which the async trainer lacks),
+  GRPOTrainer flag `mask_truncated_completions`, which the async trainer lacks); a sample with no turn left
+  to train is not queued,
 - optionally never reinforces giving up: `quit_early(messages)` (the task's) tells a rollout whose last
   turn ended it before its task did (e.g. no guess while the game was still on); where such a rollout's
   advantage is positive, that turn is left out of the loss. TRL trains every turn with its rollout's
@@ -204,7 +205,7 @@ class VersionedRolloutLoop(HookedRolloutLoop):
             for sequence in sequences:
                 self._rollout_versions[sequence.rollout_id] = min(versions)
 
-    def after_scoring(self, group: RolloutGroup, samples: list[RolloutSample]) -> None:
+    def after_scoring(self, group: RolloutGroup, samples: list[RolloutSample]) -> list[RolloutSample]:
         # TRL emits one sample per training row, conversation by conversation, row by row.
         rows = [sequence for sequences in group.completions_sequences for sequence in sequences]
         if self.quit_early is not None:
@@ -223,6 +224,9 @@ class VersionedRolloutLoop(HookedRolloutLoop):
         self._admitted.discard(group.group_id)
         if self.counters is not None:
             self.counters.add(len(samples), sum(len(ids) for ids in group.completions_ids))
+        # A sample whose every turn the masks above took out has no loss term, and TRL's loss fails on a row
+        # without one (`segment_id.max()` of nothing): such a sample is not queued.
+        return [sample for sample in samples if np.any(sample.completion_mask)]
 
     def _mask_quits(self, group: RolloutGroup, samples: list[RolloutSample]) -> None:
         """Leave out of the loss the last turn of each rollout that quit early with a positive advantage."""

@@ -7,6 +7,7 @@ Space labels it (x-weight-version, x-weight-version-end); the real Space is exer
 
 import contextlib
 import multiprocessing
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -92,14 +93,28 @@ def test_mask_last_turn_leaves_the_earlier_turns_trained():
 def test_a_turn_cut_off_by_max_tokens_is_left_out_of_the_loss(tokenizer, mask_truncated):
     # Every turn runs into max_tokens (3 tokens, none an end of turn); a turn that ends on EOS is kept.
     ramble = [t for t in range(5, 50) if t not in (tokenizer.eos_token_id, tokenizer.pad_token_id)][:3]
-    buffer = multiprocessing.get_context("spawn").Queue()
+    buffer, counters, scored = multiprocessing.get_context("spawn").Queue(), RolloutCounters(), 0.0
+
+    def two_groups_scored() -> bool:
+        nonlocal scored
+        scored += counters.take()[0]
+        return scored >= 4
+
     with serving(ramble) as (url, _):
-        loop = rollout_loop(url, tokenizer, buffer, mask_truncated=mask_truncated, max_tokens=3)
+        loop = rollout_loop(
+            url, tokenizer, buffer, mask_truncated=mask_truncated, max_tokens=3, counters=counters
+        )
         with running(loop):
-            samples = [buffer.get(timeout=60) for _ in range(2)]
-    for sample in samples:
-        assert sample.input_ids[-3:].tolist() == ramble
-        assert sample.completion_mask[-3:].tolist() == ([0] * 3 if mask_truncated else [1] * 3)
+            if mask_truncated:
+                # Its one turn left out, a sample has nothing to train (and TRL's loss fails on a row of such
+                # samples): it is not queued.
+                wait_for(two_groups_scored, "two groups scored")
+                with pytest.raises(queue.Empty):
+                    buffer.get(timeout=3)
+            else:
+                for sample in [buffer.get(timeout=60) for _ in range(2)]:
+                    assert sample.input_ids[-3:].tolist() == ramble
+                    assert sample.completion_mask[-3:].tolist() == [1] * 3
     buffer = multiprocessing.get_context("spawn").Queue()  # the first loop may have queued more
     with serving([*ramble[:2], tokenizer.eos_token_id]) as (url, _):
         loop = rollout_loop(url, tokenizer, buffer, mask_truncated=True, max_tokens=3)
