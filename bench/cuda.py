@@ -79,11 +79,15 @@ from deltasync.codec.parallel import default_threads
 State = dict[str, torch.Tensor]
 
 
-def make_states(model: str, layers: int, density: float, device: str, seed: int = 0) -> tuple[State, State]:
-    """A random bf16 state and the state one step later (see the module's docstring)."""
+def make_states(
+    model: str, layers: int, density: float, device: str, seed: int = 0, names: tuple[str, ...] | None = None
+) -> tuple[State, State]:
+    """A random bf16 state and the state one step later (see the module's docstring); `names`: only those."""
     g = torch.Generator(device).manual_seed(seed)
     old, new = {}, {}
     for name, shape in qwen3_shapes(layers, model).items():
+        if names is not None and name not in names:
+            continue
         if len(shape) == 1:
             t = torch.ones(shape, device=device, dtype=torch.bfloat16)
         else:

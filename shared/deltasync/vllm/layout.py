@@ -15,6 +15,7 @@ its positions to the packed storage; its writes, read-backs and fingerprints go 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,7 @@ from deltasync.codec.changes import TensorChanges
 from deltasync.vllm import compat
 from deltasync.vllm.experts import Packing
 
+BUDGET = 1 << 22  # elements of a block read at once, where it is read in batches (bounds temporaries)
 LIMB_BITS = 16  # fingerprints are summed across ranks in 16-bit limbs: an int64 all-reduce never overflows
 
 
@@ -60,6 +62,18 @@ class Block:
         """HF flat positions of the block's elements, in `dst`'s element order."""
         numel = self.offset + 1 + sum((n - 1) * s for n, s in zip(self.size, self.stride, strict=True))
         return torch.arange(numel).as_strided(self.size, self.stride, self.offset).reshape(-1)
+
+    def runs(self) -> tuple[np.ndarray, int]:
+        """Where the block's runs of consecutive HF positions begin (flat, in `dst`'s element order), and
+        their length: its trailing dims that step through the HF tensor in order make one run."""
+        k, length = len(self.size), 1
+        while k and (self.size[k - 1] == 1 or self.stride[k - 1] == length):
+            length *= self.size[k - 1]
+            k -= 1
+        starts = np.array([self.offset], np.int64)
+        for size, stride in zip(self.size[:k], self.stride[:k], strict=True):
+            starts = (starts[:, None] + np.arange(size, dtype=np.int64) * stride).reshape(-1)
+        return starts, length
 
     def whole(self, shape: tuple[int, ...]) -> bool:
         """Whether the block is the whole HF tensor `shape`, in its order, in a contiguous `dst`."""
@@ -103,6 +117,75 @@ class Block:
                 return False
             expected *= n
         return self.dst.is_contiguous()
+
+
+@dataclass
+class Segments:
+    """Runs of consecutive positions of a tensor's window that blocks hold, none across a chunk boundary nor
+    longer than a budget, in each block's element order: where each begins in the window, how long it is,
+    its block and where it begins in that block's flat element order. What a rank reads of a tensor it holds
+    in parts, batch by batch, without a list of the positions it holds."""
+
+    start: np.ndarray
+    length: np.ndarray
+    block: np.ndarray
+    element: np.ndarray
+
+    @classmethod
+    def of(cls, blocks: list[Block], lo: int, n: int, chunk: int, budget: int) -> Segments:
+        """The segments of `blocks` in the window [lo, lo + n) of their tensor."""
+        parts = []
+        for i, b in enumerate(blocks):
+            starts, length = b.runs()
+            first, end = np.maximum(starts, lo), np.minimum(starts + length, lo + n)
+            keep = first < end
+            element = (np.arange(starts.size) * length + first - starts)[keep]
+            a, e = first[keep] - lo, end[keep] - lo
+            a, e, element = _cut(a, e, element, chunk, aligned=True)
+            a, e, element = _cut(a, e, element, budget, aligned=False)
+            parts.append((a, e - a, np.full(a.size, i), element))
+        if not parts:
+            return cls(*(np.empty(0, np.int64) for _ in range(4)))
+        return cls(*(np.concatenate(p).astype(np.int64) for p in zip(*parts, strict=True)))
+
+    def batches(self, budget: int, chunk: int) -> Iterator[tuple[int, int]]:
+        """[first, last) segment ranges of one block and one chunk, adjacent in the block's element order,
+        of at most 2 x `budget` elements together."""
+        joined = np.zeros(self.start.size, bool)
+        joined[1:] = (
+            (self.block[1:] == self.block[:-1])
+            & (self.element[1:] == self.element[:-1] + self.length[:-1])
+            & (self.start[1:] // chunk == self.start[:-1] // chunk)
+        )
+        group = np.cumsum(~joined)
+        before = np.cumsum(self.length) - self.length
+        within = before - before[np.flatnonzero(~joined)][group - 1]
+        key = group * (1 << 32) + within // budget
+        bounds = np.concatenate([[0], np.flatnonzero(np.diff(key)) + 1, [self.start.size]])
+        yield from zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True) if self.start.size else ()
+
+    def span(self, first: int, last: int) -> tuple[int, int]:
+        """The element range of a batch of segments [first, last) in their block."""
+        return int(self.element[first]), int(self.element[last - 1] + self.length[last - 1])
+
+    def positions(self, first: int, last: int) -> np.ndarray:
+        """The window positions of a batch of segments [first, last), in element order."""
+        length = self.length[first:last]
+        return np.repeat(self.start[first:last] - np.cumsum(length) + length, length) + np.arange(
+            length.sum()
+        )
+
+
+def _cut(a: np.ndarray, e: np.ndarray, element: np.ndarray, step: int, aligned: bool):
+    """[a, e) cut at multiples of `step` (`aligned`) or every `step` elements from a; `element` follows."""
+    origin = np.zeros_like(a) if aligned else a
+    first = (a - origin) // step
+    count = (e - 1 - origin) // step - first + 1
+    which = np.repeat(np.arange(a.size), count)
+    k = np.arange(which.size) - np.repeat(np.cumsum(count) - count, count) + first[which]
+    lo = np.maximum(a[which], origin[which] + k * step)
+    hi = np.minimum(e[which], origin[which] + (k + 1) * step)
+    return lo, hi, element[which] + lo - a[which]
 
 
 def _is_box(size: tuple[int, ...], stride: tuple[int, ...], shape: tuple[int, ...]) -> bool:
@@ -251,11 +334,17 @@ class Layout:
                 if b.owned is None and b.whole(self.shapes[name]):  # in order: the vectorized pass
                     total += fingerprint.tensor_fingerprint(name, b.read())
                     continue
-                positions, values = b.positions(), bits(b.read().cpu())
-                if b.owned is not None:
-                    positions, values = positions[b.owned], values[b.owned]
-                zeros = np.zeros(values.numel(), np.int16)
-                total += fingerprint.delta(name, positions.numpy(), zeros, values.numpy())
+                numel, values = int(np.prod(self.shapes[name])), bits(b.read())
+                segments = Segments.of(
+                    [b], 0, numel, numel, BUDGET
+                )  # a batch at a time: no list of positions
+                for first, last in segments.batches(BUDGET, numel):
+                    e0, e1 = segments.span(first, last)
+                    positions, part = segments.positions(first, last), values[e0:e1].cpu().numpy()
+                    if b.owned is not None:
+                        counted = b.owned.view(-1)[e0:e1].numpy()
+                        positions, part = positions[counted], part[counted]
+                    total += fingerprint.delta(name, positions, np.zeros(part.size, np.int16), part)
         return total & fingerprint.MASK64
 
     def plan_patch(self, changes: dict[str, TensorChanges]) -> tuple[list, int]:

@@ -5,12 +5,18 @@ of the OLD value). A rank holds only its own segments of the chunk (runs of cons
 row-parallel weight cuts every row into one segment per rank, a column-parallel one gives each rank a run
 of rows), so it lacks how many elements of each class the other ranks' segments before its own hold. Each
 rank counts the classes of its segments, the ranks all-gather those counts (4 int32 and an int64 start per
-segment), and each takes prefix sums in chunk order: it then knows the rank of every element it holds,
-places the changes that fall on them, and leaves the rest to their holders. The rANS streams are decoded by
-every rank (O(changes)), so every rank reaches the same verdict on them.
+segment), and each takes prefix sums in chunk order: every change then names the segment it falls in and
+its place among that segment's elements of its class, and each rank places those of its own segments.
+The rANS streams are decoded by every rank (O(changes)), so every rank reaches the same verdict on them.
+
+The segments follow from the blocks' shapes (no list of held positions), and the held values are read where
+they live, `budget` elements at a time: beyond the weights, a rank's memory is O(changes + segments).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,36 +29,140 @@ from deltasync.codec.parallel import parallel_map
 from deltasync.codec.patch import chunk_size, chunk_streams, raw_changes
 from deltasync.codec.symbols import MAX_CLASSES
 from deltasync.errors import PatchError
+from deltasync.vllm.layout import BUDGET, Segments
 
 SEGMENT_BYTES = 8 + 4 * MAX_CLASSES  # what a segment costs in the all-gather: its start and class counts
 
 
-def held(blocks, lo: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """The elements of a tensor's window [lo, lo + n) that `blocks` hold: positions in the window (ascending
-    int64) and their old patterns (int16)."""
-    positions, patterns = [np.empty(0, np.int64)], [np.empty(0, np.int16)]
-    for b in blocks:
-        p = b.positions().numpy()
-        keep = (p >= lo) & (p < lo + n)
-        positions.append(p[keep] - lo)
-        patterns.append(bits(b.read().cpu()).reshape(-1).numpy()[keep])
-    p, v = np.concatenate(positions), np.concatenate(patterns)
-    order = np.argsort(p, kind="stable")
-    return p[order], v[order]
+class _Held:
+    """The old patterns a rank holds of one tensor's window, segment by segment, read where they live."""
+
+    def __init__(self, blocks, lo: int, n: int, chunk: int, budget: int):
+        self.segments = Segments.of(blocks, lo, n, chunk, budget)
+        self.flats = [bits(b.read()) for b in blocks]  # views where the weights are contiguous
+        self.chunk, self.budget = chunk, budget
+        self.device = blocks[0].dst.device if blocks else torch.device("cpu")
+
+    def batches(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(first, last, the old patterns of segments [first, last)) for every batch of segments."""
+        s = self.segments
+        for first, last in s.batches(self.budget, self.chunk):
+            e0, e1 = s.span(first, last)
+            yield first, last, self.flats[s.block[first]][e0:e1]
+
+    def class_counts(self, limits: np.ndarray) -> np.ndarray:
+        """[segments, MAX_CLASSES]: how many of each segment's elements are of each class (`limits`: each
+        chunk's)."""
+        s = self.segments
+        at_least = np.zeros((s.start.size, MAX_CLASSES), np.int64)  # elements of class >= k
+        at_least[:, 0] = s.length
+        for first, last, old in self.batches():
+            magnitude = old & 0x7FFF
+            ends = torch.from_numpy(np.cumsum(s.length[first:last]) - 1).to(self.device)
+            for k, limit in enumerate(limits[s.start[first] // self.chunk].tolist(), 1):
+                if limit <= 0x7FFF:  # else unreachable
+                    upto = torch.cumsum(magnitude >= limit, 0, dtype=torch.int32)[ends].cpu().numpy()
+                    at_least[first:last, k] = np.diff(upto, prepend=0)
+        return at_least - np.append(at_least[:, 1:], np.zeros((s.start.size, 1), np.int64), 1)
+
+    def place(
+        self, limits: np.ndarray, counts: np.ndarray, segment: np.ndarray, cls: np.ndarray, within: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The window positions and old patterns of the elements that are the `within`-th of class `cls` in
+        this rank's segments `segment` (one per change), from their `counts` of each class."""
+        positions, old_patterns = np.empty(segment.size, np.int64), np.empty(segment.size, np.int16)
+        by_segment = np.argsort(segment, kind="stable")
+        ordered = segment[by_segment]
+        for first, last, old in self.batches():
+            a, b = np.searchsorted(ordered, [first, last])
+            if a == b:
+                continue
+            changes = by_segment[a:b]
+            magnitude = old & 0x7FFF
+            classes = torch.zeros(old.shape, dtype=torch.uint8, device=self.device)
+            for limit in limits[self.segments.start[first] // self.chunk].tolist():
+                if limit <= 0x7FFF:
+                    classes += magnitude >= limit
+            before = np.cumsum(counts[first:last], 0) - counts[first:last]  # in the batch, per class
+            element = np.empty(changes.size, np.int64)
+            for k in range(MAX_CLASSES):  # the batch's elements of class k, in order: the change's is there
+                of_class = np.flatnonzero(cls[changes] == k)
+                if of_class.size:
+                    at = before[segment[changes[of_class]] - first, k] + within[changes[of_class]]
+                    members = torch.nonzero(classes == k)[:, 0]
+                    element[of_class] = members[torch.from_numpy(at).to(self.device)].cpu().numpy()
+            s = segment[changes]
+            positions[changes] = (
+                self.segments.start[s] + element - (self.segments.element[s] - self.segments.element[first])
+            )
+            old_patterns[changes] = old[torch.from_numpy(element).to(self.device)].cpu().numpy()
+        return positions, old_patterns
+
+
+@dataclass
+class _ChunkOrder:
+    """Every rank's segments of a tensor, sorted by start: the chunk of each, how many elements of each class
+    come before it in its chunk, its class counts, and its index among this rank's (-1: another's)."""
+
+    chunk: np.ndarray
+    before: np.ndarray
+    counts: np.ndarray
+    local: np.ndarray
+
+    @classmethod
+    def gather(cls, starts: np.ndarray, counts: np.ndarray, chunk: int, group) -> _ChunkOrder:
+        """All-gather (a collective) every rank's segment starts and class counts."""
+        everyone: list = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(everyone, (starts, counts.astype(np.int32)), group=group)
+        me = torch.distributed.get_rank(group)
+        all_starts = np.concatenate([e[0] for e in everyone])
+        all_counts = np.concatenate([e[1] for e in everyone]).astype(np.int64)
+        local = np.concatenate([np.where(r == me, np.arange(e[0].size), -1) for r, e in enumerate(everyone)])
+        order = np.argsort(all_starts, kind="stable")
+        all_counts, chunk_of = all_counts[order], all_starts[order] // chunk
+        before = np.cumsum(all_counts, 0) - all_counts  # over the whole window; minus each chunk's first
+        before -= before[np.searchsorted(chunk_of, chunk_of)]
+        return cls(chunk_of, before, all_counts, local[order])
+
+    def totals(self, chunks: int) -> np.ndarray:
+        """[chunks, MAX_CLASSES]: the elements of each class in each chunk."""
+        totals = np.zeros((chunks, MAX_CLASSES), np.int64)
+        np.add.at(totals, self.chunk, self.counts)
+        return totals
+
+    def locate(self, chunk: np.ndarray, cls: np.ndarray, rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For changes by (chunk, class, in-class rank), each inside its chunk: the segment it falls in (the
+        last of its chunk to begin at or before its rank among those with elements of its class) and its
+        place among that segment's elements of its class."""
+        segment = np.empty(rank.size, np.int64)
+        for k in range(MAX_CLASSES):
+            of_class = cls == k
+            holding = np.flatnonzero(self.counts[:, k] > 0)
+            keys = (self.chunk[holding] << 32) + self.before[holding, k]
+            wanted = (chunk[of_class] << 32) + rank[of_class]
+            segment[of_class] = holding[np.searchsorted(keys, wanted, "right") - 1]
+        return segment, rank - self.before[segment, cls]
 
 
 def decode_held(
-    info: PatchInfo, entries: dict, name: str, n: int, tables: compact.Tables | None, blocks, group
+    info: PatchInfo,
+    entries: dict,
+    name: str,
+    n: int,
+    tables: compact.Tables | None,
+    blocks,
+    group,
+    budget: int = BUDGET,
 ) -> tuple[TensorChanges, str | None, int]:
     """The changes of `name`'s entry (of `n` elements) that fall on the elements `blocks` hold (positions
     in the whole tensor), and the first problem only this rank can see (a new pattern out of range), which
     the caller must agree on with the other ranks before it raises: a collective runs per compact tensor.
-    Also the bytes all-gathered (every rank's segments). Raises PatchError on what every rank sees alike."""
+    Also the bytes all-gathered (every rank's segments). Raises PatchError on what every rank sees alike.
+    The held values are read `budget` elements at a time (about that many times 10 B of temporaries)."""
     from deltasync.codec import kernels  # numba: never at module level (see kernels)
 
     t = info.tensors[name]
     lo = info.windows.get(name, (0, 0))[0]
-    positions, old = held(blocks, lo, n)
     device = blocks[0].dst.device if blocks else torch.device("cpu")
     if t["mode"] == "raw":
         parts = {f"{name}/{p}": entries[f"{name}/{p}"] for p in ("indices", "values")}
@@ -62,9 +172,14 @@ def decode_held(
         dense = entries[name]
         if dense.dtype != torch.bfloat16 or dense.numel() != n:
             raise PatchError(f"{name}: dense entry must be bf16 of {n} elements")
-        new = bits(dense).reshape(-1).numpy()[positions]
-        moved = new != old
-        return _changes(positions[moved] + lo, new[moved], device), None, 0
+        new_all, held = bits(dense).numpy(), _Held(blocks, lo, n, n, budget)
+        moved_at, moved_to = [], []
+        for first, last, old in held.batches():
+            at = held.segments.positions(first, last)
+            moved = new_all[at] != old.cpu().numpy()
+            moved_at.append(at[moved])
+            moved_to.append(new_all[at][moved])
+        return _changes(moved_at, moved_to, lo, device), None, 0
     assert tables is not None  # a compact patch's
     chunk = chunk_size(info)
     streams = chunk_streams(name, entries, n, chunk)
@@ -75,63 +190,32 @@ def decode_held(
         )
     except compact.CompactDecodeError as e:
         raise PatchError(f"{name}: corrupt compact data: {e}") from None
+    held = _Held(blocks, lo, n, chunk, budget)
     limits = np.stack([d[0] for d in decoded])  # [chunks, 3]
-    # This rank's segments: runs of consecutive positions, cut at chunk boundaries.
-    which = positions // chunk
-    first = np.ones(positions.size, bool)
-    first[1:] = (np.diff(positions) != 1) | (which[1:] != which[:-1])
-    segment = np.cumsum(first) - 1
-    starts = positions[first]
-    magnitude = (old.astype(np.int32) & 0x7FFF)[:, None]
-    cls = (magnitude >= limits[which]).sum(1)
-    counts = np.bincount(segment * MAX_CLASSES + cls, minlength=starts.size * MAX_CLASSES)
-    counts = counts.reshape(-1, MAX_CLASSES).astype(np.int32)
-    # Every rank's segments, in chunk order: how many elements of each class come before each segment.
-    everyone: list = [None] * torch.distributed.get_world_size(group)
-    torch.distributed.all_gather_object(everyone, (starts, counts), group=group)
-    all_starts = np.concatenate([e[0] for e in everyone])
-    all_counts = np.concatenate([e[1] for e in everyone]).astype(np.int64)
-    order = np.argsort(all_starts, kind="stable")
-    all_starts, all_counts = all_starts[order], all_counts[order]
-    before = np.cumsum(all_counts, 0) - all_counts  # over the whole window; minus each chunk's first
-    chunk_of = all_starts // chunk
-    chunk_first = np.searchsorted(chunk_of, chunk_of)
-    before -= before[chunk_first]
-    totals = np.zeros((len(streams), MAX_CLASSES), np.int64)
-    np.add.at(totals, chunk_of, all_counts)
-    mine = np.searchsorted(all_starts, starts)
-    # The in-class rank of each element held: its segment's start, plus those of its class before it there.
-    key = segment * MAX_CLASSES + cls
-    by_key = np.argsort(key, kind="stable")
-    group_start = np.searchsorted(key[by_key], key[by_key])
-    within = np.empty(positions.size, np.int64)
-    within[by_key] = np.arange(positions.size) - group_start
-    rank = before[mine[segment], cls] + within
-    held_key = ((which * MAX_CLASSES + cls) << 32) + rank
-    # The decoded changes: which ranks they name, and which of those this rank holds.
+    counts = held.class_counts(limits)
+    order = _ChunkOrder.gather(held.segments.start, counts, chunk, group)
     d_chunk = np.repeat(np.arange(len(decoded)), [d[1].size for d in decoded])
     d_cls = np.concatenate([d[1] for d in decoded]).astype(np.int64)
-    d_rank = np.concatenate([d[2] for d in decoded])
-    if (d_rank >= totals[d_chunk, d_cls]).any():
+    d_rank = np.concatenate([d[2] for d in decoded]).astype(np.int64)
+    if (d_rank >= order.totals(len(streams))[d_chunk, d_cls]).any():
         raise PatchError(f"{name}: corrupt compact data: a change past the end of its chunk")
-    steps = np.concatenate([d[3] for d in decoded]).astype(np.int64)
-    raws = np.concatenate([d[4] for d in decoded]).astype(np.int64)
-    wanted = ((d_chunk * MAX_CLASSES + d_cls) << 32) + d_rank
-    sorted_keys = np.argsort(held_key)
-    at = np.searchsorted(held_key[sorted_keys], wanted).clip(max=max(positions.size - 1, 0))
-    ours = positions.size > 0
-    hit = held_key[sorted_keys[at]] == wanted if ours else np.zeros(wanted.size, bool)
-    element = sorted_keys[at[hit]]
-    new, in_range = kernels.new_patterns(old[element], steps[hit], raws[hit])
-    problem = None if in_range else f"{name}: corrupt compact data: a value step leaves the bf16 range"
-    order = np.argsort(positions[element])
-    return (
-        _changes(positions[element][order] + lo, new[order], device),
-        problem,
-        all_starts.size * SEGMENT_BYTES,
+    segment, within = order.locate(d_chunk, d_cls, d_rank)
+    ours = order.local[segment] >= 0
+    positions, old_patterns = held.place(
+        limits, counts, order.local[segment[ours]], d_cls[ours], within[ours]
     )
+    steps = np.concatenate([d[3] for d in decoded]).astype(np.int64)[ours]
+    raws = np.concatenate([d[4] for d in decoded]).astype(np.int64)[ours]
+    new, in_range = kernels.new_patterns(old_patterns, steps, raws)
+    problem = None if in_range else f"{name}: corrupt compact data: a value step leaves the bf16 range"
+    return _changes([positions], [new], lo, device), problem, order.chunk.size * SEGMENT_BYTES
 
 
-def _changes(positions: np.ndarray, patterns: np.ndarray, device: torch.device) -> TensorChanges:
-    values = torch.from_numpy(np.ascontiguousarray(patterns).view(np.int16)).view(torch.bfloat16)
-    return TensorChanges(torch.from_numpy(positions).to(device), values.to(device))
+def _changes(
+    positions: list[np.ndarray], patterns: list[np.ndarray], lo: int, device: torch.device
+) -> TensorChanges:
+    p = np.concatenate(positions) if positions else np.empty(0, np.int64)
+    v = np.concatenate(patterns) if patterns else np.empty(0, np.int16)
+    order = np.argsort(p)
+    values = torch.from_numpy(np.ascontiguousarray(v[order]).view(np.int16)).view(torch.bfloat16)
+    return TensorChanges(torch.from_numpy(p[order] + lo).to(device), values.to(device))
