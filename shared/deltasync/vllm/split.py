@@ -50,6 +50,13 @@ class _Held:
             e0, e1 = s.span(first, last)
             yield first, last, self.flats[s.block[first]][e0:e1]
 
+    def _limits(self, limits: np.ndarray, first: int) -> list[int]:
+        """The class limits (of `limits`, each chunk's) that segment `first`'s elements can reach: a class
+        is the number of them its magnitude reaches."""
+        return [
+            limit for limit in limits[self.segments.start[first] // self.chunk].tolist() if limit <= 0x7FFF
+        ]
+
     def class_counts(self, limits: np.ndarray) -> np.ndarray:
         """[segments, MAX_CLASSES]: how many of each segment's elements are of each class (`limits`: each
         chunk's)."""
@@ -59,10 +66,9 @@ class _Held:
         for first, last, old in self.batches():
             magnitude = old & 0x7FFF
             ends = torch.from_numpy(np.cumsum(s.length[first:last]) - 1).to(self.device)
-            for k, limit in enumerate(limits[s.start[first] // self.chunk].tolist(), 1):
-                if limit <= 0x7FFF:  # else unreachable
-                    upto = torch.cumsum(magnitude >= limit, 0, dtype=torch.int32)[ends].cpu().numpy()
-                    at_least[first:last, k] = np.diff(upto, prepend=0)
+            for k, limit in enumerate(self._limits(limits, first), 1):
+                upto = torch.cumsum(magnitude >= limit, 0, dtype=torch.int32)[ends].cpu().numpy()
+                at_least[first:last, k] = np.diff(upto, prepend=0)
         return at_least - np.append(at_least[:, 1:], np.zeros((s.start.size, 1), np.int64), 1)
 
     def place(
@@ -80,9 +86,8 @@ class _Held:
             changes = by_segment[a:b]
             magnitude = old & 0x7FFF
             classes = torch.zeros(old.shape, dtype=torch.uint8, device=self.device)
-            for limit in limits[self.segments.start[first] // self.chunk].tolist():
-                if limit <= 0x7FFF:
-                    classes += magnitude >= limit
+            for limit in self._limits(limits, first):
+                classes += magnitude >= limit
             before = np.cumsum(counts[first:last], 0) - counts[first:last]  # in the batch, per class
             element = np.empty(changes.size, np.int64)
             for k in range(MAX_CLASSES):  # the batch's elements of class k, in order: the change's is there
