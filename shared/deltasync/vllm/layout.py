@@ -171,9 +171,8 @@ class Segments:
     def positions(self, first: int, last: int) -> np.ndarray:
         """The window positions of a batch of segments [first, last), in element order."""
         length = self.length[first:last]
-        return np.repeat(self.start[first:last] - np.cumsum(length) + length, length) + np.arange(
-            length.sum()
-        )
+        shift = self.start[first:last] - (np.cumsum(length) - length)  # position minus place in the batch
+        return np.repeat(shift, length) + np.arange(length.sum())
 
 
 def _cut(a: np.ndarray, e: np.ndarray, element: np.ndarray, step: int, aligned: bool):
@@ -334,10 +333,9 @@ class Layout:
                 if b.owned is None and b.whole(self.shapes[name]):  # in order: the vectorized pass
                     total += fingerprint.tensor_fingerprint(name, b.read())
                     continue
+                # a batch of the block's runs at a time: no list of its positions
                 numel, values = int(np.prod(self.shapes[name])), bits(b.read())
-                segments = Segments.of(
-                    [b], 0, numel, numel, BUDGET
-                )  # a batch at a time: no list of positions
+                segments = Segments.of([b], 0, numel, numel, BUDGET)
                 for first, last in segments.batches(BUDGET, numel):
                     e0, e1 = segments.span(first, last)
                     positions, part = segments.positions(first, last), values[e0:e1].cpu().numpy()
