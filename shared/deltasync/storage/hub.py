@@ -366,10 +366,13 @@ class HubBucketStorage(Storage):
 
     def _batch(self, add: list[tuple[bytes | Path, str]], delete: list[str]) -> None:
         """One batch call (deleting what is already gone is no failure). What this process wrote is news to
-        its own readers at once (the feed's event comes later); what the feed said of those paths is old."""
+        its own readers at once; what the feed said of those paths before the call is old, what it said
+        since (its event may beat the call's answer) is kept."""
         self._refuse_while_limited()  # else the client would sleep inside the call until the window ends
         self._create_bucket()
         keys = [self._key(p) for _, p in add] + [self._key(p) for p in delete]
+        with self._feed.cond:
+            issued = self._feed.generation
         try:
             self.api.batch_bucket_files(
                 self.bucket_id,
@@ -382,7 +385,9 @@ class HubBucketStorage(Storage):
         finally:  # also after an error: the write may have landed
             with self._feed.cond:
                 for key in keys:
-                    self._feed.stats.pop(key, None)
+                    said_since = self._feed.touched.get(key, 0) > issued
+                    if not (said_since and self._feed.stats.get(key, (None, 0.0))[1] == math.inf):
+                        self._feed.stats.pop(key, None)
                     self._feed.touched[key] = self._feed.generation = self._feed.generation + 1
                     self._feed.log_change(key)
                 self._feed.cond.notify_all()

@@ -230,6 +230,31 @@ def test_stale_reads_are_never_returned_as_what_the_feed_announced(fake_hub, sto
     assert storage.read_bytes("heads/latest.json") == b"newer" == poller.read_bytes("heads/latest.json")
 
 
+def test_a_feed_event_that_beats_the_write_answer_is_kept(fake_hub, storage, monkeypatch):
+    # The feed may announce a write before its writer has the commit's answer: what the feed said then is
+    # news of that write, not old news to drop (dropping it sent the next stat to a lagging paths-info).
+    fake_hub.clock = Clock()
+    fake_hub.stale_s = 10.0
+    follow(storage)
+    storage.write_bytes("heads/latest.json", b"old")
+    eventually(lambda: storage.sizes(["heads/latest.json"])["heads/latest.json"] == 3)
+    batch = storage.api.batch_bucket_files
+
+    def announced() -> bool:
+        stat = storage._feed.stats.get("heads/latest.json", (None,))[0]
+        return stat is not None and stat.size == 5
+
+    def answered_after_the_feed(*args, **kwargs):
+        batch(*args, **kwargs)
+        eventually(announced)
+
+    monkeypatch.setattr(storage.api, "batch_bucket_files", answered_after_the_feed)
+    storage.write_bytes("heads/latest.json", b"newer")
+    fake_hub.requests.clear()
+    assert storage.sizes(["heads/latest.json"]) == {"heads/latest.json": 5}
+    assert api_requests(fake_hub) == []  # from the feed, not from a paths-info that still sees "old"
+
+
 def test_a_lost_write_response_is_an_error_though_the_write_landed(fake_hub, storage):
     fake_hub.lose_responses(1, status=403)
     with pytest.raises(TransientStorageError):
