@@ -260,18 +260,26 @@ def test_tensor_parallel_follows_three_steps(tp_run, tp_server, tp_follower):
 def test_tensor_parallel_request_across_an_update(tp_run, tp_server, tp_follower):
     before = tp_run.publisher.last_step
     tp_server.wait_applied(tp_run, "follower-tp", before)
-    result = {}
+    chunks, started, result = [], threading.Event(), {}
 
-    def generate():
+    def generate():  # streamed: its first tokens say it runs, however slowly the machine polls
         params = {"max_tokens": LONG, "temperature": 0.0, "ignore_eos": True}
         body = {"model": str(tp_run.model_dir), "token_ids": [5, 6, 7, 8], "sampling_params": params}
         url = f"{tp_server.url}/inference/v1/generate"
-        result["response"] = requests.post(url, json=body, timeout=600)
+        try:
+            with requests.post(url, json={**body, "stream": True}, timeout=600, stream=True) as response:
+                result["status"] = response.status_code
+                for line in response.iter_lines():
+                    if line.startswith(b"data: {"):
+                        chunks.append(json.loads(line[len(b"data: ") :]))
+                        started.set()
+        finally:
+            started.set()  # an error or an empty answer: the checks below say what
 
     thread = threading.Thread(target=generate)
     thread.start()
     try:
-        wait_for(lambda: tp_server.running() >= 1, "the request to start")
+        assert started.wait(120), "the request did not start"
         # Freeze the request where it is (vLLM's own pause, kept), so the update lands inside it however
         # slowly the step is published and staged; the follower's resume lets it go on with the new weights.
         requests.post(f"{tp_server.url}/pause?mode=keep&clear_cache=false", timeout=60).raise_for_status()
@@ -281,12 +289,11 @@ def test_tensor_parallel_request_across_an_update(tp_run, tp_server, tp_follower
     finally:
         requests.post(f"{tp_server.url}/resume", timeout=60)  # done by the follower, unless it failed
         thread.join()
-    response = result["response"]
-    assert response.status_code == 200, response.text
-    choice = response.json()["choices"][0]
-    assert len(choice["token_ids"]) == LONG
-    spans = choice["weight_versions"]  # vLLM's own record of which weights sampled which tokens
-    assert [s["version"] for s in spans] == [str(before), str(step)], spans
+    assert result["status"] == 200, chunks
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    assert sum(len(c["token_ids"] or []) for c in choices) == LONG, chunks[-1:]
+    spans = next(c["weight_versions"] for c in reversed(choices) if c.get("weight_versions"))
+    assert [s["version"] for s in spans] == [str(before), str(step)], spans  # vLLM's own record
     assert spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == LONG
     assert tp_server.verify(step, tp_run.fingerprints[step]).status_code == 200
 
