@@ -168,7 +168,6 @@ def decode_held(
 
     t = info.tensors[name]
     lo = info.windows.get(name, (0, 0))[0]
-    device = blocks[0].dst.device if blocks else torch.device("cpu")
     if t["mode"] == "raw":
         parts = {f"{name}/{p}": entries[f"{name}/{p}"] for p in ("indices", "values")}
         ch = raw_changes(parts, {name: (n,)})[name]
@@ -184,7 +183,7 @@ def decode_held(
             moved = new_all[at] != old.cpu().numpy()
             moved_at.append(at[moved])
             moved_to.append(new_all[at][moved])
-        return _changes(moved_at, moved_to, lo, device), None, 0
+        return _changes(moved_at, moved_to, lo, held.device), None, 0
     assert tables is not None  # a compact patch's
     chunk = chunk_size(info)
     streams = chunk_streams(name, entries, n, chunk)
@@ -213,7 +212,7 @@ def decode_held(
     raws = np.concatenate([d[4] for d in decoded]).astype(np.int64)[ours]
     new, in_range = kernels.new_patterns(old_patterns, steps, raws)
     problem = None if in_range else f"{name}: corrupt compact data: a value step leaves the bf16 range"
-    return _changes([positions], [new], lo, device), problem, order.chunk.size * SEGMENT_BYTES
+    return _changes([positions], [new], lo, held.device), problem, order.chunk.size * SEGMENT_BYTES
 
 
 def _changes(
