@@ -79,6 +79,23 @@ def test_the_public_api_imports_from_outside_the_checkout_and_loads_its_modules_
     assert names["__version__"] == "str" and names["Publisher"] == "type" and names["diff"] == "function"
 
 
+def test_the_codec_the_publisher_and_a_folder_root_load_no_hub_client(tmp_path):
+    """GPU images carry older huggingface_hub releases: the Hub backend loads with the first Hub root."""
+    script = (
+        "import sys\n"
+        "from deltasync import Publisher, Subscriber, telemetry\n"
+        "from deltasync.codec import gpu, patch\n"
+        "from deltasync.storage import open_storage\n"
+        "open_storage('root')\n"
+        "print('deltasync.storage.hub' in sys.modules)\n"
+        "from deltasync.storage import HubBucketStorage\n"
+        "print(HubBucketStorage.__module__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "deltasync.storage.hub"]
+
+
 def test_the_type_checkers_names_are_the_lazy_ones():
     """deltasync/__init__.py names each public object twice: lazily for Python (`_EXPORTS`, whose keys are
     `__all__`), and under TYPE_CHECKING for type checkers. Both must name the same object."""

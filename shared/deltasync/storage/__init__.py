@@ -7,8 +7,10 @@ paths, errors, redaction, retries). `open_storage` picks the backend for a URL.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from deltasync.storage.base import (
+    POLL_BUDGET,
     TMP_MARK,
     RateLimited,
     Storage,
@@ -23,8 +25,10 @@ from deltasync.storage.base import (
     retry,
 )
 from deltasync.storage.fsspec import FsspecStorage
-from deltasync.storage.hub import POLL_BUDGET, HubBucketStorage
 from deltasync.storage.local import LocalStorage
+
+if TYPE_CHECKING:
+    from deltasync.storage.hub import HubBucketStorage
 
 __all__ = [
     "POLL_BUDGET",
@@ -47,6 +51,15 @@ __all__ = [
 ]
 
 
+def __getattr__(name: str) -> Any:
+    # The Hub's client is imported with the first Hub root: the codec and the vLLM engine never need it.
+    if name == "HubBucketStorage":
+        from deltasync.storage.hub import HubBucketStorage
+
+        return HubBucketStorage
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def open_storage(url: str | Path, token: str | None = None, poll_budget: int = POLL_BUDGET) -> Storage:
     """The storage behind a sync root: a folder (path or file:// URL), `hf://buckets/<namespace>/<name>[/prefix]`,
     or any other fsspec URL. For the Hub only: `token` (None: HF_TOKEN or the login cache) and `poll_budget`,
@@ -61,6 +74,8 @@ def open_storage(url: str | Path, token: str | None = None, poll_budget: int = P
         name, _, prefix = rest.partition("/")
         if not namespace or not name:
             raise ValueError(f"expected hf://buckets/<namespace>/<name>[/prefix], got {url!r}")
+        from deltasync.storage.hub import HubBucketStorage
+
         return HubBucketStorage(f"{namespace}/{name}", prefix, token, poll_budget=poll_budget)
     if url.startswith("hf://") and not url.startswith(("hf://buckets", "hf://datasets/", "hf://spaces/")):
         # fsspec would read it as a model repository: as a sync root, a bucket URL missing its `buckets/`

@@ -36,6 +36,9 @@ from deltasync.errors import WriterConflict as WriterConflict  # (the backends' 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# Hub roots: resolver calls per 5-minute window a poller may spend without the change feed (free tier: 5,000).
+POLL_BUDGET = 1000
+
 TMP_MARK = (
     ".deltasync-tmp-"  # in the names of files being written; list() hides them, check_path refuses them
 )

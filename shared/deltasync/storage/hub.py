@@ -31,6 +31,7 @@ from huggingface_hub.errors import BucketBatchError, BucketNotFoundError, EntryN
 from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, parse_ratelimit_headers
 
 from deltasync.storage.base import (
+    POLL_BUDGET,
     RateLimited,
     Storage,
     TransientStorageError,
@@ -42,7 +43,6 @@ from deltasync.storage.compat import BucketFileChange, Follower
 
 _HUB_MISSING = (BucketNotFoundError, EntryNotFoundError)
 WINDOW_S = 300.0  # the Hub's quota window
-POLL_BUDGET = 1000  # resolver calls per window a poller may spend without the feed (free tier: 5,000)
 POLL_REQUESTS = 3  # what one poll costs: the head, the lease and the next delta, each one resolver GET
 STAT_TTL_S = 30.0  # a stat not confirmed by the feed is asked again after this (listings lag on the Hub)
 MEMO_BYTES = 64 << 10  # files up to this size are kept by Xet hash: reading one again costs nothing
