@@ -35,6 +35,9 @@ def test_on_the_feed_a_step_is_applied_on_its_heads_event_and_idling_costs_nothi
     # A poll interval of an hour: only the feed can bring the step in time.
     threading.Thread(target=subscriber.follow, args=(stop, 3600.0), daemon=True).start()
     eventually(lambda: subscriber.step == 0 and subscriber.storage.live)
+    # The feed announces changes, not what was there before it: the replica's first read of the head once
+    # live costs one stat, then the head is known.
+    eventually(lambda: subscriber.storage.announced("heads/latest.json"))
     reader.poll()
     eventually(lambda: reader.poll() is not None and reader.storage.live)
     reader.poll()
