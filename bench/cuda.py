@@ -33,9 +33,10 @@ device. Parts:
   flat buffer.
 - engine: the weight-transfer engine itself (deltasync/vllm/engine.py `DeltasyncEngine`, its `Layout`
   learned from the model's `load_weights` by layout.py) on a CUDA stand-in model with vLLM's fused
-  parameters and tied embeddings: `update_weights` of kind "stage" (read, checks, `Layout.plan_patch`,
-  while generation runs) and of kind "delta" (what runs between pause and resume), alternating a step and
-  its reverse, each written state checked bit for bit. Floor: as for write.
+  parameters and tied embeddings, handed compact patch files as the follower hands them: `update_weights`
+  of kind "stage" (read, checks, decode against the parameters on the GPU, `Layout.plan_patch`, while
+  generation runs) and of kind "delta" (what runs between pause and resume), alternating a step and its
+  reverse, each written state checked bit for bit. Floor: as for write.
 - publish: the trainer's side of a step through `Publisher` (a local folder), for both places of the previous
   copy (`PublisherConfig.previous_copy`): "device" (bf16 buffers beside the CUDA weights; the GPU codec diffs
   and ranks there) and "host" (pinned host buffers; the host codec diffs), with bf16 params and fp32 master
@@ -63,7 +64,7 @@ import tempfile
 import time
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -131,7 +132,7 @@ def host_syncs(fn: Callable[[], object]) -> int:
     return sum("synchronizing" in str(w.message) for w in caught)
 
 
-def table(header: list[str], rows: list[list]) -> None:
+def table(header: list[str], rows: Iterable[list]) -> None:
     print("| " + " | ".join(header) + " |")
     print("|---" * len(header) + "|")
     for row in rows:
@@ -284,12 +285,14 @@ def step_part(old: State, new: State, repeat: int) -> None:
             "the same bytes",
         ),
     }
-    rows = []
-    for label, (call, goal) in calls.items():
+
+    def row(label: str, call: Callable[..., object], goal: str) -> list:
         call()  # warm-up (Triton compiles each kernel once per process)
-        s = median_s(call, min(repeat, 3) if "host path" in label else repeat)
-        syncs = host_syncs(lambda call=call: call(1))
-        rows.append([label, ms(s), f"{s / ne_s:.1f}x", syncs, goal])
+        host = "host path" in label  # its host syncs are not the point, and one thread takes long at 8B
+        s = median_s(call, min(repeat, 3) if host else repeat)
+        syncs = "-" if host else host_syncs(lambda: call(1))
+        return [label, ms(s), f"{s / ne_s:.1f}x", syncs, goal]
+
     changed = patch.changed
     print(
         f"### The trainer's step on the GPU, previous copy on the GPU ({2 * numel / 1e9:.1f} GB: 2 B per "
@@ -299,6 +302,7 @@ def step_part(old: State, new: State, repeat: int) -> None:
         f"runs here in one process, against the old weights on this GPU; the follower handing the bytes to "
         f"vLLM's workers, and its peak RSS, are not measured here (the follower's own bench and tests).\n"
     )
+    rows = (row(label, call, goal) for label, (call, goal) in calls.items())  # each printed when measured
     table(["call", "time", "vs `ne` pass", "host syncs", "goal"], rows)
 
 
@@ -480,7 +484,6 @@ class FusedQwen3(torch.nn.Module):
 
 
 def engine_part(old: State, new: State, repeat: int) -> None:
-    from safetensors.torch import save_file
     from transformers import Qwen3Config
 
     vllm_stand_ins()
@@ -499,7 +502,7 @@ def engine_part(old: State, new: State, repeat: int) -> None:
     model = FusedQwen3(old)
     model_config = types.SimpleNamespace(hf_config=hf_config)
     vllm_config = types.SimpleNamespace(model_config=model_config, parallel_config=None)
-    engine = DeltasyncEngine(None, vllm_config, torch.device("cuda"), model)
+    engine = DeltasyncEngine(None, vllm_config, old["model.norm.weight"].device, model)
     start = time.perf_counter()
     engine.init_transfer_engine(engine.init_info_cls(root="bench"))
     learn_s = time.perf_counter() - start
@@ -507,19 +510,21 @@ def engine_part(old: State, new: State, repeat: int) -> None:
     fps = [format_fingerprint(state_fingerprint(s)) for s in (old, new)]
     assert format_fingerprint(engine.fingerprint) == fps[0], "engine: weights read at start != old state"
 
-    forward, backward = diff(old, new), diff(new, old)
+    forward = diff(old, new)
     changed = sum(len(c) for c in forward.values())
     with tempfile.TemporaryDirectory(prefix="bench-cuda-engine-") as tmp:
-        steps = []  # (update info, the state it leads to), a step and its reverse
-        for i, (changes, target) in enumerate(((forward, new), (backward, old))):
-            path = os.path.join(tmp, f"{i}.safetensors")
-            save_file(patches.raw_entries(changes), path)
-            info = {"path": path, "base": fps[i], "fingerprint": fps[1 - i]}
-            steps.append((info, target))
-        payload = os.path.getsize(steps[0][0]["path"])
+        steps = []  # (update info, the state it leads to): a step and its reverse, alternating
+        for step in range(2 + repeat):
+            before, after = (old, new) if step % 2 == 0 else (new, old)
+            patch = patches.make_patch(before, after, step, step - 1, int(fps[step % 2], 16))
+            path = Path(tmp, f"{step}.safetensors")  # what the follower hands the workers: compact bytes
+            path.write_bytes(patches.encode(patch, before, "compact"))
+            info = {"paths": [str(path)], "base": fps[step % 2], "fingerprint": fps[1 - step % 2]}
+            steps.append((info, after))
+        payload = os.path.getsize(steps[0][0]["paths"][0])
         stage_s, pause_s, stage_syncs, pause_syncs = [], [], [], []
         for step in range(1 + repeat):  # step 0: warm-up
-            info, target = steps[step % 2]
+            info, target = steps[step]
             staged = {**info, "step": step, "kind": "stage"}
             delta = {**info, "step": step, "kind": "delta"}
             if step in (1, 2):  # one of each direction, counted separately from the timed runs
@@ -539,7 +544,7 @@ def engine_part(old: State, new: State, repeat: int) -> None:
             assert all(torch.equal(bits(model.views[n]), bits(target[n])) for n in target), (
                 f"engine: step {step}: written weights != expected state"
             )
-        info, target = steps[(1 + repeat) % 2]
+        info, target = steps[1 + repeat]
         engine.update_weights({**info, "step": repeat + 1, "kind": "stage"})
         pause_syncs.append(host_syncs(lambda: engine.update_weights({**info, "step": repeat + 1})))
         assert all(torch.equal(bits(model.views[n]), bits(target[n])) for n in target)
@@ -550,7 +555,7 @@ def engine_part(old: State, new: State, repeat: int) -> None:
     blocks = sum(len(b) for b in layout.blocks.values())
     print(
         f"### The engine (deltasync/vllm/engine.py) on a CUDA stand-in of vLLM's Qwen3: {changed:,} changed "
-        f"elements (raw patch {payload / 1e6:.1f} MB), {blocks} blocks learned in {learn_s:.1f} s\n\n"
+        f"elements (compact patch {payload / 1e6:.1f} MB), {blocks} blocks learned in {learn_s:.1f} s\n\n"
         f"Each step and its reverse alternate; after every write the parameters equal the expected state bit "
         f"for bit and the engine's fingerprint the promised one. Median of {repeat}.\n"
     )
@@ -559,7 +564,7 @@ def engine_part(old: State, new: State, repeat: int) -> None:
         [
             ["**pause**: `update_weights` kind delta (start/finish included), staged", f"**{ms(pause)}**",
              f"**{pause / put_s:.1f}x**", pause_syncs[0], "<= 20 ms"],
-            ["stage, outside the pause: `update_weights` kind stage (read, checks, plan)", ms(stage),
+            ["stage, outside the pause: `update_weights` kind stage (read, checks, decode, plan)", ms(stage),
              f"{stage / put_s:.1f}x", " / ".join(map(str, stage_syncs)), ""],
             ["floor: one `index_put_` of all into one flat buffer", ms(put_s), "1.0x", "", ""],
         ],
@@ -612,6 +617,8 @@ def publish_part(old: State, new: State, repeat: int) -> None:
                 [f"{label}, **{setting}**", f"**{ms(s)}**", f"{s / ne_s:.1f}x", floors, f"**{ms(ready)}**",
                  ms(statistics.median(published[3:])), f"{held_b:.1f} B" if cuda else "-", ms(blocked[0])]
             )  # fmt: skip
+            # Each row as soon as it is measured: kept if a later setting fails.
+            print(f"publish, {label}, {setting}: " + " | ".join(rows[-1]), flush=True)
             del states
     print(
         f"### `Publisher.publish`, weights on {'CUDA' if cuda else 'the host'}: the previous copy on the "
