@@ -1,9 +1,9 @@
 """The library's CUDA paths on a GPU, each against a floor measured in the same run; the codec on the host.
 
     python -m bench.cuda [--model 0.6b|8b] [--layers N] [--density 0.01] [--repeat 10]
-                         [--only detect,step,write,engine,publish,codec]
+                         [--only detect,step,write,engine,publish,codec,coder]
 
-Without a GPU it says so and runs the parts that need none (publish, codec).
+Without a GPU it says so and runs the parts that need none (publish, codec, coder).
 
 A Qwen3-0.6B- or Qwen3-8B-shaped bf16 state (bench.codec.qwen3_shapes: real shapes, 0.6B with tied
 embeddings, 8B with an lm_head; N(0, 0.02) weights, norms at 1) made on the GPU, and a step that moves
@@ -50,6 +50,9 @@ device. Parts:
   (`decode` with verification + `apply_changes`), as changed elements/s and MB/s of the bf16 model, on every
   core and on one, against one `ne` pass over the same host tensors (torch, every core). Runs without a GPU
   too (`--only codec`; the states are then made on the host).
+- coder: the rANS stage alone, the host work both GPU paths keep: every chunk stream of the step decoded
+  tensor by tensor (as `gpu.decode_compact` does) and all on one pool, and every chunk's symbols encoded (as
+  `encode` does), on every core and on one. Runs without a GPU too.
 """
 
 from __future__ import annotations
@@ -700,7 +703,56 @@ def codec_part(old: State, new: State, repeat: int) -> None:
     table(["threads", "part", "time", "changed elements/s", "model MB/s (bf16)", "vs `ne` pass"], rows)
 
 
-ON_THE_HOST = ("publish", "codec")  # parts that also run without a GPU (publish: both settings are the host)
+def coder_part(old: State, new: State, repeat: int) -> None:
+    """The rANS stage alone, the host work the GPU paths keep: decoding every chunk stream of a step tensor by
+    tensor (as `gpu.decode_compact` does: a tensor's chunks on the pool, then the next tensor) against all
+    chunks of all tensors on the pool at once, and encoding every chunk's symbols (as `encode` does)."""
+    from deltasync.codec.parallel import parallel_map
+
+    old = {n: t.cpu() for n, t in old.items()}
+    new = {n: t.cpu() for n, t in new.items()}
+    numel = sum(t.numel() for t in old.values())
+    patch = patches.make_patch(old, new, 1, 0)
+    data = patches.encode(patch, old, "compact")
+    streams, tables, chunk = compact_streams(data)
+    sizes = {n: [min(chunk, old[n].numel() - lo) for lo in range(0, old[n].numel(), chunk)] for n in streams}
+    work = {n: list(zip(parts, sizes[n], strict=True)) for n, parts in streams.items()}
+    symbols = patches.host_symbols({n: patch.changes[n] for n in streams}, old, chunk)
+
+    def decode(pairs: list, threads: int) -> None:
+        parallel_map(lambda w: compact.ranked_changes(*w, tables), pairs, threads)
+
+    calls = {
+        "rANS decode, tensor by tensor (`gpu.decode_compact`)": lambda t: [
+            decode(w, t) for w in work.values()
+        ],
+        "rANS decode, every chunk of the step on one pool": lambda t: decode(
+            [w for pairs in work.values() for w in pairs], t
+        ),
+        "rANS encode, every chunk on one pool (`encode`)": lambda t: parallel_map(
+            lambda c: compact.encode_chunk(c, tables), [c for parts in symbols.values() for c in parts], t
+        ),
+    }
+    chunks = sum(len(w) for w in work.values())
+    print(
+        f"### The rANS stage on the host's CPU ({default_threads()} cores): {patch.changed:,} changed "
+        f"elements of {numel / 1e6:.0f}M in {chunks} chunks of {len(work)} tensors, compact patch "
+        f"{len(data) / 1e6:.1f} MB. Best of {repeat}.\n"
+    )
+    rows = []
+    for label, call in calls.items():
+        for threads in sorted({default_threads(), 1}, reverse=True):
+            call(threads)  # warm-up (numba compiles once per process)
+            s = min(median_s(lambda c=call, t=threads: c(t), 1) for _ in range(repeat))
+            rows.append([label, threads, ms(s), f"{patch.changed / s / 1e6:.0f} M/s"])
+    table(["stage", "threads", "time", "changed elements/s"], rows)
+
+
+ON_THE_HOST = (
+    "publish",
+    "codec",
+    "coder",
+)  # parts that also run without a GPU (publish: both settings are the host)
 PARTS = {
     "detect": detect_part,
     "step": step_part,
@@ -708,6 +760,7 @@ PARTS = {
     "engine": engine_part,
     "publish": publish_part,
     "codec": codec_part,
+    "coder": coder_part,
 }
 
 
@@ -741,7 +794,7 @@ def main() -> None:
             return
     old, new = make_states(model, layers, a.density, "cuda" if cuda else "cpu")
     for part in parts:
-        PARTS[part](old, new, 3 if part == "codec" else a.repeat)
+        PARTS[part](old, new, 3 if part in ("codec", "coder") else a.repeat)
 
 
 if __name__ == "__main__":
