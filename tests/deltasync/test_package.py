@@ -14,6 +14,13 @@ LIBRARY = REPO / "shared" / "deltasync"
 HEAVY = ("trl", "vllm", "openenv", "gradio")
 
 
+def python_in(folder: Path, script: str) -> str:
+    """What `script` prints, run by this interpreter in `folder` (outside the checkout); fails on an error."""
+    out = subprocess.run([sys.executable, "-c", script], cwd=folder, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def core_modules() -> list[str]:
     """Every module of deltasync but its integrations (deltasync.vllm, deltasync.trl: they import those)."""
     names = []
@@ -33,9 +40,8 @@ def test_every_core_module_imports_from_outside_the_checkout_without_heavy_packa
         "import deltasync\n"
         f"print(json.dumps([deltasync.__file__, sorted(m for m in {HEAVY!r} if m in sys.modules)]))\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    origin, heavy = json.loads(out.stdout.splitlines()[-1])
+    stdout = python_in(tmp_path, script)
+    origin, heavy = json.loads(stdout.splitlines()[-1])
     assert Path(origin) == LIBRARY / "__init__.py" and heavy == []
 
 
@@ -69,9 +75,8 @@ def test_the_public_api_imports_from_outside_the_checkout_and_loads_its_modules_
         "names = {n: type(getattr(deltasync, n)).__name__ for n in deltasync.__all__}\n"
         "print(json.dumps([light, deltasync.__version__, Publisher.__module__, names]))\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    light, version, module, names = json.loads(out.stdout.splitlines()[-1])
+    stdout = python_in(tmp_path, script)
+    light, version, module, names = json.loads(stdout.splitlines()[-1])
     assert light == []  # the dashboard's Space has no torch: `import deltasync` must not need it
     assert version == importlib.metadata.version("deltasync")
     assert module == "deltasync.sync.publisher"
@@ -91,9 +96,8 @@ def test_the_codec_the_publisher_and_a_folder_root_load_no_hub_client(tmp_path):
         "from deltasync.storage import HubBucketStorage\n"
         "print(HubBucketStorage.__module__)\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["False", "deltasync.storage.hub"]
+    stdout = python_in(tmp_path, script)
+    assert stdout.split() == ["False", "deltasync.storage.hub"]
 
 
 def test_the_type_checkers_names_are_the_lazy_ones():
