@@ -78,7 +78,7 @@ from deltasync.codec import patch as patches
 from deltasync.codec.bf16 import bits
 from deltasync.codec.changes import TensorChanges, apply_changes, diff
 from deltasync.codec.fingerprint import MASK64, state_fingerprint
-from deltasync.codec.parallel import default_threads
+from deltasync.codec.parallel import default_threads, parallel_map
 
 State = dict[str, torch.Tensor]
 
@@ -707,8 +707,6 @@ def coder_part(old: State, new: State, repeat: int) -> None:
     """The rANS stage alone, the host work the GPU paths keep: decoding every chunk stream of a step tensor by
     tensor (as `gpu.decode_compact` does: a tensor's chunks on the pool, then the next tensor) against all
     chunks of all tensors on the pool at once, and encoding every chunk's symbols (as `encode` does)."""
-    from deltasync.codec.parallel import parallel_map
-
     old = {n: t.cpu() for n, t in old.items()}
     new = {n: t.cpu() for n, t in new.items()}
     numel = sum(t.numel() for t in old.values())
