@@ -746,11 +746,8 @@ def coder_part(old: State, new: State, repeat: int) -> None:
     table(["stage", "threads", "time", "changed elements/s"], rows)
 
 
-ON_THE_HOST = (
-    "publish",
-    "codec",
-    "coder",
-)  # parts that also run without a GPU (publish: both settings are the host)
+# Parts that also run without a GPU (publish: both settings are the host).
+ON_THE_HOST = ("publish", "codec", "coder")
 PARTS = {
     "detect": detect_part,
     "step": step_part,
