@@ -1,7 +1,9 @@
 """Helpers the tests share: small models, simulated optimizer steps, bitwise comparisons, waiting."""
 
+import contextlib
 import http.client
 import os
+import threading
 import time
 import urllib.parse
 from pathlib import Path
@@ -101,6 +103,22 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(bits(a[name]), bits(b[name])), name
+
+
+@contextlib.contextmanager
+def following(subscriber, interval: float, timeout_s: float = 120.0):
+    """Runs `subscriber.follow` on a thread for the block, then stops it and waits for it to end: a replica
+    still writing (its telemetry, through the client's own retries of a 429) when its test ends would write
+    into the next test's bucket on the session's fake Hub."""
+    stop = threading.Event()
+    thread = threading.Thread(target=subscriber.follow, args=(stop, interval), daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout_s)
+        assert not thread.is_alive(), f"the replica did not stop within {timeout_s} s"
 
 
 def wait_for(condition, what: str, timeout_s: float = 120.0) -> None:

@@ -2,7 +2,6 @@
 lease) and writes that land while the client sees an error. No acknowledged step is lost, no replica applies
 out of order or goes backwards, and fencing holds."""
 
-import threading
 import time
 
 import pytest
@@ -14,7 +13,7 @@ from deltasync.sync.protocol import HEAD_PATH, read_head
 from deltasync.sync.publisher import Publisher, PublisherConfig
 from deltasync.sync.subscriber import Subscriber, SyncError, TensorsApplier
 from tests.deltasync.storage.test_hub import Clock, eventually
-from tests.helpers import bf16, bitwise_equal, make_params, run_steps, train_step
+from tests.helpers import bf16, bitwise_equal, following, make_params, run_steps, train_step
 
 
 def replica(follow: bool):
@@ -66,18 +65,16 @@ def test_a_replica_on_the_feed_never_applies_what_a_stale_read_returns(fake_hub)
         publisher.publish(params, step=0)
         publisher.flush()
         subscriber, target = replica(follow=True)
-        stop = threading.Event()
-        threading.Thread(target=subscriber.follow, args=(stop, 0.2), daemon=True).start()
-        eventually(lambda: subscriber.step == 0 and subscriber.storage.live)
-        fake_hub.stale_s = 5.0
-        for step in range(1, 4):
-            train_step(params, step)
-            publisher.publish(params, step=step)
-            publisher.flush()
-        assert subscriber.step == 0 or monotonic(subscriber)  # the stale head is refused, not applied
-        clock.advance(5.0)  # the lag ends: the replica's retries read what the feed announced
-        eventually(lambda: subscriber.step == 3, timeout=30)
-        stop.set()
+        with following(subscriber, 0.2):
+            eventually(lambda: subscriber.step == 0 and subscriber.storage.live)
+            fake_hub.stale_s = 5.0
+            for step in range(1, 4):
+                train_step(params, step)
+                publisher.publish(params, step=step)
+                publisher.flush()
+            assert subscriber.step == 0 or monotonic(subscriber)  # the stale head is refused, not applied
+            clock.advance(5.0)  # the lag ends: the replica's retries read what the feed announced
+            eventually(lambda: subscriber.step == 3, timeout=30)
     assert bitwise_equal(target, bf16(params)) and monotonic(subscriber)
 
 

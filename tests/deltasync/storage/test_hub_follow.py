@@ -1,8 +1,6 @@
 """What a replica and the dashboard's reader cost on the Hub: on the change feed, nothing while nothing
 changes and a step applied on the head's own event; without it, polls without an API call."""
 
-import threading
-
 import torch
 
 from deltasync.storage import HubBucketStorage
@@ -10,7 +8,7 @@ from deltasync.sync.publisher import Publisher
 from deltasync.sync.subscriber import Subscriber, TensorsApplier
 from deltasync.telemetry.reader import TelemetryReader
 from tests.deltasync.storage.test_hub import api_requests, eventually
-from tests.helpers import bf16, bitwise_equal, make_params, train_step
+from tests.helpers import bf16, bitwise_equal, following, make_params, train_step
 
 
 def trainer():
@@ -31,45 +29,41 @@ def test_on_the_feed_a_step_is_applied_on_its_heads_event_and_idling_costs_nothi
     publisher, params = trainer()
     subscriber, target = replica(follow=True, name="r1")
     reader = TelemetryReader(HubBucketStorage("user/sync", "run"))
-    stop = threading.Event()
     # A poll interval of an hour: only the feed can bring the step in time.
-    threading.Thread(target=subscriber.follow, args=(stop, 3600.0), daemon=True).start()
-    eventually(lambda: subscriber.step == 0 and subscriber.storage.live)
-    # The feed announces changes, not what was there before it: the replica's first read of the head once
-    # live costs one stat, then the head is known.
-    eventually(lambda: subscriber.storage.announced("heads/latest.json"))
-    reader.poll()
-    eventually(lambda: reader.poll() is not None and reader.storage.live)
-    reader.poll()
-    fake_hub.requests.clear()
-    for _ in range(20):
+    with following(subscriber, 3600.0):
+        eventually(lambda: subscriber.step == 0 and subscriber.storage.live)
+        # The feed announces changes, not what was there before it: the replica's first read of the head once
+        # live costs one stat, then the head is known.
+        eventually(lambda: subscriber.storage.announced("heads/latest.json"))
         reader.poll()
-    assert fake_hub.requests == []  # neither the waiting replica nor the dashboard's reader sent anything
-    train_step(params, 1)
-    publisher.publish(params, step=1)
-    publisher.flush()
-    eventually(lambda: subscriber.step == 1)
+        eventually(lambda: reader.poll() is not None and reader.storage.live)
+        reader.poll()
+        fake_hub.requests.clear()
+        for _ in range(20):
+            reader.poll()
+        assert fake_hub.requests == []  # neither the waiting replica nor the dashboard's reader sent anything
+        train_step(params, 1)
+        publisher.publish(params, step=1)
+        publisher.flush()
+        eventually(lambda: subscriber.step == 1)
     assert bitwise_equal(target, bf16(params))
     eventually(lambda: any(r.step == 1 for r in reader.poll().records if getattr(r, "replica", "") == "r1"))
     assert not [r for r in api_requests(fake_hub) if "/paths-info" in r or "/tree" in r]  # no stat, no list
-    stop.set()
     publisher.close()
 
 
 def test_while_the_feed_is_down_a_replica_polls_instead_of_waiting_for_its_reconnect(fake_hub):
     publisher, params = trainer()
     subscriber, target = replica(follow=True)
-    stop = threading.Event()
-    threading.Thread(target=subscriber.follow, args=(stop, 0.2), daemon=True).start()
-    eventually(lambda: subscriber.step == 0 and subscriber.storage.live)
-    fake_hub.feed_status = 503  # the session ends; huggingface_hub's follower retries in 10, 20, 40, 80 s
-    eventually(lambda: not subscriber.storage.live)
-    train_step(params, 1)
-    publisher.publish(params, step=1)
-    publisher.flush()
-    eventually(lambda: subscriber.step == 1, timeout=8.0)  # polled: well before the follower's next try
-    assert bitwise_equal(target, bf16(params))
-    stop.set()
+    with following(subscriber, 0.2):
+        eventually(lambda: subscriber.step == 0 and subscriber.storage.live)
+        fake_hub.feed_status = 503  # the session ends; huggingface_hub's follower retries in 10, 20, 40, 80 s
+        eventually(lambda: not subscriber.storage.live)
+        train_step(params, 1)
+        publisher.publish(params, step=1)
+        publisher.flush()
+        eventually(lambda: subscriber.step == 1, timeout=8.0)  # polled: well before the follower's next try
+        assert bitwise_equal(target, bf16(params))
     publisher.close()
 
 

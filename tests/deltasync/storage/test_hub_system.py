@@ -1,6 +1,7 @@
 """A trainer, two replicas and the dashboard on the fake Hub under its quotas: over six 5-minute windows of
 the free tier without a single 429, and through a quota small enough to be hit, shown, and recovered from."""
 
+import contextlib
 import itertools
 import threading
 
@@ -10,7 +11,7 @@ from deltasync.storage import HubBucketStorage
 from deltasync.sync.publisher import Publisher, PublisherConfig
 from deltasync.sync.subscriber import Subscriber, TensorsApplier
 from tests.deltasync.storage.test_hub import Clock, eventually
-from tests.helpers import bf16, bitwise_equal, make_params, train_step
+from tests.helpers import bf16, bitwise_equal, following, make_params, train_step
 
 ROOT = "hf://buckets/user/sync/run"
 REPLICAS = ("r1", "r2")
@@ -25,13 +26,13 @@ class System:
         self.publisher = Publisher(storage, model="tiny", config=PublisherConfig(anchor_every=20))
         self.publisher.publish(self.params, step=0)
         self.publisher.flush()
-        self.stop = threading.Event()
+        self.running = contextlib.ExitStack()
         self.replicas = {}
         for name in REPLICAS:
             tensors = {n: torch.zeros_like(t, dtype=torch.bfloat16) for n, t in self.params.items()}
             storage = HubBucketStorage("user/sync", "run")
             subscriber = Subscriber(storage, TensorsApplier(tensors), replica=name)
-            threading.Thread(target=subscriber.follow, args=(self.stop, 1.0), daemon=True).start()
+            self.running.enter_context(following(subscriber, 1.0))
             self.replicas[name] = (subscriber, tensors)
         self.board = dashboard.Board(ROOT)
         self.dashboard = dashboard
@@ -52,8 +53,10 @@ class System:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.publisher.close()
+        try:
+            self.running.close()
+        finally:
+            self.publisher.close()
 
 
 def test_free_tier_over_six_windows_without_a_429(fake_hub, dashboard):
