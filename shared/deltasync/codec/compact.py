@@ -33,7 +33,10 @@ MAX_CHUNK = 1 << 31  # raw escapes hold 32-bit quotients
 
 
 class CompactDecodeError(Refused):
-    """A compact tensor stream that cannot be what an encoder wrote."""
+    """A compact tensor stream that cannot be what an encoder wrote (`tensor`: whose, where a caller
+    decodes several tensors' streams at once)."""
+
+    tensor: str | None = None
 
 
 @dataclass
@@ -241,6 +244,28 @@ def _starts(counts: list[int], numel: int, present: list[bool]) -> np.ndarray:
     return starts
 
 
+@dataclass
+class ChunkLayout:
+    """A chunk stream's checked header: class bounds, where each class's symbols start, Rice parameters (one
+    per class), the number of ANS words and the byte offset where they start (the raw bits follow them)."""
+
+    bounds: list[int]
+    starts: np.ndarray
+    rice: np.ndarray
+    n_words: int
+    words_at: int
+
+
+def chunk_layout(data: bytes, size: int, tables: Tables) -> ChunkLayout:
+    """The header of a chunk stream of `size` elements, checked against the patch's `tables`."""
+    k, bounds, counts, rice, (n_words,), pos = _class_header(data, extra=1)
+    if 2 * n_words > len(data) - pos:
+        raise CompactDecodeError(f"{n_words} ANS words claimed, {len(data) - pos} bytes left")
+    present = [bool(tables.present[c]) and bool(tables.present[MAX_CLASSES + c]) for c in range(k)]
+    starts = _starts(counts, size, present)
+    return ChunkLayout(bounds, starts, np.array(rice + [0] * (MAX_CLASSES - k), np.int64), n_words, pos)
+
+
 def read_symbols(
     data: bytes, size: int, tables: Tables
 ) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -249,14 +274,10 @@ def read_symbols(
     escaped raw patterns (as kernels.decode_symbols takes them)."""
     from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
 
-    k, bounds, counts, rice, (n_words,), pos = _class_header(data, extra=1)
-    if 2 * n_words > len(data) - pos:
-        raise CompactDecodeError(f"{n_words} ANS words claimed, {len(data) - pos} bytes left")
-    present = [bool(tables.present[c]) and bool(tables.present[MAX_CLASSES + c]) for c in range(k)]
-    starts = _starts(counts, size, present)
-    words = np.frombuffer(data, "<u2", n_words, pos).astype(np.uint16)
-    raw = np.frombuffer(data, np.uint8, offset=pos + 2 * n_words).copy()
-    rice_all = np.array(rice + [0] * (MAX_CLASSES - k), np.int64)
+    layout = chunk_layout(data, size, tables)
+    bounds, starts, rice_all, pos = layout.bounds, layout.starts, layout.rice, layout.words_at
+    words = np.frombuffer(data, "<u2", layout.n_words, pos).astype(np.uint16)
+    raw = np.frombuffer(data, np.uint8, offset=pos + 2 * layout.n_words).copy()
     q, r, steps, raws, status = kernels.ans_decode(
         words, raw, starts, rice_all, tables.freq, tables.cum, tables.slots
     )

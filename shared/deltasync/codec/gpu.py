@@ -21,6 +21,7 @@ Import this module inside the functions that use it (as deltasync.codec.kernels)
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,10 +32,14 @@ from deltasync.codec import compact, fingerprint
 from deltasync.codec.bf16 import bits
 from deltasync.codec.changes import TensorChanges
 from deltasync.codec.parallel import parallel_map
-from deltasync.codec.symbols import V_SYMBOLS
+from deltasync.codec.symbols import ANS_SCALE, MAX_CLASSES, Q_SYMBOLS, V_SYMBOLS
 
 BLOCK = 1024  # elements per program; divides fingerprint.ROW, so a block's elements share one row weight
 ROW: tl.constexpr = tl.constexpr(fingerprint.ROW)
+SCALE: tl.constexpr = tl.constexpr(ANS_SCALE)
+SLOTS: tl.constexpr = tl.constexpr(1 << ANS_SCALE)
+Q: tl.constexpr = tl.constexpr(Q_SYMBOLS)
+LOW: tl.constexpr = tl.constexpr(1 << 16)  # deltasync.codec.kernels.ANS_LOW (that module loads numba)
 POPULATION_SAMPLE = 14  # log2 of the strided sample that kernels.exponent_histograms takes of a chunk
 
 
@@ -175,6 +180,41 @@ def _moves(positions, before, after, r1, partial, seed, offset, k, BLOCK: tl.con
     step = tl.load(after + j, mask=valid, other=0).to(tl.int64) - tl.load(before + j, mask=valid, other=0)
     w = tl.load(r1 + (p & (ROW - 1))).to(tl.uint64, bitcast=True) * _row_weight(p // ROW, seed)
     tl.store(partial + pid, tl.sum((step.to(tl.uint64, bitcast=True) * w).to(tl.int64, bitcast=True), 0))
+
+
+@triton.jit
+def _word(data, at, end):
+    """The little-endian 16-bit ANS word at byte `at` of data, 0 at or past `end`."""
+    inside = at < end
+    low = tl.load(data + at, mask=inside, other=0).to(tl.int64)
+    return low | (tl.load(data + at + 1, mask=inside, other=0).to(tl.int64) << 8)
+
+
+@triton.jit
+def _ans_decode(data, chunks, freq, cum, slots, symbols, status, total):
+    """deltasync.codec.kernels.ans_decode's coder for chunk pid, one program (one sequential state) per
+    chunk: its ANS symbols at symbols[t] (quotient models) and symbols[total + t] (value models), t its
+    changes' slots; status[pid] = 1 where the stream is truncated or does not end where its symbols do.
+    chunks[pid]: byte offset of the ANS words, their end, then the slots where classes 0..4 start."""
+    pid = tl.program_id(0)
+    row = chunks + 7 * pid.to(tl.int64)
+    at, end = tl.load(row), tl.load(row + 1)
+    bad = end - at < 4
+    x = (_word(data, at, end) << 16) | _word(data, at + 2, end)
+    at += 4
+    for half in tl.static_range(2):
+        for c in tl.static_range(4):
+            m = half * 4 + c
+            for t in range(tl.load(row + 2 + c), tl.load(row + 3 + c)):
+                slot = x & (SLOTS - 1)
+                s = tl.load(slots + m * SLOTS + slot).to(tl.int64)
+                x = tl.load(freq + m * Q + s) * (x >> SCALE) + slot - tl.load(cum + m * (Q + 1) + s)
+                if x < LOW:
+                    bad = bad | (at >= end)
+                    x = (x << 16) | _word(data, at, end)
+                    at += 2
+                tl.store(symbols + half * total + t, s.to(tl.int8))
+    tl.store(status + pid, (bad | (x != LOW) | (at != end)).to(tl.int8))
 
 
 # ----------------------------------------------------------------------------------------------- host side
@@ -361,48 +401,178 @@ def chunk_symbols(
 # ----------------------------------------------------------------------------------------------- decode
 
 
+class Ranked(NamedTuple):
+    """One tensor's compact changes before the old values place them (compact.ranked_changes of each of its
+    chunks, on a device): its chunks' class limits (int32 [chunks, 3]), then per change, chunk by chunk and
+    class by class, its class (int8), in-class rank, value step, escaped raw pattern and chunk (int64)."""
+
+    limits: torch.Tensor
+    cls: torch.Tensor
+    ranks: torch.Tensor
+    steps: torch.Tensor
+    raws: torch.Tensor
+    which: torch.Tensor
+
+
+def _segment_sums(values: torch.Tensor, segment: torch.Tensor, segments: int) -> tuple[torch.Tensor, ...]:
+    """The running sum of `values` up to and including each one within its segment (segments consecutive),
+    and each segment's sum."""
+    sums = torch.zeros(segments, dtype=values.dtype, device=values.device).index_add_(0, segment, values)
+    return values.cumsum(0) - (sums.cumsum(0) - sums)[segment], sums
+
+
+def _take_bits(data: torch.Tensor, at: torch.Tensor, n: torch.Tensor | int) -> torch.Tensor:
+    """The n (<= 32) bits of the LSB-first bit stream `data` (uint8, 8 bytes of padding) from bit `at`."""
+    byte = (at >> 3).clamp(0, data.numel() - 5)
+    word = sum(data[byte + i].to(torch.int64) << (8 * i) for i in range(5))
+    return (word >> (at & 7)) & ((torch.ones_like(at) << n) - 1)
+
+
+class PatchSymbols:
+    """The rANS stage of compact chunk streams (compact.ranked_changes) decoded on `device`: the headers on
+    the host, then the coder in one program per chunk, every chunk of the patch side by side (a chunk is one
+    sequential state: the GPU's width comes from running them all at once). Each tensor's changes are then
+    ranked on demand (`ranked`), so that beyond 2 bytes per change the device holds one tensor's at a time.
+    Raises CompactDecodeError as the host decoder does, with the tensor in its `tensor` attribute."""
+
+    def __init__(
+        self,
+        streams: Mapping[str, list[bytes]],
+        numels: Mapping[str, int],
+        chunk: int,
+        tables: compact.Tables,
+        device: torch.device,
+    ) -> None:
+        layouts, sizes, self.spans = [], [], {}
+        for name, parts in streams.items():
+            try:
+                need = -(-numels[name] // chunk)
+                if len(parts) != need:
+                    message = f"{len(parts)} chunks, {numels[name]} elements need {need}"
+                    raise compact.CompactDecodeError(message)
+                for c, part in enumerate(parts):
+                    sizes.append(min(chunk, numels[name] - c * chunk))
+                    layouts.append(compact.chunk_layout(part, sizes[-1], tables))
+            except compact.CompactDecodeError as e:
+                e.tensor = name
+                raise
+        counts = np.array([np.diff(lay.starts) for lay in layouts], np.int64).reshape(-1, MAX_CLASSES)
+        firsts = np.cumsum(counts.sum(1)) - counts.sum(1)
+        c0 = 0
+        for name, parts in streams.items():
+            c1 = c0 + len(parts)
+            self.spans[name] = (c0, c1, int(firsts[c0]) if c1 > c0 else 0, int(counts[c0:c1].sum()))
+            c0 = c1
+        lengths = np.array([len(part) for parts in streams.values() for part in parts], np.int64)
+        words_at = np.cumsum(lengths) - lengths + np.array([lay.words_at for lay in layouts], np.int64)
+        raw_at = words_at + 2 * np.array([lay.n_words for lay in layouts], np.int64)
+        starts = np.stack([lay.starts for lay in layouts]).reshape(-1, MAX_CLASSES + 1) + firsts[:, None]
+        self.total = total = int(counts.sum())
+
+        buffer = torch.empty(int(lengths.sum()) + 8, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        buffer[-8:] = 0
+        flat, at = buffer.numpy(), 0
+        for parts in streams.values():
+            for part in parts:
+                flat[at : at + len(part)] = np.frombuffer(part, np.uint8)
+                at += len(part)
+        on = {
+            k: torch.from_numpy(np.ascontiguousarray(v)).to(device, non_blocking=True)
+            for k, v in {
+                "rows": np.column_stack([words_at, raw_at, starts]),
+                "counts": counts.reshape(-1),
+                "rice": np.stack([lay.rice for lay in layouts]).reshape(-1),
+                "sizes": np.array(sizes, np.int64),
+                "ends": np.cumsum(lengths),
+                "freq": tables.freq,
+                "cum": tables.cum,
+                "slots": tables.slots,
+            }.items()
+        }
+        on["data"] = buffer.to(device, non_blocking=True)  # from pinned memory, where the device is a GPU
+        self.on, self.device = on, device
+        self.limits = np.stack([compact._limits(lay.bounds) for lay in layouts]).astype(np.int32)
+        self.symbols = torch.empty(2 * total + 1, dtype=torch.int8, device=device)
+        self.ans_bad = torch.empty(len(layouts), dtype=torch.int8, device=device)
+        if layouts:
+            _ans_decode[(len(layouts),)](
+                on["data"], on["rows"], on["freq"], on["cum"], on["slots"], self.symbols, self.ans_bad, total,
+                num_warps=1,  # one scalar chain per program
+            )  # fmt: skip
+
+    def ranked(self, name: str) -> Ranked:
+        """Tensor `name`'s changes, ranked: its raw bits read and its gaps summed, one host sync."""
+        from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
+
+        c0, c1, s0, k = self.spans[name]
+        chunks, on, total = c1 - c0, self.on, self.total
+        rows, sizes, ends = on["rows"][c0:c1], on["sizes"][c0:c1], on["ends"][c0:c1]
+        group = torch.repeat_interleave(
+            torch.arange(4 * chunks, device=self.device), on["counts"][4 * c0 : 4 * c1], output_size=k
+        )
+        which, cls = group // 4, group % 4
+        rice = on["rice"][4 * c0 : 4 * c1][group]
+        q = self.symbols[s0 : s0 + k].to(torch.int64)
+        steps = self.symbols[total + s0 : total + s0 + k].to(torch.int64) + 1
+        escaped_q, escaped_v = q == Q_SYMBOLS - 1, steps == V_SYMBOLS
+        # The raw bits of a chunk: each change's remainder and escaped quotient, then each escaped value.
+        first = rice + 32 * escaped_q
+        first_end, first_bits = _segment_sums(first, which, chunks)
+        second = 16 * escaped_v.to(torch.int64)
+        second_end, second_bits = _segment_sums(second, which, chunks)
+        at_first = rows[:, 1][which] * 8 + first_end - first
+        r = _take_bits(on["data"], at_first, rice)
+        q = torch.where(escaped_q, q + _take_bits(on["data"], at_first + rice, 32), q)
+        at_second = (rows[:, 1] * 8 + first_bits)[which] + second_end - second
+        raws = torch.where(escaped_v, _take_bits(on["data"], at_second, 16), 0)
+        used = first_bits + second_bits
+        last = on["data"][(rows[:, 1] + used // 8).clamp(max=on["data"].numel() - 1)].to(torch.int64)
+        raw_bad = ((used + 7) // 8 != ends - rows[:, 1]) | ((used % 8 != 0) & ((last >> (used % 8)) != 0))
+        gaps = (q << rice) + r + 1
+        too_far = torch.zeros(chunks, dtype=torch.int32, device=self.device).index_add_(
+            0, which, (gaps > sizes[which]).to(torch.int32)
+        )
+        code = torch.where(raw_bad, 4, torch.where(too_far > 0, 1, 0))
+        code = torch.where(self.ans_bad[c0:c1] != 0, 3, code)
+        failed = code[code != 0].tolist()
+        if failed:
+            error = compact.CompactDecodeError(
+                kernels.DECODE_ERRORS[1] if failed[0] == 1 else kernels.ANS_ERRORS[failed[0]]
+            )
+            error.tensor = name
+            raise error
+        ranks = _segment_sums(gaps, group, 4 * chunks)[0] - 1
+        limits = torch.from_numpy(self.limits[c0:c1]).to(self.device)
+        return Ranked(limits, cls.to(torch.int8), ranks, steps, raws, which)
+
+
 def decode_compact(
-    name: str,
-    streams: list[bytes],
-    old: torch.Tensor,
-    chunk: int,
-    tables: compact.Tables,
-    threads: int | None = None,
-    offset: int = 0,
+    name: str, ranked: Ranked, old: torch.Tensor, chunk: int, offset: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """What deltasync.codec.patch.decode makes of tensor `name`'s compact chunk streams against its old
-    values `old` (bf16, on their device; elements offset.. of the tensor for the fingerprint): the changed
-    positions (int64, ascending), their new patterns (int16) and the fingerprint's move. The rANS streams are
-    decoded on `threads` host threads (O(changes)); classes and positions on the device. Raises
-    CompactDecodeError where a stream cannot be what an encoder wrote."""
+    """What deltasync.codec.patch.decode makes of tensor `name`'s compact chunk streams, given their rANS
+    stage `ranked` (PatchSymbols.ranked), against its old values `old` (bf16, on their device; elements
+    offset.. of the tensor for the fingerprint): the changed positions (int64, ascending), their new
+    patterns (int16) and the fingerprint's move. Raises CompactDecodeError where a stream cannot be what an
+    encoder wrote."""
     from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
 
     x = bits(old)
     n, device = x.numel(), x.device
-    if len(streams) != -(-n // chunk):
-        raise compact.CompactDecodeError(f"{len(streams)} chunks, {n} elements need {-(-n // chunk)}")
-    sizes = [min(chunk, n - lo) for lo in range(0, n, chunk)]
-    chunks = parallel_map(
-        lambda work: compact.ranked_changes(*work, tables), list(zip(streams, sizes, strict=True)), threads
-    )
-    limits, cls, ranks, steps, raws = (np.concatenate(part) for part in zip(*chunks, strict=True))
-    which = np.repeat(np.arange(len(chunks)), [c[1].size for c in chunks])
-    limits_on, cls_on, ranks_on, steps_on, raws_on, which_on = (
-        torch.from_numpy(a).to(device) for a in (limits.astype(np.int32), cls, ranks, steps, raws, which)
-    )
+    limits_on, cls_on, ranks_on, steps_on, raws_on, which_on = ranked
+    chunks = limits_on.shape[0]
     per_chunk = _blocks(min(chunk, n))
-    programs = len(chunks) * per_chunk
+    programs = chunks * per_chunk
     counts = torch.empty((programs, 4), dtype=torch.int32, device=device)
     _class_counts[(programs,)](x, limits_on, counts, n, chunk, per_chunk, BLOCK=BLOCK)
-    inclusive = counts.view(len(chunks), per_chunk, 4).cumsum(1)
+    inclusive = counts.view(chunks, per_chunk, 4).cumsum(1)
     order = torch.empty(programs * BLOCK, dtype=torch.int16, device=device)
     _class_order[(programs,)](x, limits_on, counts, order, n, chunk, per_chunk, BLOCK=BLOCK)
     # The block of each change: the first of its chunk whose running count of its class passes its rank.
     cls64 = cls_on.to(torch.int64)
-    group = cls64 * len(chunks) + which_on
+    group = cls64 * chunks + which_on
     keys = (
-        (torch.arange(4 * len(chunks), device=device)[:, None] << 32)
-        + inclusive.permute(2, 0, 1).reshape(4 * len(chunks), per_chunk)
+        (torch.arange(4 * chunks, device=device)[:, None] << 32)
+        + inclusive.permute(2, 0, 1).reshape(4 * chunks, per_chunk)
     ).reshape(-1)
     found = torch.searchsorted(keys, (group << 32) + ranks_on, right=True)
     beyond = ranks_on >= inclusive[which_on, -1, cls64]  # past its class in its chunk

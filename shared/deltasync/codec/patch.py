@@ -32,6 +32,7 @@ import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -44,6 +45,9 @@ from deltasync.codec.changes import TensorChanges, diff, diff_and_moves
 from deltasync.codec.header import DTYPE, ENCODINGS, FORMAT, VERSION, PatchInfo, read_info
 from deltasync.codec.parallel import parallel_map, spans
 from deltasync.errors import PatchError
+
+if TYPE_CHECKING:
+    from deltasync.codec import gpu  # Triton: imported where a GPU holds the weights
 
 FINGERPRINT_SPAN = 1 << 20  # changed elements per unit of fingerprint work
 
@@ -566,14 +570,36 @@ def chunk_streams(name: str, entries: dict, numel: int, chunk: int) -> list[byte
     return streams
 
 
+def compact_symbols(
+    info: PatchInfo, entries: dict, numels: Mapping[str, int], tables: compact.Tables, device: torch.device
+) -> gpu.PatchSymbols:
+    """The rANS stage of the compact entries named in `numels` (each covering that many elements), decoded
+    on the GPU `device` for all of them at once (deltasync.codec.gpu.PatchSymbols), for decode_entry.
+    Raises PatchError."""
+    from deltasync.codec import gpu  # Triton: only where a GPU holds the weights
+
+    chunk = chunk_size(info)
+    streams = {name: chunk_streams(name, entries, numel, chunk) for name, numel in numels.items()}
+    try:
+        return gpu.PatchSymbols(streams, numels, chunk, tables, device)
+    except compact.CompactDecodeError as e:
+        raise PatchError(f"{e.tensor}: corrupt compact data: {e}") from None
+
+
 def decode_entry(
-    info: PatchInfo, entries: dict, name: str, old: torch.Tensor, tables: compact.Tables | None, threads=None
+    info: PatchInfo,
+    entries: dict,
+    name: str,
+    old: torch.Tensor,
+    tables: compact.Tables | None,
+    threads: int | None = None,
+    symbols: gpu.PatchSymbols | None = None,
 ) -> TensorChanges:
     """The changes of `name`'s entry (positions in the whole tensor, on `old`'s device) decoded against
     `old`, the old values of what the entry covers (the tensor, or its window), wherever they live: one
     tensor at a time, so that a caller holding the weights in place (a vLLM worker) needs no copy of the
-    model. Compact entries decode with the numba kernels on CPU, with deltasync.codec.gpu on a GPU. Raises
-    PatchError."""
+    model. Compact entries decode with the numba kernels on CPU, with deltasync.codec.gpu on a GPU (their
+    rANS stage in `symbols`, where compact_symbols ran it for the whole patch). Raises PatchError."""
     t = info.tensors[name]
     start = info.windows.get(name, (0, 0))[0]
     if t["mode"] != "compact":
@@ -586,14 +612,16 @@ def decode_entry(
         return TensorChanges(ch.indices + start, ch.values) if start else ch
     assert tables is not None  # a compact patch's
     chunk = chunk_size(info)
-    streams = chunk_streams(name, entries, old.numel(), chunk)
+    if old.is_cuda and symbols is None:
+        symbols = compact_symbols(info, entries, {name: old.numel()}, tables, old.device)
     try:
-        if old.is_cuda:
+        if symbols is not None:
             from deltasync.codec import gpu  # Triton: only where a GPU holds the weights
 
-            idx, new_bits, _ = gpu.decode_compact(name, streams, old, chunk, tables, threads, start)
+            idx, new_bits, _ = gpu.decode_compact(name, symbols.ranked(name), old, chunk, start)
             idx = idx + start
         else:
+            streams = chunk_streams(name, entries, old.numel(), chunk)
             old_bits = bits(old).reshape(-1).numpy()
             pieces = spans(old_bits.size, chunk)
             work = [

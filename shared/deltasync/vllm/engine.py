@@ -66,7 +66,14 @@ from vllm.model_executor.model_loader.checkpoint_weight_patch import (
 from deltasync.codec import fingerprint
 from deltasync.codec.changes import TensorChanges
 from deltasync.codec.fingerprint import format_fingerprint
-from deltasync.codec.patch import decode_entry, merge_changes, read_entries, read_info, read_tables
+from deltasync.codec.patch import (
+    compact_symbols,
+    decode_entry,
+    merge_changes,
+    read_entries,
+    read_info,
+    read_tables,
+)
 from deltasync.errors import PatchError, Refused
 from deltasync.sync.anchor import anchor_tensors
 from deltasync.vllm import compat
@@ -277,12 +284,23 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
                 raise ValueError(f"{where}: {through_loader[0]!r} cannot be patched in place")
             entries = read_entries(data)
             tables = read_tables(patch) if patch.encoding == "compact" else None
-            changes = {}
-            for name in patch.tensors:  # in the patch's order on every rank: collectives run per tensor
+            spans = {}
+            for name in patch.tensors:
                 numel = int(np.prod(layout.shapes[name]))
-                lo, n = patch.windows.get(name, (0, numel))
+                lo, n = spans[name] = patch.windows.get(name, (0, numel))
                 if lo + n > numel:
                     raise PatchError(f"{where}: {name}: window [{lo}, {lo + n}) is outside its {numel}")
+            symbols = None
+            if tables is not None and self.device.type == "cuda":  # the rANS stage of every chunk at once
+                whole = {
+                    k: spans[k][1]
+                    for k, t in patch.tensors.items()
+                    if t["mode"] == "compact" and k not in layout.split
+                }
+                symbols = compact_symbols(patch, entries, whole, tables, self.device)
+            changes = {}
+            for name in patch.tensors:  # in the patch's order on every rank: collectives run per tensor
+                lo, n = spans[name]
                 if name in layout.split:  # only this rank's part of it: its changes there
                     blocks = layout.blocks.get(name, [])
                     held = decode_held(patch, entries, name, n, tables, blocks, self.group)
@@ -291,7 +309,7 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
                     gathered += held[2]
                 else:
                     old = layout.old_values(name).reshape(-1)[lo : lo + n]
-                    changes[name] = decode_entry(patch, entries, name, old, tables)
+                    changes[name] = decode_entry(patch, entries, name, old, tables, symbols=symbols)
             decoded.append(changes)
             base = patch.fingerprint
         problem = next((p for p in problems if p), None)

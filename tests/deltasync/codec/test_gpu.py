@@ -2,6 +2,9 @@
 through Triton's interpreter (small states: the interpreter runs each program in numpy)."""
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -154,6 +157,11 @@ def same(got: tuple, expected: tuple) -> bool:
     )
 
 
+def gpu_decode(gpu, name: str, parts: list[bytes], old: torch.Tensor, chunk: int, tables) -> tuple:
+    symbols = gpu.PatchSymbols({name: parts}, {name: old.numel()}, chunk, tables, old.device)
+    return gpu.decode_compact(name, symbols.ranked(name), old, chunk)
+
+
 @pytest.mark.parametrize(("chunk", "density"), [(1000, 0.02), (7000, 0.02), (compact.CHUNK, 0.3)])
 def test_decode_compact_is_the_host_decode(gpu, chunk, density):
     """Positions, new patterns and fingerprint moves of every compact tensor, as the CPU decodes them."""
@@ -162,7 +170,7 @@ def test_decode_compact_is_the_host_decode(gpu, chunk, density):
     streams, tables, _ = compact_streams(patches.encode(patch, host(old), "compact", threads=1, chunk=chunk))
     assert streams
     for name, parts in streams.items():
-        got = gpu.decode_compact(name, parts, old[name], chunk, tables, threads=1)
+        got = gpu_decode(gpu, name, parts, old[name], chunk, tables)
         assert same(got, host_decode(name, parts, old[name], chunk, tables)), name
 
 
@@ -186,9 +194,57 @@ def test_decode_compact_refuses_what_the_host_refuses(gpu):
             expected = host_decode("w", parts, old["w"], chunk, tables)
         except compact.CompactDecodeError as e:
             with pytest.raises(compact.CompactDecodeError) as caught:
-                gpu.decode_compact("w", parts, old["w"], chunk, tables, threads=1)
+                gpu_decode(gpu, "w", parts, old["w"], chunk, tables)
             assert str(caught.value) == str(e)
             refused += 1
             continue
-        assert same(gpu.decode_compact("w", parts, old["w"], chunk, tables, threads=1), expected)
+        assert same(gpu_decode(gpu, "w", parts, old["w"], chunk, tables), expected)
     assert 0 < refused < 30
+
+
+def test_a_patchs_symbols_decoded_at_once_are_each_tensors_own(gpu):
+    """Every chunk of a patch in one rANS launch: each tensor's changes are what its own streams decode
+    to, and a broken stream is refused as its own tensor's, whichever tensors come before it."""
+    old, new = states(6, SHAPES, 0.05)
+    patch = patches.make_patch(host(old), host(new), 1, 0, threads=1)
+    data = patches.encode(patch, host(old), "compact", threads=1, chunk=900)
+    streams, tables, chunk = compact_streams(data)
+    numels = {name: old[name].numel() for name in streams}
+    symbols = gpu.PatchSymbols(streams, numels, chunk, tables, torch.device(DEVICE))
+    for name, parts in streams.items():
+        got = gpu.decode_compact(name, symbols.ranked(name), old[name], chunk)
+        assert same(got, host_decode(name, parts, old[name], chunk, tables)), name
+    last = list(streams)[-1]
+    broken = dict(streams, **{last: [*streams[last][:-1], streams[last][-1][:-1]]})  # its raw bits cut short
+    symbols = gpu.PatchSymbols(broken, numels, chunk, tables, torch.device(DEVICE))
+    for name in list(streams)[:-1]:
+        symbols.ranked(name)
+    with pytest.raises(compact.CompactDecodeError, match="truncated") as caught:
+        symbols.ranked(last)
+    assert caught.value.tensor == last
+
+
+def test_the_rans_kernel_compiles_for_an_h100():
+    """The interpreter runs any Python; this compiles the one kernel with data-dependent control flow (a
+    scalar loop per chunk) to a cubin for sm_90, as on a GPU, with the ptxas that Triton ships."""
+    script = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from deltasync.codec import gpu
+types = ["*u8", "*i64", "*i64", "*i64", "*u8", "*i8", "*i8", "i64"]
+names = gpu._ans_decode.arg_names
+compiled = triton.compile(
+    ASTSource(gpu._ans_decode, dict(zip(names, types, strict=True)), {}, {}),
+    target=GPUTarget("cuda", 90, 32),
+    options={"num_warps": 1},
+)
+print(len(compiled.asm["cubin"]))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, text=True, capture_output=True, timeout=300
+    )
+
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) > 0
