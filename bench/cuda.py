@@ -23,10 +23,11 @@ device. Parts:
   after `publish` returns; the publish part measures it through the Publisher), rolling a previous copy
   forward (`apply_changes`);
   the replica's compact bytes to weights written and verified on the GPU (deltasync.codec.gpu
-  `decode_compact`, then `apply_changes`); beside the host path's `encode` of the same patch (old weights
-  copied to the host), whose bytes must be the same; every result checked bit for bit first. The replica
-  row decodes in this process, against weights on this GPU; the follower handing the bytes to vLLM's workers
-  and its peak RSS are measured by the follower's own bench and tests (deltasync/vllm), not here.
+  `PatchSymbols` and `decode_compact`, then `apply_changes`); beside the host path's `encode` of the same
+  patch (old weights copied to the host), whose bytes must be the same; every result checked bit for bit
+  first. The replica row decodes in this process, against weights on this GPU; the follower handing the
+  bytes to vLLM's workers and its peak RSS are measured by the follower's own bench and tests
+  (deltasync/vllm), not here.
 - write: the writes themselves into live CUDA parameters laid out as vLLM holds them (one `index_put_` per
   HF tensor into its destination view, rows of vLLM's fused qkv_proj and gate_up_proj), and a raw patch
   file read to the device and parsed (`raw_changes`). Floor: one `index_put_` of the same count into one
@@ -50,9 +51,9 @@ device. Parts:
   (`decode` with verification + `apply_changes`), as changed elements/s and MB/s of the bf16 model, on every
   core and on one, against one `ne` pass over the same host tensors (torch, every core). Runs without a GPU
   too (`--only codec`; the states are then made on the host).
-- coder: the rANS stage alone, the host work both GPU paths keep: every chunk stream of the step decoded
-  tensor by tensor (as `gpu.decode_compact` does) and all on one pool, and every chunk's symbols encoded (as
-  `encode` does), on every core and on one. Runs without a GPU too.
+- coder: the rANS stage alone: every chunk stream of the step decoded on the host, tensor by tensor and all
+  on one pool, and on the GPU where there is one (`gpu.PatchSymbols`: a program per chunk); every chunk's
+  symbols encoded (as `encode` does, on the host), on every core and on one. Runs without a GPU too.
 """
 
 from __future__ import annotations
@@ -250,8 +251,10 @@ def step_part(old: State, new: State, repeat: int) -> None:
         from deltasync.codec import gpu
 
         changes, moved = {}, base_fp
-        for name, parts in streams.items():
-            positions, after, move = gpu.decode_compact(name, parts, old[name], chunk, tables, threads)
+        numels = {name: old[name].numel() for name in streams}
+        symbols = gpu.PatchSymbols(streams, numels, chunk, tables, next(iter(old.values())).device)
+        for name in streams:
+            positions, after, move = gpu.decode_compact(name, symbols.ranked(name), old[name], chunk)
             changes[name], moved = TensorChanges(positions, after.view(torch.bfloat16)), moved + move
         assert moved & MASK64 == patch.fingerprint, "replica: fingerprint mismatch"
         apply_changes(written, changes, threads)
@@ -276,8 +279,9 @@ def step_part(old: State, new: State, repeat: int) -> None:
             lambda threads=None: apply_changes(previous, patch.changes, threads),
             "",
         ),
-        "**replica**: compact bytes in host memory to written and verified (`gpu.decode_compact`: rANS on "
-        "host threads, classes, positions, values, fingerprint on the GPU; `apply_changes`)": (
+        "**replica**: compact bytes in host memory to written and verified (`gpu.PatchSymbols`: the rANS "
+        "coder, a program per chunk; `gpu.decode_compact`: ranks, classes, positions, values, fingerprint; "
+        "`apply_changes`)": (
             replica,
             "<= 150 ms at 8B",
         ),
@@ -704,9 +708,9 @@ def codec_part(old: State, new: State, repeat: int) -> None:
 
 
 def coder_part(old: State, new: State, repeat: int) -> None:
-    """The rANS stage alone, the host work the GPU paths keep: decoding every chunk stream of a step tensor by
-    tensor (as `gpu.decode_compact` does: a tensor's chunks on the pool, then the next tensor) against all
-    chunks of all tensors on the pool at once, and encoding every chunk's symbols (as `encode` does)."""
+    """The rANS stage alone: decoding every chunk stream of a step on the host tensor by tensor (a tensor's
+    chunks on the pool, then the next tensor) and all chunks of all tensors on the pool at once, and on the
+    GPU (a program per chunk, every chunk at once); encoding every chunk's symbols (as `encode` does)."""
     old = {n: t.cpu() for n, t in old.items()}
     new = {n: t.cpu() for n, t in new.items()}
     numel = sum(t.numel() for t in old.values())
@@ -721,9 +725,7 @@ def coder_part(old: State, new: State, repeat: int) -> None:
         parallel_map(lambda w: compact.ranked_changes(*w, tables), pairs, threads)
 
     calls = {
-        "rANS decode, tensor by tensor (`gpu.decode_compact`)": lambda t: [
-            decode(w, t) for w in work.values()
-        ],
+        "rANS decode, tensor by tensor": lambda t: [decode(w, t) for w in work.values()],
         "rANS decode, every chunk of the step on one pool": lambda t: decode(
             [w for pairs in work.values() for w in pairs], t
         ),
@@ -743,6 +745,23 @@ def coder_part(old: State, new: State, repeat: int) -> None:
             call(threads)  # warm-up (numba compiles once per process)
             s = min(median_s(lambda c=call, t=threads: c(t), 1) for _ in range(repeat))
             rows.append([label, threads, ms(s), f"{patch.changed / s / 1e6:.0f} M/s"])
+    if torch.cuda.is_available():
+        from deltasync.codec import gpu
+
+        numels = {n: old[n].numel() for n in streams}
+
+        def on_gpu(rank: bool) -> None:
+            symbols = gpu.PatchSymbols(streams, numels, chunk, tables, torch.device("cuda"))
+            for name in streams if rank else ():
+                symbols.ranked(name)
+
+        for label, rank in {
+            "rANS decode on the GPU, a program per chunk, every chunk at once (`gpu.PatchSymbols`)": False,
+            "the same, then every tensor's raw bits and ranks (`PatchSymbols.ranked`)": True,
+        }.items():
+            on_gpu(rank)  # warm-up (Triton compiles once per process)
+            s = min(median_s(lambda r=rank: on_gpu(r), 1) for _ in range(repeat))
+            rows.append([label, "GPU", ms(s), f"{patch.changed / s / 1e6:.0f} M/s"])
     table(["stage", "threads", "time", "changed elements/s"], rows)
 
 
