@@ -284,23 +284,23 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
                 raise ValueError(f"{where}: {through_loader[0]!r} cannot be patched in place")
             entries = read_entries(data)
             tables = read_tables(patch) if patch.encoding == "compact" else None
-            spans = {}
+            windows = {}
             for name in patch.tensors:
                 numel = int(np.prod(layout.shapes[name]))
-                lo, n = spans[name] = patch.windows.get(name, (0, numel))
+                lo, n = windows[name] = patch.windows.get(name, (0, numel))
                 if lo + n > numel:
                     raise PatchError(f"{where}: {name}: window [{lo}, {lo + n}) is outside its {numel}")
             symbols = None
             if tables is not None and self.device.type == "cuda":  # the rANS stage of every chunk at once
                 whole = {
-                    k: spans[k][1]
+                    k: windows[k][1]
                     for k, t in patch.tensors.items()
                     if t["mode"] == "compact" and k not in layout.split
                 }
                 symbols = compact_symbols(patch, entries, whole, tables, self.device)
             changes = {}
             for name in patch.tensors:  # in the patch's order on every rank: collectives run per tensor
-                lo, n = spans[name]
+                lo, n = windows[name]
                 if name in layout.split:  # only this rank's part of it: its changes there
                     blocks = layout.blocks.get(name, [])
                     held = decode_held(patch, entries, name, n, tables, blocks, self.group)
