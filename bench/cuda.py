@@ -18,10 +18,10 @@ device. Parts:
   bytes. "host syncs" counts the synchronizing CUDA calls of one run (torch's sync debug mode, one codec
   thread): per call, not per tensor, is the goal.
 - step: the codec's calls in the trainer's step with the previous copy on the GPU, against the same `ne`
-  pass: `make_patch` (the changes and the fingerprint's move), the compact `encode` (classes and ranks on
-  the GPU, the rANS coder on every host core), bytes ready (both: what the publisher's background runs
-  after `publish` returns; the publish part measures it through the Publisher), rolling a previous copy
-  forward (`apply_changes`);
+  pass: `make_patch` (the changes and the fingerprint's move), the compact `encode` (classes, ranks,
+  symbols and the rANS coder on the GPU; the host chooses the classes and pools the models), bytes ready
+  (both: what the publisher's background runs after `publish` returns; the publish part measures it
+  through the Publisher), rolling a previous copy forward (`apply_changes`);
   the replica's compact bytes to weights written and verified on the GPU (deltasync.codec.gpu
   `PatchSymbols` and `decode_compact`, then `apply_changes`); beside the host path's `encode` of the same
   patch (old weights copied to the host), whose bytes must be the same; every result checked bit for bit
@@ -235,7 +235,7 @@ def step_part(old: State, new: State, repeat: int) -> None:
         "make_patch: fingerprint"
     )
     data = patches.encode(patch, old, "compact")
-    on_host = patches.encode(patch, old, "compact", make_symbols=patches.host_symbols)
+    on_host = patches.encode(patch, old, "compact", make_streams=patches.host_streams)
     assert canonical(data) == canonical(on_host), "encode: the GPU's bytes differ from the host path's"
     target = {n: t.to("cpu", copy=True) for n, t in old.items()}
     apply_changes(target, patches.decode(data, target, base_fp).changes)
@@ -270,7 +270,7 @@ def step_part(old: State, new: State, repeat: int) -> None:
             lambda threads=None: patches.make_patch(old, new, 1, 0, base_fp, threads),
             "<= 20x `ne`",
         ),
-        "compact `encode` (GPU classes and ranks, host rANS)": (
+        "compact `encode` (`gpu.compact_streams`: classes, ranks, symbols, rANS on the GPU)": (
             lambda threads=None: patches.encode(patch, old, "compact", threads),
             "",
         ),
@@ -287,7 +287,7 @@ def step_part(old: State, new: State, repeat: int) -> None:
         ),
         "host path's `encode` of the same patch (old weights to the host)": (
             lambda threads=None: patches.encode(
-                patch, old, "compact", threads, make_symbols=patches.host_symbols
+                patch, old, "compact", threads, make_streams=patches.host_streams
             ),
             "the same bytes",
         ),

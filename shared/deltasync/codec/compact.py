@@ -129,22 +129,10 @@ def to_symbols(old_bits: np.ndarray, idx: np.ndarray, new_bits: np.ndarray) -> S
     return Symbols(bounds, starts, rice, q, r, v, q_hist, v_hist, position_bits + 1.5 * idx.size)
 
 
-def ranked_symbols(
-    bounds: list[int],
-    position_bits: float,
-    cls: np.ndarray,
-    ranks: np.ndarray,
-    sizes: np.ndarray,
-    old: np.ndarray,
-    new_bits: np.ndarray,
-) -> Symbols:
-    """What to_symbols makes of one chunk, from the classes chosen (`bounds` and their cost `position_bits`),
-    each change's class, in-class rank and old pattern (position order) and each class's size in the chunk,
-    found elsewhere (on a GPU: deltasync.codec.gpu)."""
-    from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
-
-    starts, rice, q, r, v, q_hist, v_hist = kernels.ranked_symbols(cls, ranks, sizes, old, new_bits)
-    return Symbols(bounds, starts, rice, q, r, v, q_hist, v_hist, position_bits + 1.5 * cls.size)
+def worth_coding(estimated_bits: list[float], numel: int) -> bool:
+    """Whether a tensor of `numel` elements whose chunks' symbols are estimated at `estimated_bits` is coded
+    compact (else its new values are stored dense, 16 bits each)."""
+    return sum(estimated_bits) < 16 * numel
 
 
 def tally(models: Models, s: Symbols) -> None:
@@ -221,14 +209,21 @@ def stream_changed(data: bytes) -> int:
     return sum(sum(_class_header(chunk)[2]) for chunk in split_chunks(data))
 
 
+def chunk_stream(
+    bounds: list[int], counts: list[int], rice: list[int], words: np.ndarray, raw: bytes
+) -> bytes:
+    """A chunk's stream from its class bounds, per class its change count and Rice parameter (all
+    MAX_CLASSES of them: the unused classes are dropped), its ANS words (16-bit) and raw bits."""
+    k = len(bounds) + 1
+    header = _varints([k, *bounds, *counts[:k], *rice[:k], words.size])
+    return header + words.astype("<u2").tobytes() + raw
+
+
 def encode_chunk(s: Symbols, tables: Tables) -> bytes:
     from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
 
     words, raw = kernels.ans_encode(s.starts, s.rice, s.q, s.r, s.v, tables.freq, tables.cum)
-    k = len(s.bounds) + 1
-    counts = np.diff(s.starts)[:k].tolist()
-    header = _varints([k, *s.bounds, *counts, *s.rice[:k].tolist(), words.size])
-    return header + words.astype("<u2").tobytes() + raw.tobytes()
+    return chunk_stream(s.bounds, np.diff(s.starts).tolist(), s.rice.tolist(), words, raw.tobytes())
 
 
 def _starts(counts: list[int], numel: int, present: list[bool]) -> np.ndarray:

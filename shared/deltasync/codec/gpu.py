@@ -3,12 +3,14 @@
 - `scan`: change detection, with the fingerprint's move summed as the changes are written (what `make_patch`
   needs): two passes, one host sync for all tensors;
 - `state_fingerprint`: the full fingerprint in one pass;
-- `chunk_symbols`: the compact encoding's per-element work (the classes of old values, the in-class ranks of
-  the changed elements), which deltasync.codec.patch.encode runs where the weights are on CUDA.
+- `compact_streams`: the compact encoding where the weights are on CUDA (deltasync.codec.patch.encode runs
+  it): the classes of old values, the in-class ranks and symbols of the changed elements, then the rANS
+  coder, a program per chunk for every chunk of the patch at once; the host chooses the classes and pools
+  the models from per-chunk histograms, and gets the coded bytes;
+- `PatchSymbols` and `decode_compact`: the replica's counterpart, against old weights on the GPU.
 
-The host gets O(changed elements) (positions, old and new patterns, classes, ranks) plus per-chunk histograms,
-and runs the rest as the CPU path does (the choice of classes, the symbols, the rANS coder): the patch bytes
-are the same, which the tests check through Triton's interpreter on machines with no GPU.
+The patch bytes and decoded changes are the CPU path's, which the tests check through Triton's interpreter
+on machines with no GPU.
 
 Why Triton: CUDA builds of torch depend on it, so every GPU image that runs torch (vLLM's included) has it;
 it compiles at run time with no CUDA toolkit (numba's CUDA target needs NVVM from the toolkit, CuPy is one
@@ -39,7 +41,9 @@ ROW: tl.constexpr = tl.constexpr(fingerprint.ROW)
 SCALE: tl.constexpr = tl.constexpr(ANS_SCALE)
 SLOTS: tl.constexpr = tl.constexpr(1 << ANS_SCALE)
 Q: tl.constexpr = tl.constexpr(Q_SYMBOLS)
+V: tl.constexpr = tl.constexpr(V_SYMBOLS)
 LOW: tl.constexpr = tl.constexpr(1 << 16)  # deltasync.codec.kernels.ANS_LOW (that module loads numba)
+RENORM: tl.constexpr = tl.constexpr((1 << 16 >> ANS_SCALE) << 16)  # and its _ANS_RENORM
 POPULATION_SAMPLE = 14  # log2 of the strided sample that kernels.exponent_histograms takes of a chunk
 
 
@@ -217,6 +221,62 @@ def _ans_decode(data, chunks, freq, cum, slots, symbols, status, total):
     tl.store(status + pid, (bad | (x != LOW) | (at != end)).to(tl.int8))
 
 
+@triton.jit
+def _ans_encode(q, r, v, rows, rice, freq, cum, words, raw, firsts):
+    """deltasync.codec.kernels.ans_encode for chunk pid, one program per chunk: its ANS words pushed down
+    from words[rows[pid, 0]] (firsts[pid]: where they begin) and its raw bits at raw[rows[pid, 1]]..; the
+    chunk's symbols are q, r, v[rows[pid, 2 + c]..rows[pid, 3 + c]] for classes c = 0..3."""
+    pid = tl.program_id(0)
+    row = rows + 7 * pid.to(tl.int64)
+    at = tl.load(row)
+    x = tl.full([], LOW, tl.int64)
+    for h in tl.static_range(2):  # ANS is a stack: the symbols are pushed in reverse
+        for cc in tl.static_range(4):
+            m = (1 - h) * 4 + 3 - cc
+            lo, hi = tl.load(row + 5 - cc), tl.load(row + 6 - cc)
+            for i in range(hi - lo):
+                t = hi - 1 - i
+                if h == 0:
+                    s = tl.minimum(tl.load(v + t), V).to(tl.int64) - 1
+                else:
+                    s = tl.minimum(tl.load(q + t), Q - 1).to(tl.int64)
+                f = tl.load(freq + m * Q + s)
+                if x >= RENORM * f:
+                    at -= 1
+                    tl.store(words + at, x.to(tl.int16))
+                    x = x >> 16
+                x = (x // f) * SLOTS + x % f + tl.load(cum + m * (Q + 1) + s)
+    tl.store(words + at - 1, x.to(tl.int16))
+    tl.store(words + at - 2, (x >> 16).to(tl.int16))
+    tl.store(firsts + pid, at - 2)
+    out = tl.load(row + 1)
+    held = tl.full([], 0, tl.int64)
+    count = tl.full([], 0, tl.int64)
+    for c in tl.static_range(4):  # each remainder and escaped quotient, then each escaped value
+        bits = tl.load(rice + 4 * pid.to(tl.int64) + c)
+        for t in range(tl.load(row + 2 + c), tl.load(row + 3 + c)):
+            held |= tl.load(r + t).to(tl.int64) << count
+            count += bits
+            quotient = tl.load(q + t).to(tl.int64)
+            if quotient >= Q - 1:
+                held |= (quotient - (Q - 1)) << count
+                count += 32
+            while count >= 8:
+                tl.store(raw + out, held.to(tl.uint8))
+                out, held, count = out + 1, held >> 8, count - 8
+    for c in tl.static_range(4):
+        for t in range(tl.load(row + 2 + c), tl.load(row + 3 + c)):
+            value = tl.load(v + t).to(tl.int64)
+            if value >= V:
+                held |= (value & 0xFFFF) << count
+                count += 16
+                while count >= 8:
+                    tl.store(raw + out, held.to(tl.uint8))
+                    out, held, count = out + 1, held >> 8, count - 8
+    if count > 0:
+        tl.store(raw + out, held.to(tl.uint8))
+
+
 # ----------------------------------------------------------------------------------------------- host side
 
 
@@ -347,8 +407,8 @@ def _choose_classes(
 
 def _ranked(x: torch.Tensor, idx: torch.Tensor, limits: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
     """The class (int8) and in-class rank within its chunk (int32) of each change at `idx` (sorted) to the
-    patterns `x`, the chunks being split into classes by `limits` (int32 [chunks, 3]); and per chunk the
-    class sizes (int64 [chunks, 4]) and the number of changes, flat (int64)."""
+    patterns `x`, the chunks being split into classes by `limits` (int32 [chunks, 3]); and per chunk and
+    class its size and its changes (int64, [chunks * 4] each, one after the other)."""
     n, chunks = x.numel(), limits.shape[0]
     per_chunk = _blocks(min(chunk, n))
     programs = chunks * per_chunk
@@ -366,36 +426,131 @@ def _ranked(x: torch.Tensor, idx: torch.Tensor, limits: torch.Tensor, chunk: int
         x, marks, limits, class_base, change_base, classes, ranks, n, chunk, per_chunk, BLOCK=BLOCK
     )
     sizes = inclusive[:, -1, :].to(torch.int64).reshape(-1)
-    return classes, ranks, torch.cat([sizes, torch.bincount(idx // chunk, minlength=chunks)])
+    changed = torch.bincount((idx // chunk) * 4 + classes, minlength=4 * chunks)
+    return classes, ranks, torch.cat([sizes, changed])
 
 
-def chunk_symbols(
+def _symbols(
+    idx: torch.Tensor,
+    cls: torch.Tensor,
+    ranks: torch.Tensor,
+    patterns: torch.Tensor,
+    rice: torch.Tensor,
+    chunk: int,
+) -> tuple[torch.Tensor, ...]:
+    """kernels.ranked_symbols for every chunk of a tensor at once: the changes at `idx` (sorted) grouped by
+    chunk and class (position order within), their Rice quotients, remainders and value symbols (int32),
+    and per chunk and class the histograms of the capped quotient and value symbols (int64 [chunks * 4, 48]);
+    `rice` per chunk and class (int64 [chunks * 4])."""
+    group, order = torch.sort((idx // chunk) * 4 + cls, stable=True)
+    rank = ranks[order].to(torch.int64)
+    first_of_group = torch.ones_like(group, dtype=torch.bool)
+    first_of_group[1:] = group[1:] != group[:-1]
+    gap, k = rank - torch.where(first_of_group, -1, torch.roll(rank, 1)) - 1, rice[group]
+    q, r = gap >> k, gap & ((torch.ones_like(k) << k) - 1)
+    old, new = patterns[0, order].to(torch.int64), patterns[1, order].to(torch.int64)
+    zigzag = ((new - old) << 1) ^ ((new - old) >> 63)
+    v = torch.where(zigzag < V_SYMBOLS, zigzag, (new & 0xFFFF) + (V_SYMBOLS << 16))
+    groups = rice.numel()
+    q_hist = torch.bincount(group * Q_SYMBOLS + q.clamp(max=Q_SYMBOLS - 1), minlength=groups * Q_SYMBOLS)
+    v_hist = torch.bincount(group * V_SYMBOLS + v.clamp(max=V_SYMBOLS) - 1, minlength=groups * V_SYMBOLS)
+    hist = torch.cat([q_hist.view(groups, Q_SYMBOLS), v_hist.view(groups, V_SYMBOLS)], 1)
+    return q.to(torch.int32), r.to(torch.int32), v.to(torch.int32), hist
+
+
+def _code(
+    symbols: list[tuple[torch.Tensor, ...]],
+    changed: np.ndarray,
+    rice: np.ndarray,
+    escapes: np.ndarray,
+    tables: compact.Tables,
+) -> list[tuple[np.ndarray, bytes]]:
+    """kernels.ans_encode of every chunk at once, a program per chunk: each chunk's ANS words and raw bits.
+    `symbols`: each tensor's from _symbols; per chunk and class [chunks, 4]: `changed`, `rice`, and in
+    `escapes` [chunks, 4, 2] the escaped quotients and values."""
+    device = symbols[0][0].device
+    raw_bits = (changed * rice + escapes @ np.array([32, 16])).sum(1)  # remainders, escaped quotients, values
+    raw_bytes = (raw_bits + 7) // 8
+    k = changed.sum(1)
+    word_ends = np.cumsum(2 * k + 2)  # a push emits at most one word
+    class_starts = (np.cumsum(k) - k)[:, None] + np.pad(changed.cumsum(1), ((0, 0), (1, 0)))
+    rows = np.column_stack([word_ends, np.cumsum(raw_bytes) - raw_bytes, class_starts])
+    on = {
+        key: torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        for key, a in {"rows": rows, "rice": rice, "freq": tables.freq, "cum": tables.cum}.items()
+    }
+    q, r, v = (torch.cat([s[i] for s in symbols]) for i in range(3))
+    words = torch.empty(int(word_ends[-1]), dtype=torch.int16, device=device)
+    raw = torch.empty(int(raw_bytes.sum()), dtype=torch.uint8, device=device)
+    firsts = torch.empty(len(k), dtype=torch.int64, device=device)
+    _ans_encode[(len(k),)](
+        q, r, v, on["rows"], on["rice"], on["freq"], on["cum"], words, raw, firsts, num_warps=1
+    )  # one scalar chain per program
+    first = firsts.tolist()
+    used = torch.cat([words[a:b] for a, b in zip(first, word_ends.tolist(), strict=True)]).cpu().numpy()
+    pieces = np.split(used, np.cumsum(word_ends - first)[:-1])
+    raw_on_host, raw_at = raw.cpu().numpy().tobytes(), (np.cumsum(raw_bytes) - raw_bytes).tolist()
+    return [(w, raw_on_host[a : a + n]) for w, a, n in zip(pieces, raw_at, raw_bytes.tolist(), strict=True)]
+
+
+def compact_streams(
     changes: Mapping[str, TensorChanges],
     old: Mapping[str, torch.Tensor],
     chunk: int,
     threads: int | None = None,
-) -> dict[str, list[compact.Symbols]]:
-    """The compact symbols of every chunk of every changed tensor, as deltasync.codec.patch.host_symbols
-    makes them, with the passes over all elements on the device of each of `old`'s tensors; the host gets
-    O(changes) and the per-chunk exponent histograms, and finds the symbols on `threads` threads."""
+) -> tuple[dict[str, bytes], compact.Models]:
+    """deltasync.codec.patch.host_streams with the passes over all elements and the rANS coder on the device
+    of each of `old`'s tensors (the same bytes): per chunk the classes chosen on the host (`threads`
+    threads) from exponent histograms counted on the device; the ranks and symbols on the device; the
+    models pooled on the host from per-chunk histograms; then one program per chunk, every chunk at once,
+    codes its symbols, and the host gets the coded bytes (O(changes) of them, never the changes)."""
+    from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
+
     flat = {name: bits(old[name]) for name in changes}
     idx = {name: ch.indices.to(flat[name].device) for name, ch in changes.items()}
     chosen = _choose_classes(flat, idx, chunk, threads)
-    found = []
+    ranked = {}
     for name, x in flat.items():
         limits = np.stack([compact._limits(bounds) for bounds, _ in chosen[name]]).astype(np.int32)
         patterns = torch.stack([x[idx[name]], bits(changes[name].values).to(x.device)])  # old, new
-        found.append((*_ranked(x, idx[name], torch.from_numpy(limits).to(x.device), chunk), patterns))
-    on_host = zip(*(fingerprint.to_host(list(part)) for part in zip(*found, strict=True)), strict=True)
+        ranked[name] = (*_ranked(x, idx[name], torch.from_numpy(limits).to(x.device), chunk), patterns)
+    counts = fingerprint.to_host([ranked[name][2] for name in ranked])
 
-    pieces = []  # (bounds, position bits, classes, ranks, class sizes, old, new) of every chunk
-    for (cls, ranks, counts, patterns), parts in zip(on_host, chosen.values(), strict=True):
-        sizes, cuts = counts[: 4 * len(parts)].reshape(-1, 4), np.cumsum(counts[4 * len(parts) :])
-        for c, (bounds, position_bits) in enumerate(parts):
-            part = slice(cuts[c - 1] if c else 0, cuts[c])
-            pieces.append((bounds, position_bits, cls[part], ranks[part], sizes[c], *patterns[:, part]))
-    made = iter(parallel_map(lambda piece: compact.ranked_symbols(*piece), pieces, threads))
-    return {name: [next(made) for _ in parts] for name, parts in chosen.items()}
+    coded = {}  # the tensors worth coding: per chunk and class, their changes and Rice parameters
+    for (name, parts), per_class in zip(chosen.items(), counts, strict=True):
+        sizes, changed = per_class.reshape(2, -1, 4)
+        estimated = [
+            position_bits + 1.5 * k for (_, position_bits), k in zip(parts, changed.sum(1), strict=True)
+        ]
+        if compact.worth_coding(estimated, flat[name].numel()):
+            rice = np.vectorize(kernels.rice_parameter, otypes=[np.int64])(sizes, changed)
+            coded[name] = (changed, rice)
+    models = compact.Models()
+    if not coded:
+        return {}, models
+    symbols = []
+    for name, (_, rice) in coded.items():
+        cls, ranks, _, patterns = ranked[name]
+        rice_on = torch.from_numpy(rice.reshape(-1)).to(flat[name].device)
+        symbols.append(_symbols(idx[name], cls, ranks, patterns, rice_on, chunk))
+    hists = np.concatenate(fingerprint.to_host([h for *_, h in symbols])).reshape(
+        -1, 4, Q_SYMBOLS + V_SYMBOLS
+    )
+    models.q += hists[:, :, :Q_SYMBOLS].sum(0)
+    models.v += hists[:, :, Q_SYMBOLS:].sum(0)
+    changed, rice = (np.concatenate([c[i] for c in coded.values()]) for i in range(2))
+    escapes = hists[:, :, [Q_SYMBOLS - 1, -1]]  # quotients of Q_SYMBOLS - 1 and up, values of V_SYMBOLS
+    chunks = iter(_code(symbols, changed, rice, escapes, models.tables()))
+    streams = {
+        name: compact.join_chunks(
+            [
+                compact.chunk_stream(bounds, n.tolist(), k.tolist(), *next(chunks))
+                for (bounds, _), n, k in zip(chosen[name], changed_of, rice_of, strict=True)
+            ]
+        )
+        for name, (changed_of, rice_of) in coded.items()
+    }
+    return streams, models
 
 
 # ----------------------------------------------------------------------------------------------- decode

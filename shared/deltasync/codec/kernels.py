@@ -283,18 +283,24 @@ def encode_symbols(old_bits, limits, idx, new_bits):
 
 
 @_inline  # (callable from Python too)
+def rice_parameter(size, count):
+    """The Rice parameter of the rank gaps of `count` changes among a class of `size` elements (0 if none)."""
+    if not count:
+        return 0
+    return min(MAX_RICE, max(0, int(math.log2(max(1.0, size * math.log(2) / count)))))
+
+
+@_inline
 def ranked_symbols(cls, ranks, sizes, old, new_bits):
     """encode_symbols' results from each change's class, in-class rank and old pattern (in position order)
-    and each class's size: found by encode_symbols here, or by a GPU pass (deltasync.codec.gpu)."""
+    and each class's size (deltasync.codec.gpu._symbols does the same on a GPU, with rice_parameter)."""
     k = cls.size
     starts = np.zeros(MAX_CLASSES + 1, np.int64)
     for j in range(k):
         starts[cls[j] + 1] += 1
     rice = np.zeros(MAX_CLASSES, np.int64)
     for c in range(MAX_CLASSES):
-        count = starts[c + 1]
-        if count:
-            rice[c] = min(MAX_RICE, max(0, int(math.log2(max(1.0, sizes[c] * math.log(2) / count)))))
+        rice[c] = rice_parameter(sizes[c], starts[c + 1])
         starts[c + 1] += starts[c]
     fill, last = starts[:MAX_CLASSES].copy(), np.full(MAX_CLASSES, -1)
     q, r, v = np.empty(k, np.int64), np.empty(k, np.int64), np.empty(k, np.int64)

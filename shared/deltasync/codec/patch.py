@@ -162,12 +162,12 @@ def encode(
     chunk: int = compact.CHUNK,
     windows: Mapping[str, tuple[int, int]] | None = None,
     shapes: Mapping[str, Sequence[int]] | None = None,
-    make_symbols: SymbolsMaker | None = None,
+    make_streams: StreamsMaker | None = None,
 ) -> bytes:
     """Serialize `patch`, made against bf16 state `old`, as safetensors bytes. The compact encoding codes
-    chunks of `chunk` elements on `threads` threads; the bytes do not depend on `threads`. `make_symbols`
-    finds the chunks' symbols (by default deltasync.codec.gpu.chunk_symbols where the changed tensors are on
-    CUDA, else host_symbols: the same symbols).
+    chunks of `chunk` elements on `threads` threads; the bytes do not depend on `threads`. `make_streams`
+    codes them (by default deltasync.codec.gpu.compact_streams where the changed tensors are on CUDA, else
+    host_streams: the same bytes).
 
     With `windows` ({name: (start, length)}), `old[name]` holds only those elements of the tensor and the
     patch's positions in it count from `start`; `shapes` (every tensor's whole shape) then gives the schema.
@@ -179,7 +179,7 @@ def encode(
     if encoding == "raw":
         entries = _raw_encoding(patch, old)
     else:
-        entries, extra = _compact_encoding(patch, old, chunk, threads, make_symbols)
+        entries, extra = _compact_encoding(patch, old, chunk, threads, make_streams)
     used = {name: list(w) for name in patch.changes if (w := (windows or {}).get(name)) is not None}
     if used:
         extra["windows"] = json.dumps(used, separators=(",", ":"))
@@ -231,24 +231,13 @@ def _compact_encoding(
     old: Mapping[str, torch.Tensor],
     chunk: int,
     threads: int | None,
-    make_symbols: SymbolsMaker | None,
+    make_streams: StreamsMaker | None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The compact encoding's entries (a stream per tensor, or its new values dense where that is smaller)
     and metadata: symbols per chunk, the tables pooled over every coded tensor, then the coded chunks."""
     if not 1 <= chunk <= compact.MAX_CHUNK:
         raise ValueError(f"chunk {chunk} not in 1..{compact.MAX_CHUNK}")
-    models = compact.Models()
-    symbols = (make_symbols or _symbols_maker(patch.changes, old))(patch.changes, old, chunk, threads)
-    for name, parts in list(symbols.items()):
-        if sum(s.estimated_bits for s in parts) < 16 * old[name].numel():
-            for s in parts:
-                compact.tally(models, s)
-        else:
-            del symbols[name]
-    tables = models.tables()
-    work = [s for parts in symbols.values() for s in parts]
-    coded = iter(parallel_map(lambda s: compact.encode_chunk(s, tables), work, threads))
-    streams = {name: compact.join_chunks([next(coded) for _ in parts]) for name, parts in symbols.items()}
+    streams, models = (make_streams or _streams_maker(patch.changes, old))(patch.changes, old, chunk, threads)
     entries: dict[str, torch.Tensor] = {}
     dense_changed: dict[str, int] = {}
     for name, ch in patch.changes.items():
@@ -301,18 +290,41 @@ def host_symbols(
     return symbols
 
 
-def _symbols_maker(changes: Mapping[str, TensorChanges], old: Mapping[str, torch.Tensor]) -> SymbolsMaker:
-    """Triton's kernels where every changed tensor is on CUDA, else the host's loops (the same symbols)."""
+def host_streams(
+    changes: Mapping[str, TensorChanges],
+    old: Mapping[str, torch.Tensor],
+    chunk: int,
+    threads: int | None = None,
+) -> tuple[dict[str, bytes], compact.Models]:
+    """The compact streams of the changed tensors worth coding so (compact.worth_coding; the others are
+    left out, to be stored dense) and the models pooled over them, on `threads` host threads."""
+    models = compact.Models()
+    symbols = host_symbols(changes, old, chunk, threads)
+    for name, parts in list(symbols.items()):
+        if compact.worth_coding([s.estimated_bits for s in parts], old[name].numel()):
+            for s in parts:
+                compact.tally(models, s)
+        else:
+            del symbols[name]
+    tables = models.tables()
+    work = [s for parts in symbols.values() for s in parts]
+    coded = iter(parallel_map(lambda s: compact.encode_chunk(s, tables), work, threads))
+    streams = {name: compact.join_chunks([next(coded) for _ in parts]) for name, parts in symbols.items()}
+    return streams, models
+
+
+def _streams_maker(changes: Mapping[str, TensorChanges], old: Mapping[str, torch.Tensor]) -> StreamsMaker:
+    """Triton's kernels where every changed tensor is on CUDA, else the host's loops (the same bytes)."""
     if changes and all(bf16.on_gpu(old[name]) for name in changes):
         from deltasync.codec import gpu  # not at import time: it loads Triton
 
-        return gpu.chunk_symbols
-    return host_symbols
+        return gpu.compact_streams
+    return host_streams
 
 
-SymbolsMaker = Callable[
+StreamsMaker = Callable[
     [Mapping[str, TensorChanges], Mapping[str, torch.Tensor], int, int | None],
-    dict[str, list[compact.Symbols]],
+    tuple[dict[str, bytes], compact.Models],
 ]
 
 

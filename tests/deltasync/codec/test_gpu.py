@@ -75,7 +75,7 @@ def test_state_fingerprint_is_the_host_one(gpu):
     ("chunk", "density"),
     [(1000, 0.01), (2048, 0.05), (compact.CHUNK, 0.01), (700, 0.3)],
 )
-def test_chunk_symbols_make_the_host_patch(gpu, chunk, density):
+def test_compact_streams_make_the_host_patch(gpu, chunk, density):
     """The same patch bytes (chunks across kernel blocks and tensor ends, one chunk per tensor, dense
     tensors), and the CPU decoder restores the new state from the GPU's bytes."""
     old, new = states(3, SHAPES | {"dense": (40, 30)}, density)
@@ -83,7 +83,7 @@ def test_chunk_symbols_make_the_host_patch(gpu, chunk, density):
     new["dense"] = (anywhere | 1).view(torch.bfloat16).view(40, 30).to(DEVICE)  # stored dense
     patch = patches.make_patch(host(old), host(new), 1, 0, threads=1)
     expected = patches.encode(patch, host(old), "compact", threads=1, chunk=chunk)
-    made = patches.encode(patch, old, "compact", threads=1, chunk=chunk, make_symbols=gpu.chunk_symbols)
+    made = patches.encode(patch, old, "compact", threads=1, chunk=chunk, make_streams=gpu.compact_streams)
     assert canonical(made) == canonical(expected)
     assert canonical(patches.encode(patch, old, "compact", threads=1, chunk=chunk)) == canonical(expected)
     assert json.loads(canonical(made)[0]["__metadata__"]["dense"])["dense"] == 1200
@@ -112,23 +112,24 @@ def test_a_rank_encodes_its_window_as_the_host_does(gpu, monkeypatch):
     assert canonical(got) == canonical(want)
 
 
-def test_chunk_symbols_are_the_host_symbols(gpu):
-    """Field by field, with chunks of one class (a tensor of ones) to four, and chunks with no changes."""
+def test_compact_streams_are_the_host_streams(gpu):
+    """Stream by stream and model by model, with chunks of one class (a tensor of ones) to four, chunks with
+    no changes, escaped quotients (a lone change far into a chunk) and escaped values (jumps)."""
     old, new = states(4, SHAPES, 0.02)
-    new["embed"].view(-1)[-7000:] = old["embed"].view(-1)[-7000:]  # chunks without changes
+    new["embed"].view(-1)[10500:] = old["embed"].view(-1)[10500:]  # a chunk without changes, and
+    tiny = bits(old["embed"]).view(-1)  # a lone change of a tiny weight, far after the others of its class
+    tiny[13999] = 0x3000
+    bits(new["embed"]).view(-1)[13999] = 0x3001
     patch = patches.make_patch(host(old), host(new), 1, 0, threads=1)
-    expected = patches.host_symbols(patch.changes, host(old), 7000, threads=1)
-    made = gpu.chunk_symbols(patch.changes, old, 7000, threads=1)
-    assert made.keys() == expected.keys()
-    assert any(len(s.bounds) == 0 for parts in made.values() for s in parts)
-    assert any(len(s.bounds) == 3 and s.starts[-1] for parts in made.values() for s in parts)
-    assert any(s.starts[-1] == 0 for parts in made.values() for s in parts)
-    for name, parts in expected.items():
-        assert len(made[name]) == len(parts)
-        for got, want in zip(made[name], parts, strict=True):
-            assert got.bounds == want.bounds and got.estimated_bits == want.estimated_bits, name
-            for field in ("starts", "rice", "q", "r", "v", "q_hist", "v_hist"):
-                assert np.array_equal(getattr(got, field), getattr(want, field)), (name, field)
+    expected, expected_models = patches.host_streams(patch.changes, host(old), 7000, threads=1)
+    made, models = gpu.compact_streams(patch.changes, old, 7000, threads=1)
+    assert made == expected
+    assert np.array_equal(models.q, expected_models.q) and np.array_equal(models.v, expected_models.v)
+    tables = expected_models.tables()
+    layouts = [compact.chunk_layout(c, 7000, tables) for s in made.values() for c in compact.split_chunks(s)]
+    assert any(len(lay.bounds) == 0 for lay in layouts) and any(len(lay.bounds) == 3 for lay in layouts)
+    assert any(lay.starts[-1] == 0 for lay in layouts)
+    assert models.q[:, -1].sum() and models.v[:, -1].sum()  # both escapes were coded
 
 
 def host_decode(name: str, parts: list[bytes], old: torch.Tensor, chunk: int, tables) -> tuple:
@@ -224,27 +225,28 @@ def test_a_patchs_symbols_decoded_at_once_are_each_tensors_own(gpu):
     assert caught.value.tensor == last
 
 
-def test_the_rans_kernel_compiles_for_an_h100():
-    """The interpreter runs any Python; this compiles the one kernel with data-dependent control flow (a
-    scalar loop per chunk) to a cubin for sm_90, as on a GPU, with the ptxas that Triton ships."""
+def test_the_rans_kernels_compile_for_an_h100():
+    """The interpreter runs any Python; this compiles the kernels with data-dependent control flow (a scalar
+    loop per chunk) to cubins for sm_90, as on a GPU, with the ptxas that Triton ships."""
     script = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from deltasync.codec import gpu
-types = ["*u8", "*i64", "*i64", "*i64", "*u8", "*i8", "*i8", "i64"]
-names = gpu._ans_decode.arg_names
-compiled = triton.compile(
-    ASTSource(gpu._ans_decode, dict(zip(names, types, strict=True)), {}, {}),
-    target=GPUTarget("cuda", 90, 32),
-    options={"num_warps": 1},
-)
-print(len(compiled.asm["cubin"]))
+kernels = {
+    gpu._ans_decode: ["*u8", "*i64", "*i64", "*i64", "*u8", "*i8", "*i8", "i64"],
+    gpu._ans_encode: ["*i32", "*i32", "*i32", "*i64", "*i64", "*i64", "*i64", "*i16", "*u8", "*i64"],
+}
+for kernel, types in kernels.items():
+    signature = dict(zip(kernel.arg_names, types, strict=True))
+    compiled = triton.compile(
+        ASTSource(kernel, signature, {}, {}), target=GPUTarget("cuda", 90, 32), options={"num_warps": 1}
+    )
+    print(len(compiled.asm["cubin"]))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, text=True, capture_output=True, timeout=300
     )
-
     assert done.returncode == 0, done.stderr[-2000:]
-    assert int(done.stdout.split()[-1]) > 0
+    assert [int(n) > 0 for n in done.stdout.split()] == [True, True]

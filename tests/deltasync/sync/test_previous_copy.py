@@ -33,7 +33,7 @@ def kernels(gpu, monkeypatch) -> collections.Counter:
 
         return call
 
-    for name in ("scan", "chunk_symbols", "state_fingerprint"):
+    for name in ("scan", "compact_streams", "state_fingerprint"):
         monkeypatch.setattr(gpu, name, counted(name, getattr(gpu, name)))
     return calls
 
@@ -63,7 +63,7 @@ def test_device_and_host_copies_publish_the_same_bytes(tmp_path, kernels):
         expected, on_host = publish(tmp_path / "host", "host")
     assert not kernels
     states, on_device = publish(tmp_path / "device", "device")
-    assert kernels["scan"] == kernels["chunk_symbols"] == STEPS - 1 and kernels["state_fingerprint"]
+    assert kernels["scan"] == kernels["compact_streams"] == STEPS - 1 and kernels["state_fingerprint"]
     assert on_host == [{"cpu"}] * 2 and on_device == [{DEVICE}] * 2
     for step in range(1, STEPS):
         made = delta_file(tmp_path / "device", step).read_bytes()
