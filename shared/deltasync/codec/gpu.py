@@ -437,11 +437,12 @@ def _symbols(
     patterns: torch.Tensor,
     rice: torch.Tensor,
     chunk: int,
-) -> tuple[torch.Tensor, ...]:
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
     """kernels.ranked_symbols for every chunk of a tensor at once: the changes at `idx` (sorted) grouped by
-    chunk and class (position order within), their Rice quotients, remainders and value symbols (int32),
-    and per chunk and class the histograms of the capped quotient and value symbols (int64 [chunks * 4, 48]);
-    `rice` per chunk and class (int64 [chunks * 4])."""
+    chunk and class (position order within), their Rice quotients, remainders and value symbols written to
+    `out` (int32), and per chunk and class the histograms of the capped quotient and value symbols (int64
+    [chunks * 4, 48]); `rice` per chunk and class (int64 [chunks * 4])."""
     group, order = torch.sort((idx // chunk) * 4 + cls, stable=True)
     rank = ranks[order].to(torch.int64)
     first_of_group = torch.ones_like(group, dtype=torch.bool)
@@ -454,21 +455,23 @@ def _symbols(
     groups = rice.numel()
     q_hist = torch.bincount(group * Q_SYMBOLS + q.clamp(max=Q_SYMBOLS - 1), minlength=groups * Q_SYMBOLS)
     v_hist = torch.bincount(group * V_SYMBOLS + v.clamp(max=V_SYMBOLS) - 1, minlength=groups * V_SYMBOLS)
-    hist = torch.cat([q_hist.view(groups, Q_SYMBOLS), v_hist.view(groups, V_SYMBOLS)], 1)
-    return q.to(torch.int32), r.to(torch.int32), v.to(torch.int32), hist
+    for target, symbol in zip(out, (q, r, v), strict=True):
+        target.copy_(symbol)
+    return torch.cat([q_hist.view(groups, Q_SYMBOLS), v_hist.view(groups, V_SYMBOLS)], 1)
 
 
 def _code(
-    symbols: list[tuple[torch.Tensor, ...]],
+    symbols: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     changed: np.ndarray,
     rice: np.ndarray,
     escapes: np.ndarray,
     tables: compact.Tables,
 ) -> list[tuple[np.ndarray, bytes]]:
     """kernels.ans_encode of every chunk at once, a program per chunk: each chunk's ANS words and raw bits.
-    `symbols`: each tensor's from _symbols; per chunk and class [chunks, 4]: `changed`, `rice`, and in
-    `escapes` [chunks, 4, 2] the escaped quotients and values."""
-    device = symbols[0][0].device
+    `symbols`: every chunk's quotients, remainders and values (_symbols); per chunk and class [chunks, 4]:
+    `changed`, `rice`, and in `escapes` [chunks, 4, 2] the escaped quotients and values."""
+    q, r, v = symbols
+    device = q.device
     raw_bits = (changed * rice + escapes @ np.array([32, 16])).sum(1)  # remainders, escaped quotients, values
     raw_bytes = (raw_bits + 7) // 8
     k = changed.sum(1)
@@ -479,7 +482,6 @@ def _code(
         key: torch.from_numpy(np.ascontiguousarray(a)).to(device)
         for key, a in {"rows": rows, "rice": rice, "freq": tables.freq, "cum": tables.cum}.items()
     }
-    q, r, v = (torch.cat([s[i] for s in symbols]) for i in range(3))
     words = torch.empty(int(word_ends[-1]), dtype=torch.int16, device=device)
     raw = torch.empty(int(raw_bytes.sum()), dtype=torch.uint8, device=device)
     firsts = torch.empty(len(k), dtype=torch.int64, device=device)
@@ -525,22 +527,28 @@ def compact_streams(
         if compact.worth_coding(estimated, flat[name].numel()):
             rice = np.vectorize(kernels.rice_parameter, otypes=[np.int64])(sizes, changed)
             coded[name] = (changed, rice)
+        else:  # stored dense
+            del ranked[name]
     models = compact.Models()
     if not coded:
         return {}, models
-    symbols = []
-    for name, (_, rice) in coded.items():
-        cls, ranks, _, patterns = ranked[name]
-        rice_on = torch.from_numpy(rice.reshape(-1)).to(flat[name].device)
-        symbols.append(_symbols(idx[name], cls, ranks, patterns, rice_on, chunk))
-    hists = np.concatenate(fingerprint.to_host([h for *_, h in symbols])).reshape(
-        -1, 4, Q_SYMBOLS + V_SYMBOLS
-    )
+    device = next(iter(flat.values())).device
+    cuts = np.cumsum([changed.sum() for changed, _ in coded.values()])
+    q, r, v = (torch.empty(int(cuts[-1]), dtype=torch.int32, device=device) for _ in range(3))
+    per_chunk = []
+    for (name, (_, rice)), end, size in zip(coded.items(), cuts, np.diff(cuts, prepend=0), strict=True):
+        cls, ranks, _, patterns = ranked.pop(name)  # (freed as it goes)
+        here = slice(end - size, end)
+        rice_on = torch.from_numpy(rice.reshape(-1)).to(device)
+        per_chunk.append(
+            _symbols(idx[name], cls, ranks, patterns, rice_on, chunk, (q[here], r[here], v[here]))
+        )
+    hists = np.concatenate(fingerprint.to_host(per_chunk)).reshape(-1, 4, Q_SYMBOLS + V_SYMBOLS)
     models.q += hists[:, :, :Q_SYMBOLS].sum(0)
     models.v += hists[:, :, Q_SYMBOLS:].sum(0)
     changed, rice = (np.concatenate([c[i] for c in coded.values()]) for i in range(2))
     escapes = hists[:, :, [Q_SYMBOLS - 1, -1]]  # quotients of Q_SYMBOLS - 1 and up, values of V_SYMBOLS
-    chunks = iter(_code(symbols, changed, rice, escapes, models.tables()))
+    chunks = iter(_code((q, r, v), changed, rice, escapes, models.tables()))
     streams = {
         name: compact.join_chunks(
             [

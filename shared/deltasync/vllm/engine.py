@@ -297,7 +297,7 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
                     for k, t in patch.tensors.items()
                     if t["mode"] == "compact" and k not in layout.split
                 }
-                symbols = compact_symbols(patch, entries, whole, tables, self.device)
+                symbols = compact_symbols(patch, entries, whole, tables, self.device) if whole else None
             changes = {}
             for name in patch.tensors:  # in the patch's order on every rank: collectives run per tensor
                 lo, n = windows[name]
