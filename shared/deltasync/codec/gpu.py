@@ -474,10 +474,11 @@ def _code(
     device = q.device
     raw_bits = (changed * rice + escapes @ np.array([32, 16])).sum(1)  # remainders, escaped quotients, values
     raw_bytes = (raw_bits + 7) // 8
+    raw_at = np.cumsum(raw_bytes) - raw_bytes
     k = changed.sum(1)
     word_ends = np.cumsum(2 * k + 2)  # a push emits at most one word
     class_starts = (np.cumsum(k) - k)[:, None] + np.pad(changed.cumsum(1), ((0, 0), (1, 0)))
-    rows = np.column_stack([word_ends, np.cumsum(raw_bytes) - raw_bytes, class_starts])
+    rows = np.column_stack([word_ends, raw_at, class_starts])
     on = {
         key: torch.from_numpy(np.ascontiguousarray(a)).to(device)
         for key, a in {"rows": rows, "rice": rice, "freq": tables.freq, "cum": tables.cum}.items()
@@ -491,8 +492,11 @@ def _code(
     first = firsts.tolist()
     used = torch.cat([words[a:b] for a, b in zip(first, word_ends.tolist(), strict=True)]).cpu().numpy()
     pieces = np.split(used, np.cumsum(word_ends - first)[:-1])
-    raw_on_host, raw_at = raw.cpu().numpy().tobytes(), (np.cumsum(raw_bytes) - raw_bytes).tolist()
-    return [(w, raw_on_host[a : a + n]) for w, a, n in zip(pieces, raw_at, raw_bytes.tolist(), strict=True)]
+    raw_on_host = raw.cpu().numpy().tobytes()
+    return [
+        (w, raw_on_host[a : a + n])
+        for w, a, n in zip(pieces, raw_at.tolist(), raw_bytes.tolist(), strict=True)
+    ]
 
 
 def compact_streams(
