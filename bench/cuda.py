@@ -250,12 +250,15 @@ def step_part(old: State, new: State, repeat: int) -> None:
         """Compact bytes in host memory to weights written and verified, decoded where the weights are."""
         from deltasync.codec import gpu
 
-        changes, moved = {}, base_fp
+        changes, moves = {}, []
         numels = {name: old[name].numel() for name in streams}
-        symbols = gpu.PatchSymbols(streams, numels, chunk, tables, next(iter(old.values())).device)
+        device = next(iter(old.values())).device
+        symbols = gpu.PatchSymbols(streams, numels, chunk, tables, device, old.__getitem__)
         for name in streams:
-            positions, after, move = gpu.decode_compact(name, symbols.ranked(name), old[name], chunk)
-            changes[name], moved = TensorChanges(positions, after.view(torch.bfloat16)), moved + move
+            positions, after = symbols.changes(name)
+            changes[name] = TensorChanges(positions, after.view(torch.bfloat16))
+            moves.append(gpu.moves(name, positions, bits(old[name]).view(-1)[positions], after))
+        moved = base_fp + gpu.total_move(moves)
         assert moved & MASK64 == patch.fingerprint, "replica: fingerprint mismatch"
         apply_changes(written, changes, threads)
 
@@ -280,8 +283,8 @@ def step_part(old: State, new: State, repeat: int) -> None:
             "",
         ),
         "**replica**: compact bytes in host memory to written and verified (`gpu.PatchSymbols`: the rANS "
-        "coder, a program per chunk; `gpu.decode_compact`: ranks, classes, positions, values, fingerprint; "
-        "`apply_changes`)": (
+        "coder, a program per chunk, then ranks, classes, positions, values, a run of tensors at a time; "
+        "`gpu.moves`: the fingerprint; `apply_changes`)": (
             replica,
             "<= 150 ms at 8B",
         ),
@@ -751,13 +754,13 @@ def coder_part(old: State, new: State, repeat: int) -> None:
         numels = {n: old[n].numel() for n in streams}
 
         def on_gpu(rank: bool) -> None:
-            symbols = gpu.PatchSymbols(streams, numels, chunk, tables, torch.device("cuda"))
+            symbols = gpu.PatchSymbols(streams, numels, chunk, tables, torch.device("cuda"), old.__getitem__)
             for name in streams if rank else ():
-                symbols.ranked(name)
+                symbols.changes(name)
 
         for label, rank in {
             "rANS decode on the GPU, a program per chunk, every chunk at once (`gpu.PatchSymbols`)": False,
-            "the same, then every tensor's raw bits and ranks (`PatchSymbols.ranked`)": True,
+            "the same, then every tensor's positions and new patterns (`PatchSymbols.changes`)": True,
         }.items():
             on_gpu(rank)  # warm-up (Triton compiles once per process)
             s = min(median_s(lambda r=rank: on_gpu(r), 1) for _ in range(repeat))

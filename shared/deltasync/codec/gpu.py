@@ -22,8 +22,8 @@ Import this module inside the functions that use it (as deltasync.codec.kernels)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import NamedTuple
+import contextlib
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -44,6 +44,8 @@ Q: tl.constexpr = tl.constexpr(Q_SYMBOLS)
 V: tl.constexpr = tl.constexpr(V_SYMBOLS)
 LOW: tl.constexpr = tl.constexpr(1 << 16)  # deltasync.codec.kernels.ANS_LOW (that module loads numba)
 RENORM: tl.constexpr = tl.constexpr((1 << 16 >> ANS_SCALE) << 16)  # and its _ANS_RENORM
+GROUP_CHANGES = 1 << 22  # changes PatchSymbols decodes at once (~200 B of temporaries each)
+GROUP_ELEMENTS = 1 << 28  # and elements of their tensors (2 B of scratch each)
 POPULATION_SAMPLE = 14  # log2 of the strided sample that kernels.exponent_histograms takes of a chunk
 
 
@@ -174,13 +176,13 @@ def _class_order(old, limits, counts, order, n, chunk, per_chunk, BLOCK: tl.cons
 
 
 @triton.jit
-def _moves(positions, before, after, r1, partial, seed, offset, k, BLOCK: tl.constexpr):
-    """partial[b]: how changes b * BLOCK.. (positions, old and new patterns; the tensor's positions from
-    `offset`) move the fingerprint, mod 2^64 as int64 bits."""
+def _moves(positions, before, after, r1, partial, seed, k, BLOCK: tl.constexpr):
+    """partial[b]: how changes b * BLOCK.. (positions in the tensor, old and new patterns) move the
+    fingerprint, mod 2^64 as int64 bits."""
     pid = tl.program_id(0)
     j = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = j < k
-    p = tl.load(positions + j, mask=valid, other=0) + offset
+    p = tl.load(positions + j, mask=valid, other=0)
     step = tl.load(after + j, mask=valid, other=0).to(tl.int64) - tl.load(before + j, mask=valid, other=0)
     w = tl.load(r1 + (p & (ROW - 1))).to(tl.uint64, bitcast=True) * _row_weight(p // ROW, seed)
     tl.store(partial + pid, tl.sum((step.to(tl.uint64, bitcast=True) * w).to(tl.int64, bitcast=True), 0))
@@ -280,6 +282,14 @@ def _ans_encode(q, r, v, rows, rice, freq, cum, words, raw, firsts):
 # ----------------------------------------------------------------------------------------------- host side
 
 
+def _launch(kernel: triton.JITFunction, programs: int, *args, **meta) -> None:
+    """`kernel` over `programs` programs, on the device of its first argument (a tensor): Triton launches on
+    the current CUDA device, and a process may hold tensors on several."""
+    device = args[0].device
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        kernel[(programs,)](*args, **meta)
+
+
 def _halves(partial: torch.Tensor) -> torch.Tensor:
     """The sums of the low and high 32 bits of `partial` (int64): exact below 2^31 terms, so the host can add
     them mod 2^64 (a plain int64 sum would rely on the device's overflow)."""
@@ -302,16 +312,16 @@ def _blocks(n: int, block: int = BLOCK) -> int:
 def scan(
     pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[dict[str, TensorChanges], dict[str, int]]:
-    """deltasync.codec.changes.diff_and_moves for {name: (old bits, new bits)} (int16, flat, one device):
-    the changed elements of each tensor and how they move the fingerprint of the old state. Two kernel passes
-    and one host sync for all tensors (to size the outputs)."""
+    """deltasync.codec.changes.diff_and_moves for {name: (old bits, new bits)} (int16, flat, each pair on one
+    device): the changed elements of each tensor and how they move the fingerprint of the old state. Two
+    kernel passes and one host sync per device for all tensors (to size the outputs)."""
     counts = {}
     for name, (a, b) in pairs.items():
         counts[name] = torch.empty(_blocks(a.numel()), dtype=torch.int32, device=a.device)
-        _count_changes[(counts[name].numel(),)](a, b, counts[name], a.numel(), BLOCK=BLOCK)
+        _launch(_count_changes, counts[name].numel(), a, b, counts[name], a.numel(), BLOCK=BLOCK)
     if not counts:
         return {}, {}
-    totals = torch.stack([c.sum(dtype=torch.int64) for c in counts.values()]).tolist()
+    totals = [int(t) for t in fingerprint.to_host([c.sum(dtype=torch.int64) for c in counts.values()])]
     changes, halves = {}, []
     for (name, (a, b)), total in zip(pairs.items(), totals, strict=True):
         if not total:
@@ -321,8 +331,9 @@ def scan(
         before, after = (torch.empty(total, dtype=torch.int16, device=a.device) for _ in range(2))
         moves = torch.empty(counts[name].numel(), dtype=torch.int64, device=a.device)
         seed = _signed(fingerprint.seed(name))
-        grid = (moves.numel(),)
-        _write_changes[grid](
+        _launch(
+            _write_changes,
+            moves.numel(),
             a,
             b,
             starts,
@@ -337,23 +348,37 @@ def scan(
         )
         changes[name] = TensorChanges(positions, after.view(torch.bfloat16))
         halves.append(_halves(moves))
-    moved = torch.stack(halves).tolist() if halves else []
-    return changes, {name: _wrapped(h) for name, h in zip(changes, moved, strict=True)}
+    moved = fingerprint.to_host(halves)
+    return changes, {name: _wrapped(h.tolist()) for name, h in zip(changes, moved, strict=True)}
 
 
 def state_fingerprint(state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
-    """deltasync.codec.fingerprint.state_fingerprint in one kernel pass per tensor and one host sync."""
+    """deltasync.codec.fingerprint.state_fingerprint: one kernel pass per tensor, one host sync per device."""
     halves = []
     for name, t in state.items() if isinstance(state, Mapping) else state:
         x = bits(t)
         partial = torch.empty(_blocks(x.numel(), fingerprint.ROW), dtype=torch.int64, device=x.device)
-        _fingerprint_rows[(partial.numel(),)](
-            x, fingerprint.r1_on(x.device), partial, _signed(fingerprint.seed(name)), x.numel()
-        )
+        seed = _signed(fingerprint.seed(name))
+        _launch(_fingerprint_rows, partial.numel(), x, fingerprint.r1_on(x.device), partial, seed, x.numel())
         halves.append(_halves(partial))
-    if not halves:
-        return 0
-    return sum(_wrapped(h) for h in torch.stack(halves).tolist()) & fingerprint.MASK64
+    return total_move(halves)
+
+
+def moves(name: str, positions: torch.Tensor, before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """How changes of tensor `name` (positions, int64; old and new patterns, int16; all on one device) move
+    its fingerprint: two int64 halves on that device, for `total_move`."""
+    device, seed = positions.device, _signed(fingerprint.seed(name))
+    partial = torch.empty(_blocks(positions.numel()), dtype=torch.int64, device=device)
+    _launch(
+        _moves, partial.numel(), positions, before, after, fingerprint.r1_on(device), partial, seed,
+        positions.numel(), BLOCK=BLOCK,
+    )  # fmt: skip
+    return _halves(partial)
+
+
+def total_move(halves: list[torch.Tensor]) -> int:
+    """The sum mod 2^64 of `moves` results (or fingerprints' halves): one host sync for all of them."""
+    return sum(_wrapped(h.tolist()) for h in fingerprint.to_host(halves)) & fingerprint.MASK64
 
 
 # ----------------------------------------------------------------------------------------------- compact
@@ -413,7 +438,7 @@ def _ranked(x: torch.Tensor, idx: torch.Tensor, limits: torch.Tensor, chunk: int
     per_chunk = _blocks(min(chunk, n))
     programs = chunks * per_chunk
     counts = torch.empty((programs, 4), dtype=torch.int32, device=x.device)
-    _class_counts[(programs,)](x, limits, counts, n, chunk, per_chunk, BLOCK=BLOCK)
+    _launch(_class_counts, programs, x, limits, counts, n, chunk, per_chunk, BLOCK=BLOCK)
     inclusive = counts.view(chunks, per_chunk, 4).cumsum(1, dtype=torch.int32)
     class_base = (inclusive.view(programs, 4) - counts).contiguous()
     per_block = torch.bincount((idx // chunk) * per_chunk + (idx % chunk) // BLOCK, minlength=programs)
@@ -422,9 +447,10 @@ def _ranked(x: torch.Tensor, idx: torch.Tensor, limits: torch.Tensor, chunk: int
     classes = torch.empty(idx.numel(), dtype=torch.int8, device=x.device)
     ranks = torch.empty(idx.numel(), dtype=torch.int32, device=x.device)
     change_base = per_block.cumsum(0) - per_block
-    _ranks[(programs,)](
-        x, marks, limits, class_base, change_base, classes, ranks, n, chunk, per_chunk, BLOCK=BLOCK
-    )
+    _launch(
+        _ranks, programs, x, marks, limits, class_base, change_base, classes, ranks, n, chunk, per_chunk,
+        BLOCK=BLOCK,
+    )  # fmt: skip
     sizes = inclusive[:, -1, :].to(torch.int64).reshape(-1)
     changed = torch.bincount((idx // chunk) * 4 + classes, minlength=4 * chunks)
     return classes, ranks, torch.cat([sizes, changed])
@@ -486,9 +512,10 @@ def _code(
     words = torch.empty(int(word_ends[-1]), dtype=torch.int16, device=device)
     raw = torch.empty(int(raw_bytes.sum()), dtype=torch.uint8, device=device)
     firsts = torch.empty(len(k), dtype=torch.int64, device=device)
-    _ans_encode[(len(k),)](
-        q, r, v, on["rows"], on["rice"], on["freq"], on["cum"], words, raw, firsts, num_warps=1
-    )  # one scalar chain per program
+    _launch(
+        _ans_encode, len(k), q, r, v, on["rows"], on["rice"], on["freq"], on["cum"], words, raw, firsts,
+        num_warps=1,  # one scalar chain per program
+    )  # fmt: skip
     first = firsts.tolist()
     used = torch.cat([words[a:b] for a, b in zip(first, word_ends.tolist(), strict=True)]).cpu().numpy()
     pieces = np.split(used, np.cumsum(word_ends - first)[:-1])
@@ -568,23 +595,14 @@ def compact_streams(
 # ----------------------------------------------------------------------------------------------- decode
 
 
-class Ranked(NamedTuple):
-    """One tensor's compact changes before the old values place them (compact.ranked_changes of each of its
-    chunks, on a device): its chunks' class limits (int32 [chunks, 3]), then per change, chunk by chunk and
-    class by class, its class (int8), in-class rank, value step, escaped raw pattern and chunk (int64)."""
-
-    limits: torch.Tensor
-    cls: torch.Tensor
-    ranks: torch.Tensor
-    steps: torch.Tensor
-    raws: torch.Tensor
-    which: torch.Tensor
+Decoded = tuple[torch.Tensor, torch.Tensor] | compact.CompactDecodeError
 
 
 def _segment_sums(values: torch.Tensor, segment: torch.Tensor, segments: int) -> tuple[torch.Tensor, ...]:
-    """The running sum of `values` up to and including each one within its segment (segments consecutive),
-    and each segment's sum."""
-    sums = torch.zeros(segments, dtype=values.dtype, device=values.device).index_add_(0, segment, values)
+    """The running sum of `values` (along dim 0) up to and including each one within its segment (segments
+    consecutive), and each segment's sum."""
+    sums = torch.zeros((segments, *values.shape[1:]), dtype=values.dtype, device=values.device)
+    sums.index_add_(0, segment, values)
     return values.cumsum(0) - (sums.cumsum(0) - sums)[segment], sums
 
 
@@ -596,11 +614,15 @@ def _take_bits(data: torch.Tensor, at: torch.Tensor, n: torch.Tensor | int) -> t
 
 
 class PatchSymbols:
-    """The rANS stage of compact chunk streams (compact.ranked_changes) decoded on `device`: the headers on
-    the host, then the coder in one program per chunk, every chunk of the patch side by side (a chunk is one
-    sequential state: the GPU's width comes from running them all at once). Each tensor's changes are then
-    ranked on demand (`ranked`), so that beyond 2 bytes per change the device holds one tensor's at a time.
-    Raises CompactDecodeError as the host decoder does, with the tensor in its `tensor` attribute."""
+    """deltasync.codec.patch.decode's compact tensors, decoded on `device` against old values where they live.
+
+    The rANS stage first, for every chunk of the patch: the headers on the host, then the coder in one program
+    per chunk, every chunk side by side (a chunk is one sequential state: the GPU's width comes from running
+    them all at once), 2 bytes per change kept. Then on demand (`changes`), a run of tensors at a time
+    (GROUP_CHANGES, GROUP_ELEMENTS): their raw bits and ranks, two passes over each one's old values, and
+    every change's position and new pattern, in one set of launches and one host sync for the run, since a
+    patch has hundreds of small tensors. Errors are the host decoder's (CompactDecodeError, with the tensor
+    in its `tensor` attribute), each raised when its tensor is asked for."""
 
     def __init__(
         self,
@@ -609,6 +631,7 @@ class PatchSymbols:
         chunk: int,
         tables: compact.Tables,
         device: torch.device,
+        old_values: Callable[[str], torch.Tensor],
     ) -> None:
         layouts, sizes, self.spans = [], [], {}
         for name, parts in streams.items():
@@ -657,27 +680,59 @@ class PatchSymbols:
             }.items()
         }
         on["data"] = buffer.to(device, non_blocking=True)  # from pinned memory, where the device is a GPU
-        self.on, self.device = on, device
+        self.on, self.device, self.chunk, self.numels, self.old_values = (
+            on,
+            device,
+            chunk,
+            dict(numels),
+            old_values,
+        )
+        self.pending: dict[str, Decoded] = {}  # decoded, not yet asked for
         self.limits = np.stack([compact._limits(lay.bounds) for lay in layouts]).astype(np.int32)
         self.symbols = torch.empty(2 * total + 1, dtype=torch.int8, device=device)
         self.ans_bad = torch.empty(len(layouts), dtype=torch.int8, device=device)
         if layouts:
-            _ans_decode[(len(layouts),)](
-                on["data"], on["rows"], on["freq"], on["cum"], on["slots"], self.symbols, self.ans_bad, total,
-                num_warps=1,  # one scalar chain per program
+            _launch(
+                _ans_decode, len(layouts), on["data"], on["rows"], on["freq"], on["cum"], on["slots"],
+                self.symbols, self.ans_bad, total, num_warps=1,  # one scalar chain per program
             )  # fmt: skip
 
-    def ranked(self, name: str) -> Ranked:
-        """Tensor `name`'s changes, ranked: its raw bits read and its gaps summed, one host sync."""
+    def changes(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tensor `name`'s changed positions (int64, ascending) and new patterns (int16), against its old
+        values (`old_values(name)`: bf16, on the device, as many as `numels` says). The tensors after it in
+        the streams are decoded with it, up to the budgets."""
+        if name not in self.pending:
+            names = list(self.spans)
+            group, changes, elements = [name], self.spans[name][3], self.numels[name]
+            for other in names[names.index(name) + 1 :]:
+                changes, elements = changes + self.spans[other][3], elements + self.numels[other]
+                if other in self.pending or changes > GROUP_CHANGES or elements > GROUP_ELEMENTS:
+                    break
+                group.append(other)
+            self.pending.update(self._decode(group, [bits(self.old_values(n)) for n in group]))
+        result = self.pending.pop(name)
+        if isinstance(result, compact.CompactDecodeError):
+            raise result
+        return result
+
+    def _decode(self, names: list[str], xs: list[torch.Tensor]) -> dict[str, Decoded]:
+        """Tensors `names` (consecutive in the streams) decoded against their old patterns `xs`."""
         from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
 
-        c0, c1, s0, k = self.spans[name]
-        chunks, on, total = c1 - c0, self.on, self.total
+        c0, s0, on, total, device = (
+            self.spans[names[0]][0],
+            self.spans[names[0]][2],
+            self.on,
+            self.total,
+            self.device,
+        )
+        c1 = self.spans[names[-1]][1]
+        chunks, k = c1 - c0, sum(self.spans[n][3] for n in names)
         rows, sizes, ends = on["rows"][c0:c1], on["sizes"][c0:c1], on["ends"][c0:c1]
         group = torch.repeat_interleave(
-            torch.arange(4 * chunks, device=self.device), on["counts"][4 * c0 : 4 * c1], output_size=k
+            torch.arange(4 * chunks, device=device), on["counts"][4 * c0 : 4 * c1], output_size=k
         )
-        which, cls = group // 4, group % 4
+        which, cls = group // 4, group % 4  # each change's chunk (of the run) and class, chunk by chunk
         rice = on["rice"][4 * c0 : 4 * c1][group]
         q = self.symbols[s0 : s0 + k].to(torch.int64)
         steps = self.symbols[total + s0 : total + s0 + k].to(torch.int64) + 1
@@ -696,72 +751,79 @@ class PatchSymbols:
         last = on["data"][(rows[:, 1] + used // 8).clamp(max=on["data"].numel() - 1)].to(torch.int64)
         raw_bad = ((used + 7) // 8 != ends - rows[:, 1]) | ((used % 8 != 0) & ((last >> (used % 8)) != 0))
         gaps = (q << rice) + r + 1
-        too_far = torch.zeros(chunks, dtype=torch.int32, device=self.device).index_add_(
-            0, which, (gaps > sizes[which]).to(torch.int32)
-        )
-        code = torch.where(raw_bad, 4, torch.where(too_far > 0, 1, 0))
-        code = torch.where(self.ans_bad[c0:c1] != 0, 3, code)
-        failed = code[code != 0].tolist()
-        if failed:
-            error = compact.CompactDecodeError(
-                kernels.DECODE_ERRORS[1] if failed[0] == 1 else kernels.ANS_ERRORS[failed[0]]
-            )
-            error.tensor = name
-            raise error
         ranks = _segment_sums(gaps, group, 4 * chunks)[0] - 1
-        limits = torch.from_numpy(self.limits[c0:c1]).to(self.device)
-        return Ranked(limits, cls.to(torch.int8), ranks, steps, raws, which)
+        too_far = (gaps > sizes[which]) | (ranks >= sizes[which])  # (a sum of huge gaps may wrap)
+        far = torch.zeros(chunks, dtype=torch.int32, device=device).index_add_(
+            0, which, too_far.to(torch.int32)
+        )
+        code = torch.where(self.ans_bad[c0:c1] != 0, 3, torch.where(raw_bad, 4, torch.where(far > 0, 1, 0)))
 
-
-def decode_compact(
-    name: str, ranked: Ranked, old: torch.Tensor, chunk: int, offset: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """What deltasync.codec.patch.decode makes of tensor `name`'s compact chunk streams, given their rANS
-    stage `ranked` (PatchSymbols.ranked), against its old values `old` (bf16, on their device; elements
-    offset.. of the tensor for the fingerprint): the changed positions (int64, ascending), their new
-    patterns (int16) and the fingerprint's move. Raises CompactDecodeError where a stream cannot be what an
-    encoder wrote."""
-    from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
-
-    x = bits(old)
-    n, device = x.numel(), x.device
-    limits_on, cls_on, ranks_on, steps_on, raws_on, which_on = ranked
-    chunks = limits_on.shape[0]
-    per_chunk = _blocks(min(chunk, n))
-    programs = chunks * per_chunk
-    counts = torch.empty((programs, 4), dtype=torch.int32, device=device)
-    _class_counts[(programs,)](x, limits_on, counts, n, chunk, per_chunk, BLOCK=BLOCK)
-    inclusive = counts.view(chunks, per_chunk, 4).cumsum(1)
-    order = torch.empty(programs * BLOCK, dtype=torch.int16, device=device)
-    _class_order[(programs,)](x, limits_on, counts, order, n, chunk, per_chunk, BLOCK=BLOCK)
-    # The block of each change: the first of its chunk whose running count of its class passes its rank.
-    cls64 = cls_on.to(torch.int64)
-    group = cls64 * chunks + which_on
-    keys = (
-        (torch.arange(4 * chunks, device=device)[:, None] << 32)
-        + inclusive.permute(2, 0, 1).reshape(4 * chunks, per_chunk)
-    ).reshape(-1)
-    found = torch.searchsorted(keys, (group << 32) + ranks_on, right=True)
-    beyond = ranks_on >= inclusive[which_on, -1, cls64]  # past its class in its chunk
-    program = which_on * per_chunk + found.clamp(max=keys.numel() - 1) % per_chunk
-    within = ranks_on - (inclusive.view(programs, 4) - counts)[program, cls64]
-    below = (counts.cumsum(1) - counts)[program, cls64]
-    slot = (program * BLOCK + below + within).clamp(0, order.numel() - 1)
-    positions = which_on * chunk + (program % per_chunk) * BLOCK + order[slot].to(torch.int64)
-    positions, sort = torch.sort(positions)
-    before = x[positions.clamp(0, n - 1)]
-    step, raw = steps_on[sort], raws_on[sort]
-    value = before.to(torch.int64) + ((step >> 1) ^ -(step & 1))
-    escaped = step == V_SYMBOLS
-    out_of_range = ~escaped & ((value < -(1 << 15)) | (value >= 1 << 15))
-    status = torch.stack([beyond.any(), out_of_range.any()]).tolist()
-    for code, failed in enumerate(status, 1):
-        if failed:
-            raise compact.CompactDecodeError(kernels.DECODE_ERRORS[code])
-    after = torch.where(escaped, raw - ((raw & 0x8000) << 1), value).to(torch.int16)  # signed patterns
-    partial = torch.empty(_blocks(positions.numel()), dtype=torch.int64, device=device)
-    _moves[(partial.numel(),)](
-        positions, before, after, fingerprint.r1_on(device), partial, _signed(fingerprint.seed(name)), offset,
-        positions.numel(), BLOCK=BLOCK,
-    )  # fmt: skip
-    return positions, after, _wrapped(_halves(partial).tolist())
+        # Each tensor's old values: per block of BLOCK elements its count of each class, and its elements in
+        # class order (2 bytes of scratch per element of the run).
+        tensor_chunks = [self.spans[n][1] - self.spans[n][0] for n in names]
+        per_chunk = [_blocks(min(self.chunk, x.numel())) for x in xs]
+        programs = sum(c * b for c, b in zip(tensor_chunks, per_chunk, strict=True))
+        counts = torch.empty((programs, 4), dtype=torch.int32, device=device)
+        order = torch.empty(programs * BLOCK, dtype=torch.int16, device=device)
+        limits = torch.from_numpy(self.limits[c0:c1]).to(device)
+        p0, g0 = 0, 0
+        for x, n_chunks, blocks in zip(xs, tensor_chunks, per_chunk, strict=True):
+            p1, g1 = p0 + n_chunks * blocks, g0 + n_chunks
+            args, shape = (x, limits[g0:g1], counts[p0:p1]), (x.numel(), self.chunk, blocks)
+            _launch(_class_counts, p1 - p0, *args, *shape, BLOCK=BLOCK)
+            _launch(_class_order, p1 - p0, *args, order[p0 * BLOCK : p1 * BLOCK], *shape, BLOCK=BLOCK)
+            p0, g0 = p1, g1
+        blocks_of = torch.from_numpy(np.repeat(per_chunk, tensor_chunks)).to(device)  # per chunk of the run
+        chunk_of = torch.repeat_interleave(
+            torch.arange(chunks, device=device), blocks_of, output_size=programs
+        )
+        inclusive, in_chunk = _segment_sums(counts.to(torch.int64), chunk_of, chunks)
+        # The block of each change: the first of its chunk whose running count of its class passes its rank.
+        keys = ((torch.arange(4, device=device)[:, None] * chunks + chunk_of) << 32) + inclusive.T
+        cls64 = cls.to(torch.int64)
+        found = torch.searchsorted(keys.reshape(-1), ((cls64 * chunks + which) << 32) + ranks, right=True)
+        beyond = ranks >= in_chunk[which, cls64]  # past its class in its chunk
+        program = found.clamp(max=keys.numel() - 1) % programs
+        within = ranks - (inclusive - counts)[program, cls64]
+        below = (counts.cumsum(1) - counts)[program, cls64]
+        slot = (program * BLOCK + below + within).clamp(0, order.numel() - 1)
+        first_program = blocks_of.cumsum(0) - blocks_of
+        offset = ((program - first_program[which]) * BLOCK + order[slot]).clamp(0, self.chunk - 1)
+        key, sort = torch.sort(which * self.chunk + offset)  # a chunk's changes stay in its place
+        tensor_of = torch.from_numpy(np.repeat(np.arange(len(names)), tensor_chunks)).to(device)[which]
+        first_chunk = torch.from_numpy(np.cumsum(tensor_chunks) - tensor_chunks).to(device)
+        positions = key - first_chunk[tensor_of] * self.chunk
+        before = torch.empty(k, dtype=torch.int16, device=device)
+        e0 = 0
+        for x, name in zip(xs, names, strict=True):
+            e1 = e0 + self.spans[name][3]
+            before[e0:e1] = x[positions[e0:e1].clamp(0, x.numel() - 1)]
+            e0 = e1
+        step, raw = steps[sort], raws[sort]
+        value = before.to(torch.int64) + ((step >> 1) ^ -(step & 1))
+        escaped = step == V_SYMBOLS
+        out_of_range = ~escaped & ((value < -(1 << 15)) | (value >= 1 << 15))
+        after = torch.where(escaped, raw - ((raw & 0x8000) << 1), value).to(torch.int16)  # signed patterns
+        # Per chunk, the host decoder's verdict: the rANS stage's, else a value out of range among the changes
+        # placed, else a change past its class.
+        flags = torch.zeros((chunks, 2), dtype=torch.int32, device=device).index_add_(
+            0, which, torch.stack([out_of_range & ~beyond[sort], beyond], 1).to(torch.int32)
+        )
+        code = torch.where(
+            code != 0, code, torch.where(flags[:, 0] > 0, 2, torch.where(flags[:, 1] > 0, 1, 0))
+        )
+        codes = code.tolist()  # the run's one host sync
+        out: dict[str, Decoded] = {}
+        e0 = 0
+        for name in names:
+            a, b, _, n = self.spans[name]
+            e1 = e0 + n
+            failed = next((c for c in codes[a - c0 : b - c0] if c), 0)  # its first chunk's, as on the host
+            if failed:
+                error = compact.CompactDecodeError({**kernels.DECODE_ERRORS, **kernels.ANS_ERRORS}[failed])
+                error.tensor = name
+                out[name] = error
+            else:
+                out[name] = (positions[e0:e1], after[e0:e1])
+            e0 = e1
+        return out

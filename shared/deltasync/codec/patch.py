@@ -314,8 +314,10 @@ def host_streams(
 
 
 def _streams_maker(changes: Mapping[str, TensorChanges], old: Mapping[str, torch.Tensor]) -> StreamsMaker:
-    """Triton's kernels where every changed tensor is on CUDA, else the host's loops (the same bytes)."""
-    if changes and all(bf16.on_gpu(old[name]) for name in changes):
+    """Triton's kernels where every changed tensor is on one CUDA device, else the host's loops (the same
+    bytes)."""
+    devices = {old[name].device for name in changes}
+    if len(devices) == 1 and all(bf16.on_gpu(old[name]) for name in changes):
         from deltasync.codec import gpu  # not at import time: it loads Triton
 
         return gpu.compact_streams
@@ -374,7 +376,7 @@ def raw_changes(
 
 
 def _check_positions(name: str, idx: torch.Tensor, numel: int, start: int = 0) -> None:
-    if idx.numel() and (idx[0] < start or idx[-1] >= start + numel or (idx[1:] <= idx[:-1]).any()):
+    if idx.numel() and bool((idx[0] < start) | (idx[-1] >= start + numel) | (idx[1:] <= idx[:-1]).any()):
         where = f"the tensor ({numel} elements)" if not start else f"its window [{start}, {start + numel})"
         raise PatchError(f"{name}: positions must increase strictly and lie inside {where}")
 
@@ -583,17 +585,22 @@ def chunk_streams(name: str, entries: dict, numel: int, chunk: int) -> list[byte
 
 
 def compact_symbols(
-    info: PatchInfo, entries: dict, numels: Mapping[str, int], tables: compact.Tables, device: torch.device
+    info: PatchInfo,
+    entries: dict,
+    numels: Mapping[str, int],
+    tables: compact.Tables,
+    device: torch.device,
+    old_values: Callable[[str], torch.Tensor],
 ) -> gpu.PatchSymbols:
-    """The rANS stage of the compact entries named in `numels` (each covering that many elements), decoded
-    on the GPU `device` for all of them at once (deltasync.codec.gpu.PatchSymbols), for decode_entry.
-    Raises PatchError."""
+    """The compact entries named in `numels` (each covering that many elements), to be decoded on the GPU
+    `device` against `old_values(name)` (deltasync.codec.gpu.PatchSymbols: their rANS stage runs here, for
+    all of them at once), for decode_entry. Raises PatchError."""
     from deltasync.codec import gpu  # Triton: only where a GPU holds the weights
 
     chunk = chunk_size(info)
     streams = {name: chunk_streams(name, entries, numel, chunk) for name, numel in numels.items()}
     try:
-        return gpu.PatchSymbols(streams, numels, chunk, tables, device)
+        return gpu.PatchSymbols(streams, numels, chunk, tables, device, old_values)
     except compact.CompactDecodeError as e:
         raise PatchError(f"{e.tensor}: corrupt compact data: {e}") from None
 
@@ -610,8 +617,8 @@ def decode_entry(
     """The changes of `name`'s entry (positions in the whole tensor, on `old`'s device) decoded against
     `old`, the old values of what the entry covers (the tensor, or its window), wherever they live: one
     tensor at a time, so that a caller holding the weights in place (a vLLM worker) needs no copy of the
-    model. Compact entries decode with the numba kernels on CPU, with deltasync.codec.gpu on a GPU (their
-    rANS stage in `symbols`, where compact_symbols ran it for the whole patch). Raises PatchError."""
+    model. Compact entries decode with the numba kernels on CPU, with deltasync.codec.gpu on a GPU (through
+    `symbols`, where compact_symbols made them for the whole patch). Raises PatchError."""
     t = info.tensors[name]
     start = info.windows.get(name, (0, 0))[0]
     if t["mode"] != "compact":
@@ -625,12 +632,10 @@ def decode_entry(
     assert tables is not None  # a compact patch's
     chunk = chunk_size(info)
     if old.is_cuda and symbols is None:
-        symbols = compact_symbols(info, entries, {name: old.numel()}, tables, old.device)
+        symbols = compact_symbols(info, entries, {name: old.numel()}, tables, old.device, lambda _: old)
     try:
         if symbols is not None:
-            from deltasync.codec import gpu  # Triton: only where a GPU holds the weights
-
-            idx, new_bits, _ = gpu.decode_compact(name, symbols.ranked(name), old, chunk, start)
+            idx, new_bits = symbols.changes(name)
             idx = idx + start
         else:
             streams = chunk_streams(name, entries, old.numel(), chunk)

@@ -290,6 +290,11 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
                 lo, n = windows[name] = patch.windows.get(name, (0, numel))
                 if lo + n > numel:
                     raise PatchError(f"{where}: {name}: window [{lo}, {lo + n}) is outside its {numel}")
+
+            def old_values(name: str, layout: Layout = layout, windows: dict = windows) -> torch.Tensor:
+                lo, n = windows[name]
+                return layout.old_values(name).reshape(-1)[lo : lo + n]
+
             symbols = None
             if tables is not None and self.device.type == "cuda":  # the rANS stage of every chunk at once
                 whole = {
@@ -297,19 +302,20 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
                     for k, t in patch.tensors.items()
                     if t["mode"] == "compact" and k not in layout.split
                 }
-                symbols = compact_symbols(patch, entries, whole, tables, self.device) if whole else None
+                if whole:
+                    symbols = compact_symbols(patch, entries, whole, tables, self.device, old_values)
             changes = {}
             for name in patch.tensors:  # in the patch's order on every rank: collectives run per tensor
-                lo, n = windows[name]
                 if name in layout.split:  # only this rank's part of it: its changes there
                     blocks = layout.blocks.get(name, [])
-                    held = decode_held(patch, entries, name, n, tables, blocks, self.group)
+                    held = decode_held(patch, entries, name, windows[name][1], tables, blocks, self.group)
                     changes[name] = held[0]
                     problems.append(held[1])
                     gathered += held[2]
                 else:
-                    old = layout.old_values(name).reshape(-1)[lo : lo + n]
-                    changes[name] = decode_entry(patch, entries, name, old, tables, symbols=symbols)
+                    changes[name] = decode_entry(
+                        patch, entries, name, old_values(name), tables, symbols=symbols
+                    )
             decoded.append(changes)
             base = patch.fingerprint
         problem = next((p for p in problems if p), None)

@@ -87,8 +87,8 @@ class Block:
         of the HF tensor, else a mask), and where they go: the tensor to index (`dst`, or its flat view)
         and the index."""
         if self.run:  # q/k/v, gate/up, embeddings, column-parallel shards: a slice of `flat`, no mask
-            lo = torch.searchsorted(flat, torch.tensor([self.offset, self.offset + self.dst.numel()]))
-            where = slice(int(lo[0]), int(lo[1]))
+            bounds = torch.tensor([self.offset, self.offset + self.dst.numel()], device=flat.device)
+            where = slice(*torch.searchsorted(flat, bounds).tolist())
             return where, self.dst.view(-1), (flat[where] - self.offset,)
         hf_strides = [int(np.prod(shape[h + 1 :])) for h in range(len(shape))]
         coords = [(flat // hf_strides[h]) % shape[h] for h in range(len(shape))]
@@ -290,7 +290,11 @@ class Layout:
                 continue
             if int(counts[1]) == world:  # whole on every rank: rank 0 counts it
                 for b in self.blocks.get(name, []):
-                    b.owned = torch.zeros(int(np.prod(b.size)), dtype=torch.bool) if rank else None
+                    b.owned = (
+                        torch.zeros(int(np.prod(b.size)), dtype=torch.bool, device=b.dst.device)
+                        if rank
+                        else None
+                    )
                 continue
             self.shared.add(name)
             owner = torch.full((numel,), world, dtype=torch.int32)
@@ -298,7 +302,7 @@ class Layout:
                 owner[b.positions()] = rank
             torch.distributed.all_reduce(owner, op=torch.distributed.ReduceOp.MIN, group=group)
             for b in self.blocks.get(name, []):
-                b.owned = owner[b.positions()] == rank
+                b.owned = (owner[b.positions()] == rank).to(b.dst.device)
 
     def old_values(self, name: str) -> torch.Tensor:
         """The whole HF tensor `name` (not one of `split`) as this rank's weights hold it: a view of them
@@ -319,7 +323,7 @@ class Layout:
         for b in blocks:
             values = bits(b.read().cpu()).to(torch.int32)
             if b.owned is not None:
-                values = torch.where(b.owned.view(b.size), values, 0)
+                values = torch.where(b.owned.view(b.size).cpu(), values, 0)
             whole.as_strided(b.size, b.stride, b.offset).copy_(values)
         torch.distributed.all_reduce(whole, group=self.group)
         return whole.to(torch.int16).view(torch.bfloat16).to(device)
@@ -340,49 +344,44 @@ class Layout:
                     e0, e1 = segments.span(first, last)
                     positions, part = segments.positions(first, last), values[e0:e1].cpu().numpy()
                     if b.owned is not None:
-                        counted = b.owned.view(-1)[e0:e1].numpy()
+                        counted = b.owned.view(-1)[e0:e1].cpu().numpy()
                         positions, part = positions[counted], part[counted]
                     total += fingerprint.delta(name, positions, np.zeros(part.size, np.int16), part)
         return total & fingerprint.MASK64
 
     def plan_patch(self, changes: dict[str, TensorChanges]) -> tuple[list, int]:
         """The writes a patch makes on this rank (tensor, index, values) and this rank's share of how it moves
-        the fingerprint. Reads only; writes nothing. Planned on the host (where the patch is read): the
-        indices and values go to each device in one copy, and the old values come back in one."""
-        found = []  # (name, tensor, dst index, HF positions, new values, counted in the fingerprint or None)
+        the fingerprint. Reads only; writes nothing. Planned where the weights are: on a GPU only the move's
+        sum comes to the host, once for the patch (deltasync.codec.gpu.moves)."""
+        writes, moved, halves = [], 0, []
         for name, ch in changes.items():
-            flat, values = ch.indices.to(torch.int64).cpu(), ch.values.cpu()
-            for b in self.blocks.get(name, []):
+            blocks = self.blocks.get(name, [])
+            if not blocks:
+                continue
+            device = blocks[0].dst.device
+            flat, values = ch.indices.to(device, torch.int64), ch.values.to(device)
+            for b in blocks:
                 where, dst, index = b.locate(flat, self.shapes[name])
-                positions = flat[where]
+                positions, new = flat[where], values[where]
                 if not len(positions):
                     continue
                 counted = None if b.owned is None else _owned(b, index)
                 if b.packing is not None:  # the element at `index` of `dst` lives elsewhere in the storage
                     dst, index = b.packing.flat, (b.packing.at(dst, index),)
-                found.append((name, dst, index, positions, values[where], counted))
-        writes, moved = [], 0
-        for device in {f[1].device for f in found}:
-            here = [f for f in found if f[1].device == device]
-            sizes = [len(f[3]) for f in here]
-            indices = (
-                torch.cat([i for f in here for i in f[2]])
-                .to(device)
-                .split([n for f, n in zip(here, sizes, strict=True) for _ in f[2]])
-            )
-            values = torch.cat([f[4] for f in here]).to(device).split(sizes)
-            at, olds = 0, []
-            for (_, dst, index, *_), new in zip(here, values, strict=True):
-                device_index = indices[at : at + len(index)]
-                at += len(index)
-                writes.append((dst, device_index, new))
-                olds.append(dst[device_index])
-            old_bits = bits(torch.cat(olds).cpu()).split(sizes)
-            for (name, _, _, positions, new_values, counted), old in zip(here, old_bits, strict=True):
-                new_bits = bits(new_values)
+                writes.append((dst, index, new))
+                old, new_bits = bits(dst[index]), bits(new)
                 if counted is not None:
                     positions, old, new_bits = positions[counted], old[counted], new_bits[counted]
-                moved += fingerprint.delta(name, positions.numpy(), old.numpy(), new_bits.numpy())
+                if device.type == "cuda":
+                    from deltasync.codec import gpu  # Triton: only where a GPU holds the weights
+
+                    halves.append(gpu.moves(name, positions, old, new_bits))
+                else:
+                    moved += fingerprint.delta(name, positions.numpy(), old.numpy(), new_bits.numpy())
+        if halves:
+            from deltasync.codec import gpu
+
+            moved += gpu.total_move(halves)
         return writes, moved & fingerprint.MASK64
 
 

@@ -3,6 +3,7 @@ through Triton's interpreter (small states: the interpreter runs each program in
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -158,9 +159,15 @@ def same(got: tuple, expected: tuple) -> bool:
     )
 
 
+def decoded(gpu, symbols, name: str, old: torch.Tensor) -> tuple:
+    """A tensor's changes as the GPU replica decodes them, and their fingerprint move (`gpu.moves`)."""
+    positions, after = symbols.changes(name)
+    return positions, after, gpu.total_move([gpu.moves(name, positions, bits(old)[positions], after)])
+
+
 def gpu_decode(gpu, name: str, parts: list[bytes], old: torch.Tensor, chunk: int, tables) -> tuple:
-    symbols = gpu.PatchSymbols({name: parts}, {name: old.numel()}, chunk, tables, old.device)
-    return gpu.decode_compact(name, symbols.ranked(name), old, chunk)
+    symbols = gpu.PatchSymbols({name: parts}, {name: old.numel()}, chunk, tables, old.device, lambda _: old)
+    return decoded(gpu, symbols, name, old)
 
 
 @pytest.mark.parametrize(("chunk", "density"), [(1000, 0.02), (7000, 0.02), (compact.CHUNK, 0.3)])
@@ -203,26 +210,36 @@ def test_decode_compact_refuses_what_the_host_refuses(gpu):
     assert 0 < refused < 30
 
 
-def test_a_patchs_symbols_decoded_at_once_are_each_tensors_own(gpu):
-    """Every chunk of a patch in one rANS launch: each tensor's changes are what its own streams decode
-    to, and a broken stream is refused as its own tensor's, whichever tensors come before it."""
+@pytest.mark.parametrize("budget", [1, 1000, 1 << 22])  # a tensor at a time, a few, the whole patch at once
+def test_a_patchs_tensors_decoded_together_are_each_ones_own(gpu, monkeypatch, budget):
+    """Every chunk of a patch in one rANS launch, then runs of tensors decoded together up to a budget of
+    changes: each tensor's changes are what its own streams decode to, and a broken stream, or old values
+    it cannot have been made from, is refused as its own tensor's, whichever tensors are decoded with it."""
+    monkeypatch.setattr(gpu, "GROUP_CHANGES", budget)
     old, new = states(6, SHAPES, 0.05)
     patch = patches.make_patch(host(old), host(new), 1, 0, threads=1)
-    data = patches.encode(patch, host(old), "compact", threads=1, chunk=900)
-    streams, tables, chunk = compact_streams(data)
+    streams, tables, chunk = compact_streams(
+        patches.encode(patch, host(old), "compact", threads=1, chunk=900)
+    )
+    assert len(streams) >= 3
     numels = {name: old[name].numel() for name in streams}
-    symbols = gpu.PatchSymbols(streams, numels, chunk, tables, torch.device(DEVICE))
-    for name, parts in streams.items():
-        got = gpu.decode_compact(name, symbols.ranked(name), old[name], chunk)
-        assert same(got, host_decode(name, parts, old[name], chunk, tables)), name
-    last = list(streams)[-1]
-    broken = dict(streams, **{last: [*streams[last][:-1], streams[last][-1][:-1]]})  # its raw bits cut short
-    symbols = gpu.PatchSymbols(broken, numels, chunk, tables, torch.device(DEVICE))
-    for name in list(streams)[:-1]:
-        symbols.ranked(name)
-    with pytest.raises(compact.CompactDecodeError, match="truncated") as caught:
-        symbols.ranked(last)
-    assert caught.value.tensor == last
+    broken = "q"  # (several classes: the streams' order varies with str hashing)
+    cut = dict(streams, **{broken: [*streams[broken][:-1], streams[broken][-1][:-1]]})  # raw bits cut short
+    zeros = dict(old, **{broken: torch.zeros_like(old[broken])})  # one class: ranks in the others lie beyond
+    for parts_of, old_of in [(streams, old), (cut, old), (streams, zeros)]:
+        symbols = gpu.PatchSymbols(parts_of, numels, chunk, tables, torch.device(DEVICE), old_of.__getitem__)
+        for name, parts in streams.items():
+            if name == broken and (old_of is not old or parts_of is not streams):
+                with pytest.raises(compact.CompactDecodeError) as expected:
+                    host_decode(name, parts_of[name], old_of[name], chunk, tables)
+                with pytest.raises(
+                    compact.CompactDecodeError, match=re.escape(str(expected.value))
+                ) as caught:
+                    symbols.changes(name)
+                assert caught.value.tensor == broken
+                continue
+            got = decoded(gpu, symbols, name, old[name])
+            assert same(got, host_decode(name, parts, old[name], chunk, tables)), name
 
 
 def test_the_rans_kernels_compile_for_an_h100():
