@@ -1,13 +1,14 @@
 """The codec's passes over every element, on the GPU that holds the weights (Triton kernels).
 
 - `scan`: change detection, with the fingerprint's move summed as the changes are written (what `make_patch`
-  needs): two passes, one host sync for all tensors;
+  needs): two passes, one host sync per device for all tensors;
 - `state_fingerprint`: the full fingerprint in one pass;
 - `compact_streams`: the compact encoding where the weights are on CUDA (deltasync.codec.patch.encode runs
   it): the classes of old values, the in-class ranks and symbols of the changed elements, then the rANS
   coder, a program per chunk for every chunk of the patch at once; the host chooses the classes and pools
   the models from per-chunk histograms, and gets the coded bytes;
-- `PatchSymbols` and `decode_compact`: the replica's counterpart, against old weights on the GPU.
+- `PatchSymbols`: the replica's counterpart, against old weights on the GPU; `moves`: the fingerprint's
+  move of changes there.
 
 The patch bytes and decoded changes are the CPU path's, which the tests check through Triton's interpreter
 on machines with no GPU.
@@ -719,14 +720,8 @@ class PatchSymbols:
         """Tensors `names` (consecutive in the streams) decoded against their old patterns `xs`."""
         from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
 
-        c0, s0, on, total, device = (
-            self.spans[names[0]][0],
-            self.spans[names[0]][2],
-            self.on,
-            self.total,
-            self.device,
-        )
-        c1 = self.spans[names[-1]][1]
+        c0, c1, s0 = self.spans[names[0]][0], self.spans[names[-1]][1], self.spans[names[0]][2]
+        on, total, device = self.on, self.total, self.device
         chunks, k = c1 - c0, sum(self.spans[n][3] for n in names)
         rows, sizes, ends = on["rows"][c0:c1], on["sizes"][c0:c1], on["ends"][c0:c1]
         group = torch.repeat_interleave(

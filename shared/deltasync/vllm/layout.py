@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
-from deltasync.codec import fingerprint
+from deltasync.codec import bf16, fingerprint
 from deltasync.codec.bf16 import bits
 from deltasync.codec.changes import TensorChanges
 from deltasync.vllm import compat
@@ -372,7 +372,7 @@ class Layout:
                 old, new_bits = bits(dst[index]), bits(new)
                 if counted is not None:
                     positions, old, new_bits = positions[counted], old[counted], new_bits[counted]
-                if device.type == "cuda":
+                if bf16.on_gpu(dst):
                     from deltasync.codec import gpu  # Triton: only where a GPU holds the weights
 
                     halves.append(gpu.moves(name, positions, old, new_bits))
