@@ -23,7 +23,7 @@ device. Parts:
   (both: what the publisher's background runs after `publish` returns; the publish part measures it
   through the Publisher), rolling a previous copy forward (`apply_changes`);
   the replica's compact bytes to weights written and verified on the GPU (deltasync.codec.gpu
-  `PatchSymbols` and `decode_compact`, then `apply_changes`); beside the host path's `encode` of the same
+  `PatchSymbols.changes` and `moves`, then `apply_changes`); beside the host path's `encode` of the same
   patch (old weights copied to the host), whose bytes must be the same; every result checked bit for bit
   first. The replica row decodes in this process, against weights on this GPU; the follower handing the
   bytes to vLLM's workers and its peak RSS are measured by the follower's own bench and tests

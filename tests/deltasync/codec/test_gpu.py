@@ -171,7 +171,7 @@ def gpu_decode(gpu, name: str, parts: list[bytes], old: torch.Tensor, chunk: int
 
 
 @pytest.mark.parametrize(("chunk", "density"), [(1000, 0.02), (7000, 0.02), (compact.CHUNK, 0.3)])
-def test_decode_compact_is_the_host_decode(gpu, chunk, density):
+def test_patch_symbols_decode_as_the_host_does(gpu, chunk, density):
     """Positions, new patterns and fingerprint moves of every compact tensor, as the CPU decodes them."""
     old, new = states(4, SHAPES, density)
     patch = patches.make_patch(host(old), host(new), 1, 0, threads=1)
@@ -182,7 +182,7 @@ def test_decode_compact_is_the_host_decode(gpu, chunk, density):
         assert same(got, host_decode(name, parts, old[name], chunk, tables)), name
 
 
-def test_decode_compact_refuses_what_the_host_refuses(gpu):
+def test_patch_symbols_refuse_what_the_host_refuses(gpu):
     """Streams with a bit flipped: each is refused by both decoders, with the same message, or decoded by
     both to the same changes."""
     old, new = states(5, {"w": (40, 100)}, 0.05)
