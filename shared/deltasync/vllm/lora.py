@@ -9,13 +9,17 @@ it, `deltasync.vllm.plugin`):
 
 DELTASYNC_LORA_CACHE: where verified adapters are written in PEFT's format (adapter_model.safetensors and
 adapter_config.json), one folder per name and fingerprint (default: a temporary folder). vLLM reads them when
-it loads an adapter, also again after evicting it (`--max-loras`, `--max-cpu-loras`), so they stay.
+it loads an adapter, also again after evicting it (`--max-loras`, `--max-cpu-loras`), so the last
+DELTASYNC_LORA_KEEP folders it wrote stay (default 16: more than the versions rollouts may still name, vLLM's
+--max-loras plus TRL's max_staleness); older ones are deleted. Nothing else in the folder is touched.
 
-A name the root does not publish, a step not published yet (or no longer retained), a file that fails
-verification or a root of another base model resolve to nothing: vLLM answers 404 (the rollout worker
-retries), and the reason is logged as one line. Nothing is ever served under a name but the verified step it
-names. With a replica name (`register_resolver(replica)`: the inference Space passes its REPLICA_ID), each
-version resolved is recorded in the root's telemetry as that replica's: the versions it holds.
+A name that is no adapter name (letters, digits, '.', '_' and '-': it names a folder), a name the root does
+not publish, a root of another base model or of full weights resolve to nothing from run.json alone, before
+anything is downloaded; so do a step not published yet (or no longer retained) and a file that fails
+verification: vLLM answers 404 (the rollout worker retries), and the reason is logged as one line. Nothing is
+ever served under a name but the verified step it names. With a replica name (`register_resolver(replica)`:
+the inference Space passes its REPLICA_ID), each version resolved is recorded in the root's telemetry as that
+replica's: the versions it holds.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import re
 import shutil
 import tempfile
 import threading
+from collections import OrderedDict
 from dataclasses import asdict
 from pathlib import Path
 
@@ -37,30 +42,37 @@ from vllm.lora.resolver import LoRAResolver, LoRAResolverRegistry
 
 from deltasync import telemetry
 from deltasync.codec.fingerprint import format_fingerprint
-from deltasync.errors import Refused  # why a name resolves to nothing (one line)
+from deltasync.errors import EXPECTED, Refused  # Refused: why a name resolves to nothing (one line)
 from deltasync.storage import TransientStorageError, redact
-from deltasync.sync.protocol import adapter_name
+from deltasync.sync.protocol import RunInfo, adapter_name, read_run
 from deltasync.sync.subscriber import Applied, Subscriber, SyncError
 
 # Under vLLM's logger: a vLLM server's log shows what its handler writes, beside vLLM's own resolver lines.
 log = logging.getLogger("vllm.deltasync.lora")
 ROOT_ENV = "DELTASYNC_LORA_ROOT"
 CACHE_ENV = "DELTASYNC_LORA_CACHE"
+KEEP_ENV = "DELTASYNC_LORA_KEEP"
+KEEP = 16
 RESOLVER = "deltasync"  # its name in vLLM's registry
 VERSIONED = re.compile(r"(.+)-v(\d{1,18})")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # an adapter's name is also a folder's: never a path
 
 
 class DeltasyncLoRAResolver(LoRAResolver):
-    """Resolves `{lora_name}-v{N}` from the LoRA sync root `root` into folders under `cache`."""
+    """Resolves `{lora_name}-v{N}` from the LoRA sync root `root` into folders under `cache`, keeping the
+    last `keep` folders it wrote."""
 
-    def __init__(self, root: str, cache: Path | None = None, replica: str | None = None):
+    def __init__(self, root: str, cache: Path | None = None, replica: str | None = None, keep: int = KEEP):
         self.root, self.cache = root, cache  # None: a temporary folder, made when first needed
         self.replica = replica  # set: each version resolved is told in the root's telemetry under this name
+        self.keep = keep
         self.where = redact(root)
-        # One reader, kept between resolutions: the next version replays one delta from the last one.
+        # One reader, kept between resolutions: the next version replays one delta from the last one. Its
+        # run.json, read once, refuses every name this root does not serve without another request.
         self.reader = Subscriber(root, prefetch=False)
         self.lock = threading.Lock()
         self.resolved: list[str] = []  # the names resolved, oldest first
+        self.written: OrderedDict[Path, None] = OrderedDict()  # folders this resolver wrote, last used last
         self.last_error: str | None = None  # why the last name that resolved to nothing did
 
     async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
@@ -70,7 +82,7 @@ class DeltasyncLoRAResolver(LoRAResolver):
         try:
             path = await asyncio.to_thread(self.fetch, base_model_name, match[1], int(match[2]))
         except Refused as e:
-            self.last_error = f"LoRA adapter {lora_name}: {e}"
+            self.last_error = f"LoRA adapter {lora_name:.160}: {e}"  # no newline: VERSIONED took it
             log.warning("%s", self.last_error)
             return None
         self.resolved.append(lora_name)
@@ -78,7 +90,10 @@ class DeltasyncLoRAResolver(LoRAResolver):
 
     def fetch(self, base_model: str, lora_name: str, step: int) -> Path:
         """The folder holding step `step` of the root, verified, as the PEFT adapter `{lora_name}-v{step}`."""
+        if not NAME.fullmatch(lora_name):
+            raise Refused("not an adapter name (letters, digits, '.', '_' and '-', at most 128)")
         with self.lock:
+            lora = self._served(self._run(), base_model, lora_name)
             try:
                 applied = self.reader.sync(step)
             except SyncError as e:
@@ -86,23 +101,48 @@ class DeltasyncLoRAResolver(LoRAResolver):
                 if head is not None and step > head.step:
                     raise Refused(f"step {step} is not in {self.where} yet (head {head.step})") from None
                 raise Refused(str(e)) from None
-            run, state = self.reader.run, self.reader.state
-            assert run is not None and state is not None  # read by a successful sync
-            if run.lora is None:
-                raise Refused(f"{self.where} holds full weights of {run.model}, not a LoRA adapter")
-            if run.lora["name"] != lora_name:
-                raise Refused(f"{self.where} publishes the adapter {run.lora['name']!r}, not {lora_name!r}")
-            if run.model != base_model:
-                raise Refused(f"{self.where} holds an adapter of {run.model}, not of {base_model}")
+            state = self.reader.state
+            assert state is not None  # read by a successful sync
             name = adapter_name(lora_name, step)
             if self.cache is None:
                 self.cache = Path(tempfile.mkdtemp(prefix="deltasync-lora-"))
             folder = self.cache / f"{name}-{format_fingerprint(self.reader.fingerprint)}"
             if not folder.is_dir():
-                self._write(folder, state, run.lora["adapter_config"])
+                self._write(folder, state, lora["adapter_config"])
+                self.written[folder] = None
+            self._keep(folder)
             self._report([a for a in applied if a.step == step])
             log.info("LoRA adapter %s: step %d of %s, verified", name, step, self.where)
             return folder
+
+    def _run(self) -> RunInfo:
+        """The root's run.json, read once (the reader's: a sync checks its steps against it)."""
+        if self.reader.run is None:
+            try:
+                self.reader.run = read_run(self.reader.storage)
+            except FileNotFoundError:
+                raise Refused(f"no run in {self.where} yet") from None
+            except EXPECTED as e:
+                raise Refused(f"{self.where}: run.json cannot be read: {redact(str(e))}") from None
+        return self.reader.run
+
+    def _served(self, run: RunInfo, base_model: str, lora_name: str) -> dict:
+        """`run`'s `lora` if it publishes the adapter `lora_name` of `base_model`, else Refused: why not."""
+        if run.lora is None:
+            raise Refused(f"{self.where} holds full weights of {run.model}, not a LoRA adapter")
+        if run.lora["name"] != lora_name:
+            raise Refused(f"{self.where} publishes the adapter {run.lora['name']!r:.140}, not {lora_name!r}")
+        if run.model != base_model:
+            raise Refused(f"{self.where} holds an adapter of {run.model}, not of {base_model}")
+        return run.lora
+
+    def _keep(self, folder: Path) -> None:
+        """Mark `folder` used last; delete the folders this resolver wrote beyond the last `keep` used."""
+        if folder in self.written:
+            self.written.move_to_end(folder)
+        while len(self.written) > self.keep:
+            old, _ = self.written.popitem(last=False)
+            shutil.rmtree(old, ignore_errors=True)
 
     def _report(self, applied: list[Applied]) -> None:
         """A replica record for the version resolved (none when the reader held it already: told before),
@@ -136,6 +176,20 @@ def register_resolver(replica: str | None = None) -> None:
     cache = os.environ.get(CACHE_ENV)
     if cache:
         Path(cache).mkdir(parents=True, exist_ok=True)
+    keep = keep_setting(os.environ.get(KEEP_ENV))
     LoRAResolverRegistry.register_resolver(
-        RESOLVER, DeltasyncLoRAResolver(root, Path(cache) if cache else None, replica)
+        RESOLVER, DeltasyncLoRAResolver(root, Path(cache) if cache else None, replica, keep)
     )
+
+
+def keep_setting(value: str | None) -> int:
+    """DELTASYNC_LORA_KEEP as a number of folders (unset: KEEP); SystemExit with one line if it is none."""
+    if not value:
+        return KEEP
+    try:
+        keep = int(value)
+    except ValueError:
+        keep = 0
+    if keep < 1:
+        raise SystemExit(f"{KEEP_ENV}={value!r:.40}: not a whole number of adapter folders, at least 1")
+    return keep

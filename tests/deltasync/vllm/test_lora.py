@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from deltasync.sync.protocol import ManifestError, RunInfo
 from deltasync.sync.publisher import Publisher
-from deltasync.vllm.lora import DeltasyncLoRAResolver
+from deltasync.vllm.lora import DeltasyncLoRAResolver, keep_setting
 from tests.helpers import assert_bitwise_equal, bf16
 
 BASE = "tiny-base"
@@ -141,3 +141,58 @@ def test_run_json_marks_a_lora_root_and_refuses_a_bad_mark():
         raw["lora"] = bad
         with pytest.raises(ManifestError, match="lora"):
             RunInfo.from_json(json.dumps(raw).encode())
+
+
+@pytest.mark.parametrize("name", ["../../escaped", "org/policy", "-v"])
+def test_names_that_are_no_folder_names_resolve_to_nothing_and_write_nothing(tmp_path, resolver, name):
+    publish(tmp_path / "root", 1, lora={"name": name, "adapter_config": ADAPTER_CONFIG})
+    assert resolve(resolver, f"{name}-v0") is None
+    assert "not an adapter name" in resolver.last_error and "\n" not in resolver.last_error
+    written = {p for p in tmp_path.rglob("*") if not p.is_relative_to(tmp_path / "root")}
+    assert written == {tmp_path / "cache"}
+
+
+def reads(resolver, monkeypatch) -> list[str]:
+    """The paths `resolver` reads from its root from now on."""
+    storage, paths = resolver.reader.storage, []
+    for method in ("read_bytes", "download_file"):
+        real = getattr(storage, method)
+        monkeypatch.setattr(
+            storage, method, lambda path, *a, real=real, **k: paths.append(path) or real(path, *a, **k)
+        )
+    return paths
+
+
+@pytest.mark.parametrize(
+    ("lora", "name", "base"),
+    [({}, f"{NAME}-v1", BASE), (None, "other-v1", BASE), (None, f"{NAME}-v1", "another-base")],
+)
+def test_a_root_that_serves_no_such_adapter_is_refused_from_its_run_json_alone(
+    tmp_path, resolver, monkeypatch, lora, name, base
+):
+    publish(tmp_path / "root", 2, lora=lora)
+    paths = reads(resolver, monkeypatch)
+    for _ in range(3):
+        assert resolve(resolver, name, base) is None
+    assert paths == ["run.json"]  # read once: nothing downloaded, no request for the same name again
+    assert resolver.reader.step is None
+
+
+def test_the_cache_keeps_the_folders_last_used_and_nothing_it_did_not_write(tmp_path):
+    states = publish(tmp_path / "root", 4)
+    cache = tmp_path / "cache"
+    (cache / "notes").mkdir(parents=True)
+    resolver = DeltasyncLoRAResolver(str(tmp_path / "root"), cache, keep=2)
+    for step in (0, 1, 2, 1, 3):
+        resolve(resolver, f"{NAME}-v{step}")
+    assert sorted(p.name.split("-")[1] for p in cache.glob(f"{NAME}-v*")) == ["v1", "v3"]
+    assert (cache / "notes").is_dir()
+    folder = cache / resolve(resolver, f"{NAME}-v0").lora_path  # written again when named again
+    assert_bitwise_equal(load_file(folder / "adapter_model.safetensors"), states[0])
+    assert len(list(cache.glob(f"{NAME}-v*"))) == 2
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many", "1.5"])
+def test_a_keep_setting_that_is_no_count_stops_with_one_line(value):
+    with pytest.raises(SystemExit, match="DELTASYNC_LORA_KEEP"):
+        keep_setting(value)
