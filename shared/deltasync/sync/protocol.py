@@ -16,7 +16,8 @@ names. The head lists the
 retained anchors and the unbroken chain of deltas from the oldest of them to the newest step, with sizes and
 fingerprints, so a reader plans its path without listing the bucket. Manifests are untrusted input on the
 reader side: `read_head` and `read_run` bound the size, `Head.from_json` and `RunInfo.from_json` check
-everything and raise ManifestError.
+everything (types and ranges with pydantic, in strict mode; the chain and file names here) and raise
+ManifestError. This module needs no torch: the dashboard Space reads manifests without it.
 """
 
 from __future__ import annotations
@@ -24,14 +25,19 @@ from __future__ import annotations
 import json
 import math
 import re
+import reprlib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
-import torch
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, with_config
 
 from deltasync.codec.header import DTYPE as WEIGHT_DTYPE
-from deltasync.errors import ManifestError, TooLargeError
+from deltasync.errors import ManifestError, Refused, TooLargeError
 from deltasync.storage import Storage, check_path
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_VERSION = 1
 RUN_PATH = "run.json"
@@ -42,6 +48,9 @@ MAX_MANIFEST_BYTES = 16 << 20
 MAX_INT = (1 << 63) - 1  # steps, sizes, counts, dims: anything larger is corrupt
 _TAG = r"(?:-(e\d{1,19}-[0-9a-f]{8}))?"
 STEP_DIR = re.compile(rf"step-\d{{8,}}{_TAG}")  # an anchor's or a sharded delta's folder
+Count = Annotated[int, Field(ge=0, le=MAX_INT)]  # a step, size, count or dim a manifest may hold
+# Untrusted JSON: no coercion (a bool is no int, "3" no number), no NaN or infinity where a number is meant.
+STRICT = ConfigDict(strict=True, allow_inf_nan=False)
 _DATA_FILE = re.compile(
     rf"deltas/step-(\d{{8,}}){_TAG}(?:\.safetensors|/part-(\d{{5}})-of-(\d{{5}})\.safetensors)"
     rf"|anchors/step-(\d{{8,}}){_TAG}/model(?:-\d{{5}}-of-(\d{{5}}))?\.safetensors"
@@ -197,45 +206,74 @@ def read_manifest(storage: Storage, path: str) -> bytes:
         raise ManifestError(str(e)) from None
 
 
-def _load(data: bytes, what: str) -> dict:
+T = TypeVar("T")
+_SHOWN = reprlib.Repr()  # bounded, even for deep or huge values
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist, _SHOWN.maxdict = 2, 60, 60, 4, 4
+
+
+class _Versioned(BaseModel):
+    version: Any = None
+
+
+def parse_json(adapter: TypeAdapter[T], data: bytes, what: str, error: type[Refused]) -> T:
+    """`data` validated by `adapter` (strict JSON); else `error` with one line saying what is wrong, where."""
+    try:
+        return adapter.validate_json(data)
+    except ValidationError as e:
+        raise error(f"{what}: {validation_line(e)}") from None
+
+
+def validation_line(e: ValidationError) -> str:
+    """A pydantic error as one short line: the first problem, its field and the value found there."""
+    problems = e.errors(include_url=False)
+    missing = [".".join(map(str, p["loc"])) for p in problems if p["type"] == "missing"]
+    if missing:
+        return f"missing fields {missing}"
+    first = problems[0]
+    if first["type"] == "json_invalid":  # bad JSON or UTF-8, a number out of range, deep nesting
+        return f"not JSON: {first['ctx']['error']}"[:200]
+    where = ".".join(map(str, first["loc"]))
+    line = f"{first['msg']}, got {_SHOWN.repr(first['input'])}"
+    line = f"field {where!r}: {line}" if where else line
+    return line + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else "")
+
+
+def _load(adapter: TypeAdapter[T], data: bytes, what: str) -> T:
+    """A manifest of this format version, validated by `adapter`; else ManifestError."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{what}: {len(data)} bytes, more than {MAX_MANIFEST_BYTES}")
-    try:
-        raw = json.loads(data)
-    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, ints over 4300 digits, deep nesting
-        raise ManifestError(f"{what}: not JSON: {str(e)[:200]}") from None
-    if not isinstance(raw, dict):
-        raise ManifestError(f"{what}: not a JSON object")
-    if raw.get("version") != FORMAT_VERSION:
+    version = parse_json(_VERSIONED, data, what, ManifestError).version
+    if version != FORMAT_VERSION:
         raise ManifestError(
-            f"{what}: format version {raw.get('version')!r}, this reader knows {FORMAT_VERSION}"
+            f"{what}: format version {_SHOWN.repr(version)}, this reader knows {FORMAT_VERSION}"
         )
-    return raw
+    return parse_json(adapter, data, what, ManifestError)
 
 
-def _field(raw: dict, key: str, kind: type | tuple[type, ...], what: str):
-    value = raw.get(key)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise ManifestError(
-            f"{what}: field {key!r} should be {getattr(kind, '__name__', kind)}, got {value!r:.80}"
+_VERSIONED = TypeAdapter(_Versioned)
+
+
+def _checked_lora(lora: dict | None) -> dict | None:
+    if lora is not None and not (
+        isinstance(lora.get("name"), str) and isinstance(lora.get("adapter_config"), dict)
+    ):
+        raise ValueError(
+            "a LoRA root names its adapter ('name', a string) and its 'adapter_config' (an object)"
         )
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ManifestError(f"{what}: field {key!r} is not finite")
-    if isinstance(value, int) and not 0 <= value <= MAX_INT:
-        raise ManifestError(f"{what}: field {key!r} is out of range")
-    return value
+    return lora
 
 
+@with_config(STRICT)
 @dataclass(frozen=True)
 class RunInfo:
     """What every step of the run is a state of: the model id and its bf16 parameter schema."""
 
     model: str
-    schema: dict[str, list[int]]  # HF name -> shape, in the trainer's order
+    schema: dict[str, list[Count]]  # HF name -> shape, in the trainer's order
     # A LoRA root (its states are adapters of `model`): {"name": the adapter's name, "adapter_config": PEFT's
     # adapter_config.json}. None: full weights.
-    lora: dict | None = None
-    dtype: str = WEIGHT_DTYPE  # of every weight (the seam another dtype, FP8, would use)
+    lora: Annotated[dict | None, AfterValidator(_checked_lora)] = None
+    dtype: str = WEIGHT_DTYPE  # of every weight (the seam another dtype, FP8, would use; older runs: none)
 
     @classmethod
     def of(cls, model: str, state: Mapping[str, torch.Tensor], lora: dict | None = None) -> RunInfo:
@@ -259,48 +297,43 @@ class RunInfo:
 
     @classmethod
     def from_json(cls, data: bytes) -> RunInfo:
-        raw = _load(data, RUN_PATH)
-        model = _field(raw, "model", str, RUN_PATH)
-        dtype = _field(raw, "dtype", str, RUN_PATH) if "dtype" in raw else WEIGHT_DTYPE  # (older runs)
-        if dtype != WEIGHT_DTYPE:
+        run = _load(_RUN, data, RUN_PATH)
+        if run.dtype != WEIGHT_DTYPE:
             raise ManifestError(
-                f"{RUN_PATH}: weights are {dtype!r:.40}; this reader handles {WEIGHT_DTYPE} only"
+                f"{RUN_PATH}: weights are {run.dtype!r:.40}; this reader handles {WEIGHT_DTYPE} only"
             )
-        schema = _field(raw, "schema", dict, RUN_PATH)
-        for name, shape in schema.items():
+        for name, shape in run.schema.items():
             problem = schema_problem(name, shape)
             if problem:
                 raise ManifestError(f"{RUN_PATH}: bad schema entry {name!r:.80}: {shape!r:.80}: {problem}")
-        lora = _field(raw, "lora", dict, RUN_PATH) if "lora" in raw else None
-        if lora is not None:
-            _field(lora, "name", str, f"{RUN_PATH} lora")
-            _field(lora, "adapter_config", dict, f"{RUN_PATH} lora")
-        return cls(model, schema, lora, dtype)
+        return run
 
 
+@with_config(STRICT)
 @dataclass(frozen=True)
 class Entry:
     """One published file set: a complete anchor or a delta from `base_step`."""
 
-    step: int
+    step: Count
     kind: str  # "anchor" | "delta"
     files: tuple[str, ...]  # a delta's parts or an anchor's shards, in order
-    bytes: int  # all its files together
+    bytes: Count  # all its files together
     fingerprint: str  # of the full bf16 state at `step` (deltasync.codec.fingerprint.format_fingerprint)
     published_at: float
-    changed: int = 0  # deltas: elements changed since base_step
-    base_step: int | None = None  # deltas only
+    changed: Count = 0  # deltas: elements changed since base_step
+    base_step: Count | None = None  # deltas only
 
 
+@with_config(STRICT)
 @dataclass(frozen=True)
 class Head:
     """The newest published step and the entries (ascending by step) that reach it. `epoch` and `writer`
     name the publisher that wrote it (fencing, see deltasync.sync.publisher): a newer one, a larger epoch."""
 
-    step: int
+    step: Count
     fingerprint: str
     entries: tuple[Entry, ...]
-    epoch: int = 0
+    epoch: Count = 0
     writer: str = ""
 
     @property
@@ -333,16 +366,9 @@ class Head:
 
     @classmethod
     def from_json(cls, data: bytes) -> Head:
-        raw = _load(data, HEAD_PATH)
-        entries_raw = _field(raw, "entries", list, HEAD_PATH)
-        entries = tuple(_entry(e, i) for i, e in enumerate(entries_raw))
-        head = cls(
-            _field(raw, "step", int, HEAD_PATH),
-            _field(raw, "fingerprint", str, HEAD_PATH),
-            entries,
-            _field(raw, "epoch", int, HEAD_PATH) if "epoch" in raw else 0,
-            _field(raw, "writer", str, HEAD_PATH) if "writer" in raw else "",
-        )
+        head = _load(_HEAD, data, HEAD_PATH)
+        for index, entry in enumerate(head.entries):
+            _check_entry(entry, index)
         head._check_chain()
         return head
 
@@ -367,21 +393,16 @@ class Head:
                 )
 
 
-def _entry(raw: object, index: int) -> Entry:
-    what = f"{HEAD_PATH} entry {index}"
-    if not isinstance(raw, dict):
-        raise ManifestError(f"{what}: not a JSON object")
-    step = _field(raw, "step", int, what)
-    kind = raw.get("kind")
-    files = tuple(_field(raw, "files", list, what))
+def _check_entry(entry: Entry, index: int) -> None:
+    """What types do not say: the kind, the base step, and that the files are where a writer puts them."""
+    what, kind, step, files = f"{HEAD_PATH} entry {index}", entry.kind, entry.step, entry.files
     if kind == "delta":
-        base_step = _field(raw, "base_step", int, what)
-        if base_step >= step:
-            raise ManifestError(f"{what}: base step {base_step} is not before step {step}")
-    elif kind == "anchor":
-        base_step = None
-    else:
-        raise ManifestError(f"{what}: kind {kind!r} is neither 'anchor' nor 'delta'")
+        if entry.base_step is None:
+            raise ManifestError(f"{what}: a delta without a base step")
+        if entry.base_step >= step:
+            raise ManifestError(f"{what}: base step {entry.base_step} is not before step {step}")
+    elif kind != "anchor":
+        raise ManifestError(f"{what}: kind {kind!r:.40} is neither 'anchor' nor 'delta'")
     for path in files:
         try:
             check_path(path)
@@ -389,20 +410,14 @@ def _entry(raw: object, index: int) -> Entry:
             raise ManifestError(f"{what}: {e}") from None
     # Where a writer (tagged or not) puts the files of this step: every part of one delta (one file unless a
     # sharded publisher wrote it), or every shard of one anchor.
-    first = parse_data_path(files[0]) if files and isinstance(files[0], str) else None
+    first = parse_data_path(files[0]) if files else None
     expected_ok = first is not None and first[:2] == (kind, step) and len(files) < 100_000
     if expected_ok and first is not None:
         where = delta_paths if kind == "delta" else anchor_paths
         expected_ok = files == tuple(where(step, len(files), first[2]))
     if not expected_ok:
         raise ManifestError(f"{what}: files {list(files)!r:.200} are not where a {kind} of step {step} lives")
-    return Entry(
-        step=step,
-        kind=kind,
-        files=files,
-        bytes=_field(raw, "bytes", int, what),
-        fingerprint=_field(raw, "fingerprint", str, what),
-        published_at=float(_field(raw, "published_at", (int, float), what)),  # ints are <= MAX_INT
-        changed=_field(raw, "changed", int, what) if "changed" in raw else 0,
-        base_step=base_step,
-    )
+
+
+_RUN = TypeAdapter(RunInfo)
+_HEAD = TypeAdapter(Head)

@@ -1,20 +1,25 @@
 """Telemetry records: one small JSON object per step per writer, under `telemetry/` in the sync root.
 
 Object stores have no appends, so each record is its own file; readers (the dashboard) list the folder and
-read only the files they have not seen. Records are untrusted on the reader side: `from_json` checks them.
+read only the files they have not seen. Records are untrusted on the reader side: `from_json` checks them
+(pydantic, strict: no bool for a number, no NaN where a number is meant).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BeforeValidator, Field, TypeAdapter, with_config
 
 from deltasync.errors import RecordError
 from deltasync.storage import Storage
+from deltasync.sync.protocol import STRICT, parse_json
 
 TRAINER_DIR = "telemetry/trainer"
 REPLICAS_DIR = "telemetry/replicas"
@@ -26,26 +31,64 @@ MAX_INFO_KEYS = 64
 MAX_INFO_KEY_CHARS = 128
 # published_at and applied_at, unix seconds: from 1970 to 2286, a range every date formatter can show.
 TIME_RANGE = (0.0, 1e10)
-TIME_FIELDS = ("published_at", "applied_at", "rate_limited_until")
+# info keys the readers know to be sizes: a finite number from 0 (others may be NaN: a diverged reward)
+SIZE_INFO_KEYS = ("merged_payload_bytes",)
+
+Number = Annotated[float, Field(ge=-MAX_MAGNITUDE, le=MAX_MAGNITUDE)]  # finite (STRICT)
+Count = Annotated[int, Field(ge=0, le=MAX_MAGNITUDE)]
+Signed = Annotated[int, Field(ge=-MAX_MAGNITUDE, le=MAX_MAGNITUDE)]
+Time = Annotated[float, Field(ge=TIME_RANGE[0], le=TIME_RANGE[1])]
 
 
+def _checked_info(info: dict[str, float]) -> dict[str, float]:
+    problem = info_problem(info)
+    if problem:
+        raise ValueError(problem)
+    return info
+
+
+def _bounded(value: Any) -> Any:
+    """An integer that no float holds exactly enough is refused before it becomes one (or an infinity)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_MAGNITUDE:
+        raise ValueError(f"integer larger than {MAX_MAGNITUDE}")
+    return value
+
+
+# The trainer's own numbers may be NaN or infinite (a diverged reward): readers show those as gaps.
+InfoNumber = Annotated[float, Field(allow_inf_nan=True), BeforeValidator(_bounded)]
+Info = Annotated[dict[str, InfoNumber], AfterValidator(_checked_info)]
+
+
+@with_config(STRICT)
 @dataclass
 class TrainerRecord:
     """What the publisher did with one trainer step. kind: anchor | delta | skipped (folded into a later step
-    because uploads lagged; then only `info` and `blocked_s` are meaningful)."""
+    because uploads lagged; then only `info` and `blocked_s` are meaningful). A step may upload a delta
+    (`payload_bytes`) and an anchor beside it (`anchor_bytes`); records of older publishers counted an anchor
+    step's anchor in `payload_bytes`. What went out is their sum, `uploaded_bytes`."""
 
-    step: int
+    step: Count
     kind: str
-    published_at: float
-    numel: int
-    changed: int
-    payload_bytes: int
-    full_bytes: int
-    encode_s: float
-    upload_s: float
-    blocked_s: float
-    base_step: int | None = None
-    info: dict[str, float] = field(default_factory=dict)  # the trainer's own numbers: reward stats, staleness
+    published_at: Time
+    numel: Count
+    changed: Count
+    payload_bytes: Count
+    full_bytes: Count
+    encode_s: Number
+    upload_s: Number
+    blocked_s: Number
+    base_step: Count | None = None
+    info: Info = field(default_factory=dict)  # the trainer's own numbers: reward stats, staleness
+    anchor_bytes: Count = 0
+
+    @property
+    def uploaded_bytes(self) -> int:
+        return self.payload_bytes + self.anchor_bytes
+
+    @property
+    def anchored(self) -> bool:
+        """Whether the step published an anchor (alone, or beside its delta)."""
+        return self.kind == "anchor" or self.anchor_bytes > 0
 
     @property
     def density(self) -> float:
@@ -56,25 +99,26 @@ class TrainerRecord:
         return f"{TRAINER_DIR}/step-{self.step:08d}.json"
 
 
+@with_config(STRICT)
 @dataclass
 class ReplicaRecord:
     """One step a replica applied (or refused: verified False and `error` says why)."""
 
     replica: str
-    step: int
+    step: Count
     kind: str  # anchor | delta
-    published_at: float
-    applied_at: float
-    download_s: float
-    apply_s: float
+    published_at: Time
+    applied_at: Time
+    download_s: Number
+    apply_s: Number
     verified: bool
-    lag_steps: int  # head step minus this step when it was applied
-    payload_bytes: int = 0
-    changed: int = 0
-    pause_s: float | None = None  # generation paused for the write (inference servers only)
+    lag_steps: Signed  # head step minus this step when it was applied
+    payload_bytes: Count = 0
+    changed: Count = 0
+    pause_s: Number | None = None  # generation paused for the write (inference servers only)
     error: str | None = None
-    rate_limited_until: float | None = None  # the storage's request quota held this step back until then
-    bugs: int = 0  # the replica's syncs so far that failed on a bug (each logged with its traceback)
+    rate_limited_until: Time | None = None  # the storage's request quota held this step back until then
+    bugs: Count = 0  # the replica's syncs so far that failed on a bug (each logged with its traceback)
 
     @property
     def lag_s(self) -> float:
@@ -96,30 +140,9 @@ def from_json(cls: type[Record], data: bytes, where: str = "record") -> Record:
     """Parse and check a record of type `cls`; RecordError says what is wrong and where."""
     if len(data) > MAX_RECORD_BYTES:
         raise RecordError(f"{where}: {len(data)} bytes, more than {MAX_RECORD_BYTES}")
-    try:
-        raw = json.loads(data)
-    except (ValueError, RecursionError) as e:  # also an integer over 4300 digits, or deep nesting
-        raise RecordError(f"{where}: not JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise RecordError(f"{where}: not a JSON object")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    missing = [n for n, f in fields.items() if n not in raw and f.default is dataclasses.MISSING]
-    missing = [n for n in missing if fields[n].default_factory is dataclasses.MISSING]
-    if missing:
-        raise RecordError(f"{where}: missing fields {missing}")
-    values = {}
-    for name, value in raw.items():
-        if name in fields:  # newer writers may add fields: ignore them
-            values[name] = _check(cls, name, str(fields[name].type), value, where)
-    for name in TIME_FIELDS:
-        if values.get(name) is not None and not TIME_RANGE[0] <= values[name] <= TIME_RANGE[1]:
-            raise RecordError(f"{where}: field {name!r} is {values[name]!r}, not a unix time in {TIME_RANGE}")
-    problem = info_problem(values.get("info", {}))
-    if problem:
-        raise RecordError(f"{where}: field 'info' {problem}")
-    record = cls(**values)
+    record = parse_json(_ADAPTERS[cls], data, where, RecordError)
     if isinstance(record, ReplicaRecord) and not REPLICA_ID.fullmatch(record.replica):
-        raise RecordError(f"{where}: bad replica id {record.replica!r}")
+        raise RecordError(f"{where}: bad replica id {record.replica!r:.80}")
     return record
 
 
@@ -130,30 +153,14 @@ def info_problem(info: Mapping[str, Any]) -> str | None:
         return f"has {len(info)} keys, more than {MAX_INFO_KEYS}"
     if any(not isinstance(key, str) or not 0 < len(key) <= MAX_INFO_KEY_CHARS for key in info):
         return f"has an empty key, or one that is not a string or over {MAX_INFO_KEY_CHARS} characters"
+    for key in SIZE_INFO_KEYS:
+        value = info.get(key)
+        if value is not None and not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+            return f"{key!r} is {value!r:.40}, not a size in bytes"
     return None
 
 
-def _check(cls: type, name: str, annotation: str, value: Any, where: str) -> Any:
-    ok = {
-        "int": lambda v: _number(v) and isinstance(v, int),
-        "float": _number,  # finite too
-        "str": lambda v: isinstance(v, str),
-        "bool": lambda v: isinstance(v, bool),
-        # the trainer's own numbers may be NaN or infinite (a diverged reward): readers show those as gaps
-        "dict[str, float]": lambda v: (
-            isinstance(v, dict) and all(_number(x) or isinstance(x, float) for x in v.values())
-        ),
-    }
-    base, _, optional = annotation.partition(" | ")
-    if (optional == "None" and value is None) or ok[base](value):
-        return value
-    raise RecordError(f"{where}: field {name!r} should be {annotation}, got {value!r:.80}")
-
-
-def _number(v: Any) -> bool:
-    """An int or float (not a bool) of magnitude at most MAX_MAGNITUDE: sums, means and differences of such
-    numbers stay finite floats (a larger integer may not even convert to one)."""
-    return isinstance(v, int | float) and not isinstance(v, bool) and abs(v) <= MAX_MAGNITUDE
+_ADAPTERS: dict[type, TypeAdapter] = {cls: TypeAdapter(cls) for cls in (TrainerRecord, ReplicaRecord)}
 
 
 def write(storage: Storage, record: Record) -> None:
