@@ -18,7 +18,9 @@ trainer.
 Adapter mode (`lora_name` set, and `use_model` given a PEFT LoRA model): each sync publishes the adapter's
 tensors (PEFT's saved names, `get_peft_model_state_dict`), not the merged weights TRL hands over, on the same
 protocol; run.json marks the root as a LoRA root of `model_id` (`RunInfo.lora`: the adapter's name and its
-adapter_config.json). Replicas serve step N as the adapter `{lora_name}-v{N}` (`deltasync.vllm.lora`).
+adapter_config.json). Replicas serve step N as the adapter `{lora_name}-v{N}` (`deltasync.vllm.lora`), and a
+rollout that names it is stamped with version N: so every step handed over is published, none folded into the
+next when uploads lag (a sync waits for the last one's upload instead; an adapter's is small).
 """
 
 from __future__ import annotations
@@ -119,6 +121,10 @@ class BucketWeightTransfer:
             # and training continues the step numbering from the head.
             step = self.publisher.last_step
         else:
+            if self.adapter is not None:
+                # Never coalesced: rollouts name the adapter of the step handed here (exact weight versions),
+                # so that step must be published, not folded into the next one when uploads lag.
+                self.publisher.flush()
             info = {**(self.info() if self.info else {}), **merged}
             with self.guard():
                 step = self.publisher.publish(params, info=info or None)

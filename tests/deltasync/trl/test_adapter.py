@@ -4,17 +4,21 @@ version, which is then their exact weight version."""
 
 import asyncio
 import multiprocessing
+from pathlib import Path
 
 import peft
 import pytest
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from safetensors.torch import load_file
 
+from deltasync.sync.publisher import PublisherConfig
 from deltasync.sync.subscriber import Subscriber
 from deltasync.trl import BucketWeightTransfer
 from deltasync.trl.rollout import VERSION_KNOWN, WEIGHT_VERSION
 from deltasync.vllm.lora import DeltasyncLoRAResolver
+from tests.deltasync.sync.test_single_writer import Stalling
 from tests.deltasync.trl.test_rollout import rollout_loop, running, tokenizer  # noqa: F401 (a fixture)
 from tests.deltasync.trl.test_transfer import optimizer_step, small_qwen3
 from tests.helpers import assert_bitwise_equal, bf16
@@ -103,3 +107,35 @@ def test_rollouts_name_their_adapter_version_which_stamps_them(tokenizer):  # no
     for sample in samples:
         assert sample.metrics[WEIGHT_VERSION] == 2.0 and sample.metrics[VERSION_KNOWN] == 1.0
         assert sample.model_version == 1
+
+
+def test_every_step_handed_over_is_published_while_uploads_lag(tmp_path, monkeypatch):
+    """Rollouts name `policy-v{step}` for each step a sync was handed: none may be folded into the next."""
+    model = lora_model()
+    storage = Stalling(tmp_path / "root", step=0)  # the cold sync's upload lasts until `release`
+    config = PublisherConfig(keep_anchors=3)  # every step of the three retained
+    transfer = BucketWeightTransfer(storage, model_id="tiny-base", config=config, lora_name="policy")
+    transfer.use_model(model)
+    transfer.init_weight_transfer()
+    flush = transfer.publisher.flush
+
+    def wait_for_upload(*args, **kwargs):  # a trainer that waits for the upload lets it end
+        storage.release.set()
+        flush(*args, **kwargs)
+
+    monkeypatch.setattr(transfer.publisher, "flush", wait_for_upload)
+    handed = {}
+    for step in range(3):
+        if step:
+            optimizer_step(model, lr=1e-2)
+        trl_sync(transfer, model)
+        handed[transfer.last_step] = adapter_state(model)
+    storage.release.set()
+    transfer.destroy()
+
+    (tmp_path / "cache").mkdir()
+    resolver = DeltasyncLoRAResolver(str(tmp_path / "root"), tmp_path / "cache")
+    for step, state in handed.items():
+        request = asyncio.run(resolver.resolve_lora("tiny-base", f"policy-v{step}"))
+        assert request is not None, resolver.last_error
+        assert_bitwise_equal(load_file(Path(request.lora_path) / "adapter_model.safetensors"), state)
