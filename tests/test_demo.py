@@ -138,9 +138,28 @@ def test_wait_healthy_reports_an_early_exit(tmp_path):
         wait_healthy(proc, "http://127.0.0.1:9/health", log, timeout=30)
 
 
-def test_the_time_said_up_front_and_the_pace(monkeypatch):
-    monkeypatch.setattr(demo, "START_S", 60.0)
-    monkeypatch.setitem(demo.STEP_S, "avx2", 11.0)
-    assert demo.expected_time(100, "avx2") == "~19 min for 100 steps (~11 s per step on 2 avx2 cores)"
+def test_the_pace_from_the_steps_so_far():
     # steps 0..10 published 5 s apart: 90 steps of 100 left
     assert demo.pace_line([100.0 + 5 * i for i in range(11)], 100) == "  pace 5.0 s per step: ~7.5 min left"
+
+
+def test_a_steps_publish_line_comes_before_its_replica_lines():
+    progress = demo.Progress(total_steps=10)
+    verified = ReplicaRecord("r", 3, "delta", 103.0, 103.5, 0.1, 0.1, True, 0)
+    # the replica's record of step 3 lands in the root before the trainer's
+    first = progress.lines([trainer_record(2, "delta", 10, 20, 0.3), verified])
+    assert [line.split()[:2] for line in first] == [["step", "2/10"]]
+    second = progress.lines([trainer_record(3, "delta", 10, 20, 0.4)])
+    assert second[0].startswith("step 3/10") and "replica verified step 3" in second[1]
+    assert progress.rest() == []
+    orphan = ReplicaRecord("r", 9, "delta", 109.0, 109.5, 0.1, 0.1, True, 0)  # its trainer record never came
+    assert progress.lines([orphan]) == [] and "replica verified step 9" in progress.rest()[0]
+
+
+def test_a_cached_tiny_model_is_used_without_a_word(tmp_path, monkeypatch, capsys):
+    import trainer.tiny_model
+
+    (tmp_path / trainer.tiny_model.READY).write_text("{}")
+    monkeypatch.setattr(trainer.tiny_model, "default_model_dir", lambda: tmp_path)
+    assert demo.policy_model(demo.Settings()) == tmp_path
+    assert capsys.readouterr().out == ""

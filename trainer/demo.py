@@ -53,9 +53,15 @@ from trainer.processes import free_port, log_tail, placement, start_process, sto
 REPO = Path(__file__).resolve().parents[1]
 SPACES = REPO / "spaces"
 REPLICA_ID = "local-replica"
+# The tiny model's first build (tokenizer, weights, warm start), measured on this project's 2-core machines
+BUILD_TIME = "3.5 min on 2 idle cores, longer beside other work"
 REWARD_KEY = "reward_mean"  # the trainer's `info` key the dashboard plots as reward
 # --enforce-eager: no torch.compile, half the CPU start-up (the app itself keeps CPU prefills whole).
 DEFAULT_ENGINE_ARGS = "--enforce-eager"
+# The steps after which a line says how long the rest will take, at the pace so far. No estimate up front: the
+# time per step depends on the CPU (AVX-512 or not) and on whatever else runs on it, 2-3x apart.
+PACE_AT = 5
+PACE_EVERY = 10
 # The tiny model never wins a game in a few steps: with the win reward alone every group's rewards are equal,
 # GRPO's advantages are zero and no weight changes. Partial credit (what the guesses found of the word) gives
 # it a gradient. A 1.1M-parameter model learns visibly in a few minutes only with large steps (lr 1e-3, not
@@ -63,12 +69,6 @@ DEFAULT_ENGINE_ARGS = "--enforce-eager"
 # loss) and groups of 8 games of one word each, two groups per step. The game's 6 guesses, not the trainer's
 # 3: most of what the tiny model learns in 100 steps is to keep making valid guesses, each of which can find
 # more of the word.
-# Seconds per step of the default run on 2-core machines (docs/demo.md): measured with AVX-512 (Intel Xeon,
-# 2026-11-26); with AVX2 only (AMD EPYC), 11 s measured on 2026-11-25 before the CPU scoring shim
-# (deltasync.trl.cpu) and not re-measured since: an upper bound.
-STEP_S = {"avx512": 4.1, "avx2": 11.0}
-START_S = 60.0  # the env, vLLM's engine and the dashboard up, the trainer started (the tiny model cached)
-PACE_EVERY = 10  # steps between the lines that say how long the rest will take
 DEFAULT_TRAINER_ARGS = (
     "--reward wordle-partial --learning_rate 1e-3 --num_generations 8 --per_device_train_batch_size 16 "
     "--max_tool_calling_iterations 6"
@@ -237,22 +237,6 @@ def lora_lines(s: dict[str, Any]) -> list[str]:
     return lines
 
 
-def cpu_kind() -> str:
-    """ "avx512" when this CPU has AVX-512 (the vector width vLLM's and torch's CPU kernels run fastest at),
-    else "avx2"."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux
-        return "avx2"
-    return "avx512" if " avx512f" in flags else "avx2"
-
-
-def expected_time(steps: int, kind: str) -> str:
-    """How long a run of `steps` default steps takes on a machine like this one, said before it starts."""
-    minutes = (START_S + steps * STEP_S[kind]) / 60
-    return f"~{minutes:.0f} min for {steps} steps (~{STEP_S[kind]:.0f} s per step on 2 {kind} cores)"
-
-
 def pace_line(published_at: Sequence[float], total_steps: int) -> str:
     """The pace so far, from the publish times of the steps after the first, and the time left at it."""
     per_step = (published_at[-1] - published_at[0]) / (len(published_at) - 1)
@@ -275,6 +259,43 @@ def progress_line(record: TrainerRecord | ReplicaRecord, total_steps: int) -> st
     if record.verified:
         return f"  replica verified step {record.step} ({record.kind}) {record.lag_s:.2f} s after its publish"
     return f"  replica REFUSED step {record.step}: {record.error}"
+
+
+class Progress:
+    """The progress lines in the order things happened: a step's publish line before any replica line for that
+    step (the replica's record can land in the root before the trainer's), and the pace at PACE_AT steps and
+    every PACE_EVERY after."""
+
+    def __init__(self, total_steps: int):
+        self.total = total_steps
+        self.published_at: list[float] = []
+        self.announced: set[int] = set()  # steps whose trainer record was printed
+        self.held: list[ReplicaRecord] = []  # replica records waiting for their step's trainer record
+
+    def lines(self, records: Sequence[TrainerRecord | ReplicaRecord]) -> list[str]:
+        out: list[str] = []
+        for record in sorted(records, key=lambda r: (r.step, isinstance(r, ReplicaRecord))):
+            if isinstance(record, ReplicaRecord):
+                if record.step in self.announced:
+                    out.append(progress_line(record, self.total))
+                else:
+                    self.held.append(record)
+                continue
+            out.append(progress_line(record, self.total))
+            self.announced.add(record.step)
+            out += [progress_line(r, self.total) for r in self.held if r.step == record.step]
+            self.held = [r for r in self.held if r.step != record.step]
+            if record.kind != "skipped":
+                self.published_at.append(record.published_at)
+                step = record.step
+                if step < self.total and (step == PACE_AT or (step and step % PACE_EVERY == 0)):
+                    out.append(pace_line(self.published_at, self.total))
+        return out
+
+    def rest(self) -> list[str]:
+        """The replica lines still held (their step's trainer record never came), at the end."""
+        out, self.held = [progress_line(r, self.total) for r in self.held], []
+        return out
 
 
 # ------------------------------------------------------------------------------------------------- the run
@@ -364,25 +385,19 @@ def has_display() -> bool:
     )
 
 
-def follow(demo: Demo, reader: TelemetryReader, trainer: subprocess.Popen, total: int) -> int:
-    """Print records as they arrive, and the pace every PACE_EVERY steps, until the trainer exits; its exit
-    status."""
-    published: list[float] = []
+def follow(demo: Demo, reader: TelemetryReader, trainer: subprocess.Popen, progress: Progress) -> int:
+    """Print records as they arrive until the trainer exits; its exit status."""
     while True:
         done = trainer.poll() is not None
-        for record in sorted(reader.poll().records, key=lambda r: (r.step, isinstance(r, ReplicaRecord))):
-            print(progress_line(record, total), flush=True)
-            if isinstance(record, TrainerRecord) and record.kind != "skipped":
-                published.append(record.published_at)
-                if record.step and record.step % PACE_EVERY == 0 and record.step < total:
-                    print(pace_line(published, total), flush=True)
+        for line in progress.lines(reader.poll().records):
+            print(line, flush=True)
         if done:
             return trainer.returncode
         demo.check_alive()
         time.sleep(1.0)
 
 
-def wait_for_replica(demo: Demo, reader: TelemetryReader, total: int, timeout: float = 60.0) -> None:
+def wait_for_replica(demo: Demo, reader: TelemetryReader, progress: Progress, timeout: float = 60.0) -> None:
     """After the trainer: give the replica time to apply the last published step."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -392,27 +407,39 @@ def wait_for_replica(demo: Demo, reader: TelemetryReader, total: int, timeout: f
             return
         demo.check_alive()
         time.sleep(0.5)
-        for record in reader.poll().records:
-            print(progress_line(record, total), flush=True)
+        for line in progress.lines(reader.poll().records):
+            print(line, flush=True)
+
+
+def policy_model(settings: Settings) -> Path:
+    """DEMO_MODEL, else the cached tiny model, built first (and said so, with the time it took) if missing."""
+    if settings.demo_model is not None:
+        return settings.demo_model.resolve()
+    # torch and transformers: imported only when running
+    from trainer.tiny_model import default_model_dir, ensure_tiny_model, is_built
+
+    path = default_model_dir()
+    if is_built(path):
+        return path
+    print(f"building the tiny model (first run only; {BUILD_TIME}) ...", flush=True)
+    began = time.monotonic()
+    ensure_tiny_model(path)
+    print(f"built in {(time.monotonic() - began) / 60:.1f} min, cached in {path}", flush=True)
+    return path
 
 
 def run(settings: Settings, demo: Demo) -> int:
-    # torch and transformers: imported only when running
-    from trainer.tiny_model import default_model_dir, ensure_tiny_model
-
+    began = time.monotonic()
     demo.dir.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(
         demo.root, ignore_errors=True
     )  # each run starts a fresh sync root: step 0 is an anchor again
     demo.root.mkdir()
-    if settings.demo_model is None:
-        print("the tiny model: built on first use (about a minute), then cached", flush=True)
-    model = settings.demo_model.resolve() if settings.demo_model else ensure_tiny_model(default_model_dir())
+    model = policy_model(settings)
     print(f"model      {model}\nsync root  {demo.root}\nlogs       {demo.logs}", flush=True)
     where = demo.placement
     print(f"cores      vLLM {list(where.server)}, the others {list(where.others)}", flush=True)
-    if settings.trainer_args == DEFAULT_TRAINER_ARGS:
-        print(f"time       {expected_time(settings.demo_steps, cpu_kind())}", flush=True)
+    print(f"time       said at step {PACE_AT} and every {PACE_EVERY} steps, at the pace so far", flush=True)
 
     demo.start_app("env", "/health")
     demo.start_app(
@@ -443,17 +470,21 @@ def run(settings: Settings, demo: Demo) -> int:
     argv += ["--seed", str(settings.demo_seed), *shlex.split(settings.trainer_args)]
     print(f"training: {shlex.join(argv)}\n  (log: {demo.logs / 'trainer.log'})", flush=True)
     reader = TelemetryReader(open_storage(str(demo.root)))
-    status = follow(demo, reader, demo.start("trainer", argv), settings.demo_steps)
+    progress = Progress(settings.demo_steps)
+    status = follow(demo, reader, demo.start("trainer", argv), progress)
     if status != 0:
         log = demo.logs / "trainer.log"
         print(f"\nthe trainer exited with status {status}; end of {log}:\n{log_tail(log)}")
         return 1
     if not settings.demo_lora:  # a LoRA replica fetches only the versions requests name
-        wait_for_replica(demo, reader, settings.demo_steps)
+        wait_for_replica(demo, reader, progress)
+    for line in progress.rest():
+        print(line, flush=True)
 
     summary = summarize(demo.root)
     (demo.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print("\n" + format_summary(summary), flush=True)
+    print(f"  the demo took         {(time.monotonic() - began) / 60:.1f} min in all", flush=True)
     ok = summary["steps"] > 0 and (
         bool(summary["versions_held"].get(REPLICA_ID))
         if settings.demo_lora

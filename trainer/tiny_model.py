@@ -312,13 +312,18 @@ def valid_guess_rate(model, tokenizer, prompt: list[int], samples: int = 16) -> 
     return valid / samples
 
 
+def is_built(path: Path) -> bool:
+    """Whether `path` holds a finished build of the warm-started tiny model."""
+    return (Path(path) / READY).is_file()
+
+
 def ensure_tiny_model(path: Path) -> Path:
-    """The warm-started tiny model in `path`: built and warm-started if missing (about a minute), then cached.
+    """The warm-started tiny model in `path`: built and warm-started if missing (minutes), then cached.
 
     Builds into a sibling folder and renames it into place, so concurrent callers never see half a model.
     """
     path = Path(path)
-    if (path / READY).is_file():
+    if is_built(path):
         return path
     if path.exists():  # builds appear by rename only, complete: this folder is something else
         raise FileExistsError(f"{path} exists but holds no warm-started tiny model ({READY} missing)")
