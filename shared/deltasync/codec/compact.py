@@ -61,7 +61,10 @@ class Models:
         return {"q": self.q.tolist(), "v": self.v.tolist()}
 
     @classmethod
-    def from_json(cls, obj: dict) -> Models:
+    def from_json(cls, obj: object) -> Models:
+        """The tables `to_json` wrote, from untrusted JSON: CompactDecodeError if they are not."""
+        if not isinstance(obj, dict):
+            raise CompactDecodeError(f"bad compact model tables: not a JSON object ({type(obj).__name__})")
         try:
             q = np.asarray(obj["q"], dtype=np.int64)
             v = np.asarray(obj["v"], dtype=np.int64)

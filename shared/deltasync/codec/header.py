@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 from deltasync.errors import PatchError
 
@@ -79,12 +80,20 @@ def read_info(data: bytes) -> PatchInfo:
     return info
 
 
+def metadata_json(meta: dict, key: str, default: str) -> Any:
+    """The JSON value of metadata `key` (`default` where absent); PatchError if it is not valid JSON or is
+    nested too deeply to parse (Python's recursion limit)."""
+    try:
+        return json.loads(meta.get(key, default))
+    except RecursionError:
+        raise PatchError(f"bad patch metadata {key!r}: JSON nested too deeply") from None
+    except (ValueError, TypeError) as e:
+        raise PatchError(f"bad patch metadata {key!r}: not valid JSON: {e}") from None
+
+
 def _windows(meta: dict, tensors: dict[str, dict]) -> dict[str, tuple[int, int]]:
     """The metadata's windows, each [start >= 0, length >= 1] of a tensor the patch changes."""
-    try:
-        raw = json.loads(meta.get("windows", "{}"))
-    except RecursionError:
-        raise PatchError("windows: nested too deeply") from None
+    raw = metadata_json(meta, "windows", "{}")
     if not isinstance(raw, dict):
         raise PatchError(f"windows must be a JSON object, got {raw!r:.80}")
     windows = {}
@@ -101,7 +110,7 @@ def _windows(meta: dict, tensors: dict[str, dict]) -> dict[str, tuple[int, int]]
 def _tensor_list(meta: dict, header: dict, body: bytes) -> dict[str, dict]:
     """{name: {"mode", "changed", "shape"}} from the entries, without decoding any tensor."""
     tensors: dict[str, dict] = {}
-    dense = json.loads(meta.get("dense", "{}"))
+    dense = metadata_json(meta, "dense", "{}")
     for key, entry in header.items():
         if key == "__metadata__":
             continue

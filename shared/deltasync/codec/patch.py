@@ -36,13 +36,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from deltasync.codec import bf16, compact, fingerprint
 from deltasync.codec.bf16 import bits
 from deltasync.codec.changes import TensorChanges, diff, diff_and_moves
-from deltasync.codec.header import DTYPE, ENCODINGS, FORMAT, VERSION, PatchInfo, read_info
+from deltasync.codec.header import DTYPE, ENCODINGS, FORMAT, VERSION, PatchInfo, metadata_json, read_info
 from deltasync.codec.parallel import parallel_map, spans
 from deltasync.errors import PatchError
 
@@ -543,18 +544,20 @@ def _compact_chunks(info: PatchInfo, entries: dict, local: Mapping[str, torch.Te
 
 
 def read_entries(data: bytes) -> dict[str, torch.Tensor]:
-    """A patch's entries (after `read_info` accepted its header)."""
+    """A patch's entries (after `read_info` accepted its header); a local failure (MemoryError) is not the
+    patch's fault and is raised as it is."""
     try:
         return load_safetensors(data)
-    except Exception as e:  # safetensors raises its own error types for every kind of corruption
+    except (SafetensorError, KeyError) as e:  # corrupt bytes; KeyError: a dtype torch does not have
         raise PatchError(f"corrupt patch payload: {e}") from None
 
 
 def read_tables(info: PatchInfo) -> compact.Tables:
     """The rANS tables of a compact patch."""
+    models = metadata_json(info.metadata, "models", "null") or {}
     try:
-        return compact.Models.from_json(json.loads(info.metadata.get("models", "null")) or {}).tables()
-    except (json.JSONDecodeError, compact.CompactDecodeError) as e:
+        return compact.Models.from_json(models).tables()
+    except compact.CompactDecodeError as e:
         raise PatchError(f"bad compact models: {e}") from None
 
 

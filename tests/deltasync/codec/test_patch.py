@@ -355,3 +355,24 @@ def test_the_weight_dtype_is_recorded_and_only_bf16_is_read(case):
     assert_rejected(
         with_metadata(data["compact"], dtype="f8_e4m3"), old, "weights are 'f8_e4m3'; .* bf16 only"
     )
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # past Python's recursion limit, however it parses
+
+
+@pytest.mark.parametrize("field", ["dense", "models", "windows"])
+def test_metadata_nested_too_deeply_refuses_the_patch(case, field):
+    old, _, data = case
+    bad = with_metadata(data["compact"], **{field: DEEP})
+    assert_rejected(bad, old, f"'{field}': JSON nested too deeply")
+
+
+def test_a_local_failure_while_reading_entries_is_no_fault_of_the_patch(case, monkeypatch):
+    old, _, data = case
+
+    def out_of_memory(data: bytes) -> None:
+        raise MemoryError
+
+    monkeypatch.setattr(patches, "load_safetensors", out_of_memory)
+    with pytest.raises(MemoryError):
+        patches.decode(data["compact"], old)
