@@ -61,14 +61,18 @@ def __getattr__(name: str) -> Any:
 
 
 def open_storage(url: str | Path, token: str | None = None, poll_budget: int = POLL_BUDGET) -> Storage:
-    """The storage behind a sync root: a folder (path or file:// URL), `hf://buckets/<namespace>/<name>[/prefix]`,
-    or any other fsspec URL. For the Hub only: `token` (None: HF_TOKEN or the login cache) and `poll_budget`,
-    the requests per 5-minute window polling may spend without the change feed."""
-    if isinstance(url, Path) or "://" not in url:
+    """The storage behind a sync root: a folder (a path, file:/path or file:///path),
+    `hf://buckets/<namespace>/<name>[/prefix]`, or any other fsspec URL. For the Hub only: `token` (None:
+    HF_TOKEN or the login cache) and `poll_budget`, the requests per 5-minute window polling may spend
+    without the change feed."""
+    if isinstance(url, Path):
         return LocalStorage(url)
-    for scheme in ("file://", "local://"):  # fsspec's names for a local folder: one folder, one lock
+    # fsspec's names for a local folder (one folder, one lock), and RFC 8089's file:/abs/path
+    for scheme in ("file://", "local://", "file:"):
         if url.startswith(scheme):
             return LocalStorage(url.removeprefix(scheme))
+    if "://" not in url:
+        return LocalStorage(url)
     if url.startswith("hf://buckets/"):
         namespace, _, rest = url.removeprefix("hf://buckets/").strip("/").partition("/")
         name, _, prefix = rest.partition("/")

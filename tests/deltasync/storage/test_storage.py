@@ -213,6 +213,7 @@ def test_local_list_hides_temporary_files(tmp_path):
 def test_open_storage_dispatch(tmp_path, fake_hub):
     assert isinstance(open_storage(tmp_path), LocalStorage)
     assert open_storage(f"file://{tmp_path}").url == str(tmp_path)
+    assert open_storage(f"file:{tmp_path}").url == str(tmp_path)  # RFC 8089's form, no "//"
     assert isinstance(open_storage("relative/dir"), LocalStorage)
     assert isinstance(open_storage("memory://x/y"), FsspecStorage)
     hub = open_storage("hf://buckets/user/sync/runs/a/")
