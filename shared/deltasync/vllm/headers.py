@@ -2,10 +2,13 @@
 
     python -m vllm.entrypoints.openai.api_server ... --middleware deltasync.vllm.headers.WeightVersionHeaders
 
-`x-weight-version` is the server's weight version when the request arrived, `x-weight-version-end` when its
-response began (for a non-streamed response: when it was complete); the versions that produced it lie in
-between. Beside `deltasync follow`, which sets the version to each step it applies (vLLM's
-`finish_weight_update(weight_version)`), these are published steps: `deltasync.trl` stamps rollouts with them.
+`x-weight-version` is the server's weight version when the request arrived: no token of the response came
+from older weights. A non-streamed response also carries `x-weight-version-end`, the version when it was
+complete: no token came from newer ones. A streamed response (`text/event-stream`) sends its headers before
+its tokens, so it has no end: its later tokens may come from newer versions (vLLM records which version
+sampled which token only in its token-in/token-out route's `weight_versions` spans). Beside `deltasync
+follow`, which sets the version to each step it applies (vLLM's `finish_weight_update(weight_version)`),
+these are published steps: `deltasync.trl` stamps rollouts with the oldest.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ class WeightVersionHeaders:
             if message["type"] == "http.response.start":
                 headers = MutableHeaders(scope=message)
                 headers["x-weight-version"] = first
-                headers["x-weight-version-end"] = await self.current(scope)
+                if not headers.get("content-type", "").startswith("text/event-stream"):  # complete
+                    headers["x-weight-version-end"] = await self.current(scope)
             await send(message)
 
         await self.app(scope, receive, send_labelled)

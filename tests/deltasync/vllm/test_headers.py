@@ -1,10 +1,11 @@
 """`--middleware deltasync.vllm.headers.WeightVersionHeaders` on a vLLM server: completions carry the engine's
-weight version when the request arrived and when the response began (the stock-server run is in
-tests/trainer/test_example.py)."""
+weight version when the request arrived and, unless streamed, when the response was complete (the
+stock-server run is in tests/trainer/test_example.py)."""
 
 import asyncio
 
 from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 
 from deltasync.vllm.headers import WeightVersionHeaders
@@ -39,3 +40,21 @@ def test_completions_carry_the_engines_weight_versions():
     labelled = client.post("/v1/completions").headers
     assert (labelled["x-weight-version"], labelled["x-weight-version-end"]) == ("3", "4")
     assert "x-weight-version" not in client.get("/v1/models").headers
+
+
+def test_a_streamed_completion_names_no_end_its_headers_cannot_know():
+    app, engine = FastAPI(), Engine()
+    app.state.engine_client = engine
+
+    @app.post("/v1/chat/completions")
+    async def chat():
+        async def tokens():
+            yield "data: {}\n\n"
+            engine.version = "4"  # an update lands after the headers went out: later tokens come from it
+            yield "data: {}\n\n"
+
+        return StreamingResponse(tokens(), media_type="text/event-stream")
+
+    app.add_middleware(WeightVersionHeaders)
+    labelled = TestClient(app).post("/v1/chat/completions").headers
+    assert labelled["x-weight-version"] == "3" and "x-weight-version-end" not in labelled
