@@ -22,6 +22,7 @@ from pathlib import Path
 
 import requests
 import torch
+import urllib3
 
 from deltasync.codec.patch import schema_hash
 from deltasync.errors import EXPECTED
@@ -75,6 +76,8 @@ def preflight(
             run = read_run(storage)
         except EXPECTED as e:
             return f"sync root {where}: {RUN_PATH} cannot be read: {_reason(e)}"
+        if (run.lora is not None) != bool(lora_rank):
+            return f"sync root {where} {_other_mode(run.lora is not None, run.model)}"
         mismatch = _schema_mismatch(run.schema, schema)
         if mismatch:
             return f"sync root {where} holds a run of another model ({run.model}): {mismatch}"
@@ -160,18 +163,33 @@ def _get(url: str, what: str, optional: bool = False) -> tuple[object, str | Non
                 return None, None
             if not r.ok:
                 return None, f"{what} {redact(url)} answers HTTP {r.status_code}"
-            for chunk in r.iter_content(1 << 16):  # each read waits up to TIMEOUT_S; the whole, no longer
+            # read1: whatever has arrived (a read that waits for a whole chunk would never end on an answer
+            # that trickles in); each read waits up to TIMEOUT_S, the whole at most one read longer
+            while chunk := r.raw.read1(1 << 16, decode_content=True):
                 body += chunk
                 if time.monotonic() > deadline:
                     return None, f"{what} {redact(url)} does not answer within {TIMEOUT_S:g} s"
                 if len(body) > MAX_ANSWER_BYTES:
                     return None, f"{what} {redact(url)} answers more than {MAX_ANSWER_BYTES} bytes"
-    except requests.RequestException as e:
+    except (requests.RequestException, urllib3.exceptions.HTTPError) as e:
         return None, f"{what} {redact(url)} does not answer: {type(e).__name__}"
     try:
         return json.loads(body), None
-    except ValueError:
-        return None, None if what == "environment" else f"{what} {redact(url)} answers no JSON"
+    except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than Python's stack
+        return None, None if what == "environment" else f"{what} {redact(url)} answers no JSON it can read"
+
+
+def _other_mode(lora_root: bool, model: str) -> str:
+    """What to do about a root holding a run in the other mode (full weights or a LoRA adapter)."""
+    if lora_root:
+        return (
+            f"holds a LoRA run (an adapter of {model}), and this run trains full weights: publish to another "
+            "root (or prefix), or train the adapter (--lora_r)"
+        )
+    return (
+        f"holds a full-weight run (of {model}), and this run trains a LoRA adapter: publish to another root "
+        "(or prefix), or train full weights (without --lora_r)"
+    )
 
 
 def _schema_mismatch(stored: Mapping[str, Sequence[int]], ours: Mapping[str, Sequence[int]]) -> str | None:
@@ -191,6 +209,8 @@ def _mode_mismatch(lora_config: object, lora_rank: int) -> str | None:
     if not lora_rank:
         return "serves LoRA adapters, not full weights (a Space: unset MAX_LORA_RANK)"
     served = lora_config.get("max_lora_rank", 0) if isinstance(lora_config, dict) else 0
+    if not isinstance(served, int) or isinstance(served, bool):
+        return f"reports max_lora_rank {str(served)[:40]!r}, not a number"
     if served < lora_rank:
         return (
             f"serves LoRA adapters up to rank {served}, below the trainer's {lora_rank} (raise MAX_LORA_RANK)"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fastapi import FastAPI
+from fastapi import FastAPI, Response
 
 from deltasync.codec.patch import schema_hash
 from deltasync.sync.publisher import Publisher
@@ -217,5 +217,86 @@ def test_a_replica_that_trickles_its_answer_is_bounded_as_a_whole(root, monkeypa
         failure = preflight(root, SCHEMA, MODEL, [url])
     finally:
         server.shutdown()
+        server.server_close()
+    assert failure == f"inference server {url}/v1/models does not answer within 1 s"
+
+
+@pytest.mark.parametrize(
+    "lora, lora_rank, problem",
+    [
+        (None, 8, "holds a full-weight run (of tiny-model), and this run trains a LoRA adapter: publish to"),
+        (
+            {"name": "policy", "adapter_config": {"r": 8}},
+            0,
+            "holds a LoRA run (an adapter of tiny-model), and",
+        ),
+    ],
+)
+def test_a_root_holding_a_run_in_the_other_mode_says_so_and_what_to_do(root, lora, lora_rank, problem):
+    with Publisher(root, model=MODEL, lora=lora) as publisher:
+        publisher.publish({name: torch.zeros(shape) for name, shape in SCHEMA.items()})
+    failure = preflight(
+        root,
+        {"base_model.model.x.lora_A.weight": [8, 8]} if lora_rank else SCHEMA,
+        MODEL,
+        lora_rank=lora_rank,
+    )
+    assert failure.startswith(f"sync root {root} {problem}"), failure
+    assert "another root (or prefix)" in failure and "--lora_r" in failure
+
+
+@contextlib.contextmanager
+def replica_reporting(weights: bytes) -> Iterator[str]:
+    """A replica whose /weights answers `weights`, as they are."""
+    app = FastAPI()
+    app.get("/v1/models")(lambda: {"data": [{"id": MODEL}]})
+    app.get("/weights")(lambda: Response(weights, media_type="application/json"))
+    with serving_in_thread(app) as url:
+        yield url
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [b'{"lora_config": {"max_lora_rank": "sixteen"}}', b"[" * 200_000],
+)
+def test_a_replica_status_that_makes_no_sense_is_one_line(root, weights):
+    with replica_reporting(weights) as url:
+        failure = preflight(root, SCHEMA, MODEL, [url], lora_rank=8)
+    assert failure is not None and "\n" not in failure
+    assert failure.startswith(f"inference server {url}"), failure
+    assert listing(root) == []
+
+
+class TricklingForEver(http.server.BaseHTTPRequestHandler):
+    """Promises a long model list, then sends one byte every 0.05 s (at most 400: the test's bound) until the
+    client leaves."""
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("content-length", str(1 << 20))
+        self.end_headers()
+        for _ in range(400):
+            try:
+                self.wfile.write(b" ")
+                self.wfile.flush()
+            except OSError:  # the client gave up
+                return
+            time.sleep(0.05)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_replica_that_never_finishes_a_chunk_is_bounded_as_a_whole(root, monkeypatch):
+    monkeypatch.setattr(sys.modules[preflight.__module__], "TIMEOUT_S", 1.0)
+    server = http.server.HTTPServer(("127.0.0.1", 0), TricklingForEver)  # one request, answered in its thread
+    serving = threading.Thread(target=server.serve_forever)
+    serving.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        failure = preflight(root, SCHEMA, MODEL, [url])
+    finally:
+        server.shutdown()
+        serving.join()
         server.server_close()
     assert failure == f"inference server {url}/v1/models does not answer within 1 s"
