@@ -29,7 +29,8 @@ The Hub's terms, as huggingface_hub 2.4 meets them:
 - faults: `stale_s` (reads of a path overwritten less than that long ago see its previous entry: listings,
   paths-info and resolve; every `stale_every`th such read; not for `fresh_tokens`), `lose_responses(n,
   status)` (the next n batches land, but are answered `status`), `fail_status` (every request fails),
-  `feed_status` (the feed's open sessions end and new ones are answered that status: a feed outage).
+  `feed_status` (the feed's open sessions end and new ones are answered that status: a feed outage), `stall`
+  (requests are taken but not answered while it is set: a stalled Hub or a half-open connection).
 A test clock (`clock`, default `time.time`) or short windows keep tests fast; the client itself sleeps in real
 time until a 429's window ends.
 
@@ -143,6 +144,7 @@ class FakeHub:
         self.spaces: dict[str, Space] = {}  # Space id -> what was created, committed and configured
         self.requests: list[str] = []  # "METHOD /path" of every request, so tests can count round trips
         self.fail_status: int | None = None  # when set, every request fails with it (an outage)
+        self.stall = False  # while set, requests (not the CAS's) get no answer
         self.feed_status: int | None = None  # when set, the feed alone fails with it
         self.clock: Callable[[], float] = time.time
         self.quotas: dict[str, int] = dict(FREE_TIER)
@@ -264,6 +266,8 @@ class FakeHub:
                     return JSONResponse({"error": "bad Xet token"}, status_code=401)
                 return await call_next(request)
             self.requests.append(f"{request.method} {request.url.path}")
+            while self.stall and not self.closing:
+                await asyncio.sleep(0.01)
             if self.fail_status is not None:
                 return JSONResponse({"error": "injected failure"}, status_code=self.fail_status)
             authorization = request.headers.get("authorization") or ""

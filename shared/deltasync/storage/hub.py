@@ -48,6 +48,9 @@ STAT_TTL_S = 30.0  # a stat not confirmed by the feed is asked again after this 
 MEMO_BYTES = 64 << 10  # files up to this size are kept by Xet hash: reading one again costs nothing
 MEMO_FILES = 256
 LOG_ENTRIES = 100_000  # changes kept for readers that have not looked yet
+FEED_PATHS = 10_000  # paths whose stat and last change are remembered (each root: its head's chain, records)
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 60.0  # between bytes of an answer: a stalled Hub or half-open connection fails the call
 
 
 @dataclass(frozen=True)
@@ -63,11 +66,35 @@ class _Feed:
         self.cond = threading.Condition()
         self.stats: dict[str, tuple[_Stat | None, float]] = {}  # key -> stat (None: absent), expiry
         self.generation = 0  # one more per change: stats asked before a change to their key are dropped
-        self.touched: dict[str, int] = {}
+        self.touched: dict[str, int] = {}  # key -> generation of its last change, oldest change first
+        self.forgotten = 0  # the newest generation of a key dropped from `touched`
         self.log: list[str] = []  # keys changed, in order ("": anything may have changed)
         self.dropped = 0  # entries trimmed from the log's front
         self.cursors: dict[str, int] = {}  # each consumer's position in the log (counting the dropped)
         self.follower: Follower | None = None
+
+    def remember(self, key: str, stat: _Stat | None, expires: float) -> None:
+        """Keep `key`'s stat, forgetting the oldest kept past FEED_PATHS (asked again when needed)."""
+        self.stats.pop(key, None)
+        self.stats[key] = (stat, expires)
+        while len(self.stats) > FEED_PATHS:
+            del self.stats[next(iter(self.stats))]
+
+    def touch(self, key: str) -> None:
+        """`key` changed: a new generation. Past FEED_PATHS keys, the one changed longest ago is forgotten
+        with its stat, and `changed_since` says of any key not kept that it changed then."""
+        self.generation += 1
+        self.touched.pop(key, None)
+        self.touched[key] = self.generation
+        while len(self.touched) > FEED_PATHS:
+            oldest = next(iter(self.touched))
+            self.forgotten = self.touched.pop(oldest)
+            self.stats.pop(oldest, None)
+        self.log_change(key)
+
+    def changed_since(self, key: str, generation: int) -> bool:
+        """Whether `key` may have changed after `generation`. Call with `cond` held."""
+        return self.touched.get(key, self.forgotten) > generation
 
     def log_change(self, key: str) -> None:
         self.log.append(key)
@@ -99,25 +126,27 @@ class _Feed:
                 if known is not None:  # an update names only the fields that changed
                     size, xet_hash = size if size is not None else known.size, xet_hash or known.xet_hash
                 if change.op == "delete":
-                    self.stats[change.path] = (None, math.inf)
+                    self.remember(change.path, None, math.inf)
                 elif size is not None and xet_hash is not None:
-                    self.stats[change.path] = (_Stat(size, xet_hash), math.inf)
+                    self.remember(change.path, _Stat(size, xet_hash), math.inf)
                 else:  # not enough to go on: asked when next needed
                     self.stats.pop(change.path, None)
-                self.generation += 1
-                self.touched[change.path] = self.generation
-                self.log_change(change.path)
+                self.touch(change.path)
             self.cond.notify_all()
 
     def on_reconcile(self) -> None:
         """The feed lost its place: forget everything, and wake every waiter (anything may have changed)."""
         with self.cond:
             self.stats.clear()
-            self.generation += 1
             self.touched.clear()
-            self.touched[""] = self.generation  # older asked stats are all dropped
-            self.log_change("")
+            self.touch("")
+            self.forgotten = self.generation  # every key may have changed: older asked stats are dropped
             self.cond.notify_all()
+
+
+def _timeout() -> httpx2.Timeout:
+    """Every request of ours fails (TransientStorageError) rather than wait for ever on a silent server."""
+    return httpx2.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
 
 
 class HubBucketStorage(Storage):
@@ -234,7 +263,8 @@ class HubBucketStorage(Storage):
     def _request(self, method: str, url: str, **kwargs) -> httpx2.Response:
         """One request of ours (not the client's, which sleeps through a 429 by itself)."""
         self._refuse_while_limited()
-        response = get_session().request(method, url, headers=build_hf_headers(token=self._token), **kwargs)
+        headers = build_hf_headers(token=self._token)
+        response = get_session().request(method, url, headers=headers, timeout=_timeout(), **kwargs)
         self._check(response)
         return response
 
@@ -273,12 +303,10 @@ class HubBucketStorage(Storage):
             answer = []
         found = {f["path"]: _Stat(f["size"], f["xetHash"]) for f in answer if f.get("type") == "file"}
         with feed.cond:
-            stale = feed.touched.get("", 0) > asked_at  # reconciled meanwhile
             for p in missing:
                 out[p] = stat = found.get(self._key(p))
-                changed = feed.touched.get(self._key(p), 0) > asked_at
-                if live and not stale and not changed:  # else the feed knows better, or nothing
-                    feed.stats[self._key(p)] = (stat, now + STAT_TTL_S)
+                if live and not feed.changed_since(self._key(p), asked_at):  # else the feed knows better
+                    feed.remember(self._key(p), stat, now + STAT_TTL_S)
         return out
 
     def _sizes(self, paths: list[str]) -> dict[str, int | None]:
@@ -312,7 +340,8 @@ class HubBucketStorage(Storage):
         url = f"{self.api.endpoint}/buckets/{self.bucket_id}/resolve/{self._key(path)}"
         headers = build_hf_headers(token=self._token)
         self._refuse_while_limited()
-        with get_session().stream("GET", url, headers=headers, follow_redirects=True) as response:
+        stream = get_session().stream("GET", url, headers=headers, follow_redirects=True, timeout=_timeout())
+        with stream as response:
             if response.status_code == 404:
                 raise FileNotFoundError(path)
             self._check(response)
@@ -385,11 +414,10 @@ class HubBucketStorage(Storage):
         finally:  # also after an error: the write may have landed
             with self._feed.cond:
                 for key in keys:
-                    said_since = self._feed.touched.get(key, 0) > issued
+                    said_since = self._feed.changed_since(key, issued)
                     if not (said_since and self._feed.stats.get(key, (None, 0.0))[1] == math.inf):
                         self._feed.stats.pop(key, None)
-                    self._feed.touched[key] = self._feed.generation = self._feed.generation + 1
-                    self._feed.log_change(key)
+                    self._feed.touch(key)
                 self._feed.cond.notify_all()
 
     def _write_many(self, files: list[tuple[str, bytes | Path]], delete: list[str]) -> None:

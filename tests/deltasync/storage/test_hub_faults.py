@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from deltasync import telemetry
-from deltasync.storage import HubBucketStorage, LocalStorage, RateLimited, WriterConflict
+from deltasync.storage import HubBucketStorage, LocalStorage, RateLimited, WriterConflict, hub
+from deltasync.storage.compat import BucketFileChange
 from deltasync.sync.protocol import HEAD_PATH, read_head
 from deltasync.sync.publisher import Publisher, PublisherConfig
 from deltasync.sync.subscriber import Subscriber, SyncError, TensorsApplier
@@ -134,3 +135,43 @@ def test_a_rate_limit_is_said_at_once_and_in_the_record_of_the_step_it_held_back
     files = [tmp_path / f"telemetry/replicas/r1/step-{s:08d}.json" for s in (0, 1)]
     records = [telemetry.from_json(telemetry.ReplicaRecord, f.read_bytes()) for f in files]
     assert [r.rate_limited_until for r in records] == [until, until] and subscriber.last_error is None
+
+
+def test_a_stalled_hub_fails_each_poll_of_a_replica_instead_of_blocking_it(fake_hub, monkeypatch):
+    """A Hub that takes requests and never answers: the replica's sync thread says so in last_error (it
+    does not wait for ever), and syncs once the Hub answers again."""
+    monkeypatch.setattr(hub, "READ_TIMEOUT_S", 0.2)
+    with Publisher(HubBucketStorage("user/sync", "run", follow=False), model="tiny") as publisher:
+        publisher.publish(make_params(), step=0)
+    subscriber, _ = replica(follow=False)
+    subscriber.retries = 0
+    fake_hub.stall = True
+    with following(subscriber, 0.05):
+        try:
+            eventually(lambda: subscriber.last_error is not None)
+        finally:
+            fake_hub.stall = False
+        assert "storage keeps failing" in subscriber.last_error and subscriber.step is None
+        eventually(lambda: subscriber.step == 0 and subscriber.last_error is None)
+    assert subscriber.bugs == 0
+
+
+def test_the_feeds_memory_of_paths_is_bounded_and_a_forgotten_change_still_counts(monkeypatch):
+    monkeypatch.setattr(hub, "FEED_PATHS", 10)
+    feed = hub._Feed()
+
+    def add(path: str, xet_hash: str = "h") -> None:
+        feed.on_changes([BucketFileChange(op="add", path=path, size=1, xet_hash=xet_hash)])
+
+    for step in range(1000):  # a long run: every step a new delta, and GC deletes an old one
+        add(f"deltas/{step}")
+        feed.on_changes([BucketFileChange(op="delete", path=f"deltas/{step - 5}")])
+    assert len(feed.stats) <= 10 and len(feed.touched) <= 10
+    asked_at = feed.generation  # a paths-info of deltas/999 leaves now...
+    add("deltas/999", "h2")  # ...the feed says it changed...
+    for i in range(10):
+        add(f"telemetry/{i}")  # ...and forgets it: its answer must not be kept as news
+    assert "deltas/999" not in feed.touched
+    with feed.cond:
+        assert feed.changed_since("deltas/999", asked_at)
+        assert not feed.changed_since("telemetry/9", feed.generation)
