@@ -134,12 +134,8 @@ def anchor_tensors(
                         )
                     seen.add(name)
                     yield name, t
-        except AnchorError:
-            raise
-        except SafetensorError as e:
+        except SafetensorError as e:  # the bytes; a local failure (OSError, MemoryError) is not the file's
             raise AnchorError(f"{path.name}: corrupt safetensors file: {e}") from None
-        except Exception as e:  # the file is untrusted: whatever decoding it raises refuses the file
-            raise AnchorError(f"{path.name}: unreadable: {type(e).__name__}: {e}") from None
 
 
 def _unpacker(
@@ -158,6 +154,8 @@ def _unpacker(
             raise ValueError("bad chunk or shapes")
     except (KeyError, ValueError, TypeError) as e:
         raise AnchorError(f"{path.name}: bad packed anchor metadata: {e}") from None
+    except RecursionError:
+        raise AnchorError(f"{path.name}: bad packed anchor metadata: shapes nested too deeply") from None
 
     def unpack(name: str, t: torch.Tensor) -> torch.Tensor:
         shape = shapes.get(name)

@@ -231,6 +231,9 @@ class Subscriber:
         except SyncError as e:
             self.last_error = _bounded(str(e))
             raise
+        except (OSError, MemoryError) as e:  # this machine's (disk, memory, open files): no file is at fault
+            self.last_error = _bounded(f"local failure, retried at the next poll: {type(e).__name__}: {e}")
+            raise SyncError(self.last_error) from e
         except Exception as e:  # a bug: never a bad file, and a poll must never kill its caller's thread
             log.exception("sync of %s failed on a bug", self.storage.url)
             self.bugs += 1

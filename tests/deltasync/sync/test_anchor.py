@@ -1,5 +1,6 @@
 """Packed anchors: lossless, verified like plain ones, chosen per sync root; plain anchors still read."""
 
+import errno
 import json
 import math
 import subprocess
@@ -16,6 +17,7 @@ from deltasync.codec import packed
 from deltasync.codec.bf16 import bits
 from deltasync.codec.fingerprint import state_fingerprint
 from deltasync.storage import LocalStorage
+from deltasync.sync import anchor
 from deltasync.sync.anchor import AnchorError, anchor_encoding, read_anchor, write_anchor
 from deltasync.sync.protocol import RunInfo, read_head, read_run
 from deltasync.sync.publisher import PublisherConfig
@@ -228,3 +230,39 @@ def test_a_hostile_packed_anchor_is_refused_for_good_and_the_replica_goes_around
     sub.sync()  # refused for good: anchor 0 and the deltas after it
     assert sub.step == 3
     assert bitwise_equal(sub.state, states[3])
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [OSError(errno.EMFILE, "Too many open files"), OSError(errno.EIO, "Input/output error"), MemoryError()],
+    ids=["EMFILE", "EIO", "MemoryError"],
+)
+def test_a_local_failure_while_reading_an_anchor_is_no_fault_of_the_anchor(tmp_path, monkeypatch, failure):
+    """The replica says it failed here, and loads the same anchor once the failure has passed: a finished run
+    writes no newer anchor to wait for."""
+    root = tmp_path / "root"
+    states = run_steps(root, 1)
+    failing = [failure]
+
+    def open_once_failing(*args, **kwargs):
+        if failing:
+            raise failing.pop()
+        return safe_open(*args, **kwargs)
+
+    monkeypatch.setattr(anchor, "safe_open", open_once_failing)
+    sub = Subscriber(LocalStorage(root))
+    with pytest.raises(SyncError, match="local failure"):
+        sub.sync()
+    assert sub.step is None and sub.bugs == 0
+    sub.sync()
+    assert sub.step == 0 and sub.last_error is None
+    assert bitwise_equal(sub.state, states[0])
+
+
+def test_shapes_nested_too_deeply_refuse_a_packed_anchor(tmp_path):
+    state, run, fp, files = anchor_setup(tmp_path, "packed")
+    with safe_open(files[0], "pt") as f:
+        meta, tensors = f.metadata(), {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
+    save_file(tensors, files[0], metadata=meta | {"shapes": "[" * 100_000 + "]" * 100_000})
+    with pytest.raises(AnchorError, match="nested too deeply"):
+        read_anchor(files, run, 5, fp)

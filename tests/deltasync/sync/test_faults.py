@@ -24,6 +24,7 @@ from deltasync.sync import protocol
 from deltasync.sync.gc import collect_garbage
 from deltasync.sync.publisher import Publisher, PublisherConfig
 from deltasync.sync.subscriber import MAX_ERROR_CHARS, Subscriber, SyncError
+from tests.deltasync.codec.test_patch import DEEP, with_metadata
 from tests.helpers import REPO, bf16, bitwise_equal, delta_file, make_params, run_steps, train_step, wait_for
 
 
@@ -361,3 +362,25 @@ def test_a_missing_delta_is_planned_around_through_a_newer_anchor(tmp_path):
         ("delta", 7),
     ]
     assert bitwise_equal(reader.state, states[7])
+
+
+@pytest.mark.parametrize("field", ["dense", "models", "windows"])
+def test_a_delta_with_metadata_nested_too_deeply_is_refused_once_not_counted_as_a_bug(tmp_path, field):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    run_steps(src, 2)
+    delta = delta_file(src, 1)
+    path = delta.relative_to(src).as_posix()
+    bad = with_metadata(delta.read_bytes(), **{field: DEEP})
+    head = json.loads((src / protocol.HEAD_PATH).read_bytes())
+    (entry,) = [e for e in head["entries"] if e["kind"] == "delta" and e["step"] == 1]
+    entry["bytes"] = len(bad)  # the head lists the bad file's size: it is decoded
+    dst.mkdir()
+    mirror(src, dst, json.dumps(head).encode(), {path: bad})
+    storage = Counting(dst)
+    replica = Subscriber(storage)
+    with pytest.raises(SyncError, match=f"refused delta of step 1: .*'{field}': JSON nested too deeply"):
+        replica.sync()
+    reads = storage.copied.count(path)
+    with pytest.raises(SyncError, match="waiting for a newer anchor"):
+        replica.sync()
+    assert storage.copied.count(path) == reads == 1 and replica.bugs == 0 and replica.step == 0
