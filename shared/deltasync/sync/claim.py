@@ -6,11 +6,15 @@ One writer per sync root, in three layers:
   object stores and other fsspec URLs, which offer no conditional write through the APIs used here, a lease
   in `writer.lock` (holder, epoch, expiry; renewed every quarter of `lease_s`; left expired on release) that
   a second publisher reads and respects, then reads back after taking it;
-- fencing: each claim takes an epoch larger than any before it, rewrites the head with it at once, and names
-  its step files with its tag (`e<epoch>-<claim>`), so two writers never write the same data object;
+- fencing: each publisher's claim takes an epoch larger than any before it, rewrites the head with it at
+  once, and names its step files with its tag (`e<epoch>-<claim>`), so two writers never write the same data
+  object. A claim that writes no head (`deltasync gc`) keeps the lease's epoch: readers, which look a lease's
+  epoch up among the heads, find its head without a listing;
 - acknowledgement: a publisher re-reads the head before writing it (it must be the head it wrote last), and
   acknowledges a step only after reading the head back (its own bytes) and, with a lease, the lease (still its
-  own, same epoch, unexpired). It writes no head once its own clock says its lease may have lapsed.
+  own, same epoch, unexpired). Once its own clock says its lease may have lapsed (a long upload), it writes
+  no head before taking the lease again like a new claim (written, read back): still its own, or
+  WriterConflict.
 
 What each backend guarantees:
 - local folder: a second writer is refused outright; nothing below applies.
@@ -50,9 +54,12 @@ def new_holder() -> str:
 
 class WriterClaim:
     """This process's claim to be the only writer of `storage` (see the module docstring): its lock where the
-    backend has one, else a lease. Raises WriterConflict naming the holder when another writer has it."""
+    backend has one, else a lease. Raises WriterConflict naming the holder when another writer has it.
+    `fence`: take a new epoch, as a writer of heads and step files must; else the lease's is kept."""
 
-    def __init__(self, storage: Storage, lease_s: float = LEASE_S, holder: str | None = None):
+    def __init__(
+        self, storage: Storage, lease_s: float = LEASE_S, holder: str | None = None, fence: bool = False
+    ):
         self.storage, self.lease_s = storage, lease_s
         self.holder = holder or new_holder()
         self._renewed_at, self._released = 0.0, False
@@ -66,7 +73,7 @@ class WriterClaim:
                     f"{storage.url} is being written by another publisher ({lease['holder']}, lease until "
                     f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(lease['expires_at']))})"
                 )
-            self.epoch = (lease["epoch"] + 1) if lease else 1
+            self.epoch = (lease["epoch"] if lease else 0) + (1 if fence else 0)
             self.renew(taking=True)
 
     def _lease(self) -> dict | None:
@@ -102,13 +109,18 @@ class WriterClaim:
         return self._lock is None and time.time() - self._renewed_at > self.lease_s / 4
 
     def check_live(self) -> None:
-        """WriterConflict if this process's clock says the lease may have lapsed (so another writer may be
-        claiming the root now): checked right before writing a head, without a request."""
+        """Right before writing a head: if this process's clock says the lease may have lapsed (a long upload;
+        another writer may be claiming the root now), take it again like a new claim (WriterConflict if
+        another writer has it). Without a request while the lease runs."""
         if self._lock is None and time.time() >= self._renewed_at + self.lease_s:
-            raise WriterConflict(
-                f"{self.storage.url}: this publisher's lease lapsed ({time.time() - self._renewed_at:.1f} s "
-                f"since it was renewed, lease {self.lease_s:g} s): another publisher may have the root"
+            log.info(
+                "%s: the writer lease lapsed in a long request (%.1f s since it was renewed, lease %g s): "
+                "taking it again",
+                self.storage.url,
+                time.time() - self._renewed_at,
+                self.lease_s,
             )
+            self.renew()
 
     def confirm(self) -> None:
         """WriterConflict unless the lease is still this claim's, with its epoch, unexpired (a lock needs no

@@ -38,7 +38,7 @@ from deltasync.storage import (
 from deltasync.sync.anchor import anchor_encoding, write_anchor
 from deltasync.sync.claim import WriterClaim, new_holder
 from deltasync.sync.config import PublisherConfig
-from deltasync.sync.gc import collect_garbage
+from deltasync.sync.gc import collect_garbage, delete_emptied_folders
 from deltasync.sync.protocol import (
     HEAD_PATH,
     RUN_PATH,
@@ -111,7 +111,8 @@ class Publisher:
         # Head reads that travel while the data uploads, and lease checks beside read-backs.
         self._background = futures.ThreadPoolExecutor(1, thread_name_prefix="deltasync-publisher-check")
         holder = new_holder()  # one name across retries: a lease written by a failed attempt is its own
-        self.claim = self._retrying(lambda: WriterClaim(self.storage, self.config.lease_s, holder))
+        lease_s = self.config.lease_s
+        self.claim = self._retrying(lambda: WriterClaim(self.storage, lease_s, holder, fence=True))
         try:
             self._retrying(self._resume)
         except BaseException:
@@ -187,8 +188,8 @@ class Publisher:
         start = time.perf_counter()
         params = dict(params.items() if isinstance(params, Mapping) else params)
         require_floats(params, where)
-        problem = telemetry.info_problem(info or {})
-        if problem:  # else every dashboard would skip the step's record
+        problem = telemetry.info_problem(info or {}) or _info_values_problem(info or {})
+        if problem:  # else every dashboard would skip the step's record, or the worker fail on it
             raise ValueError(f"{where}: info {problem}")
         chosen = check_step(self.last_step + 1 if step is None else step, where)
 
@@ -201,9 +202,10 @@ class Publisher:
                 buffer, skipped = {}, []
             else:
                 buffer, skipped = self._spare or self._allocate(params), []
-                self._spare = None
             if params:
-                _copy_into(buffer, params)
+                _copy_into(buffer, params)  # a refused state leaves the buffer (a pending step's) untouched
+            if buffer is self._spare:
+                self._spare = None
             self.last_step = chosen
             return _Pending(buffer, chosen, dict(info or {}), time.perf_counter() - start, skipped, stored)
 
@@ -231,10 +233,15 @@ class Publisher:
         if not (due or garbage):
             return
         try:
-            self.storage.write_many(due, garbage)
+            self._write_many(due, garbage)
         except TransientStorageError as e:
             self._give_back(due, garbage)
             log.warning("telemetry or GC of published steps failed, retrying later: %s", e)
+
+    def _write_many(self, files: list[tuple[str, bytes | Path]], garbage: list[str]) -> None:
+        """Write `files` and delete `garbage` (one request on the Hub), then the step folders that emptied."""
+        self.storage.write_many(files, garbage)
+        delete_emptied_folders(self.storage, garbage)
 
     def close(self, timeout: float | None = None) -> None:
         """Publish what is pending, stop the worker and let the next writer in; publish() then raises, and
@@ -355,7 +362,9 @@ class Publisher:
         if anchor_files:
             files = tuple(path for _, path in anchor_files)
             entries.append(Entry(job.step, "anchor", files, anchor_bytes, fp_text, now))
-        new_head = self._retained(head, entries, job.step, fp_text)
+        # Without a delta the step starts a new chain (the run's first step, or a head whose state could not
+        # be verified on resume): its anchor needs nothing before it.
+        new_head = self._retained(head if delta else None, entries, job.step, fp_text)
         self._write_head(new_head, current)  # the step is acknowledged from here on
         upload_s = time.perf_counter() - start - encode_s
         with self._worker.lock:
@@ -365,25 +374,26 @@ class Publisher:
                 self._published = job.state
             else:  # the ranks hold the state: keep no copy of it
                 self._published = self._spare = None
+        # What went out: a delta (its bytes are the payload), and/or an anchor of `anchor_bytes` beside it.
         record = telemetry.TrainerRecord(
             step=job.step,
-            kind="anchor" if anchor_files else "delta",
+            kind="delta" if delta else "anchor",
             published_at=now,
             numel=self._run.numel,
             changed=delta.changed if delta else self._run.numel,
-            payload_bytes=delta.bytes if delta else anchor_bytes,
+            payload_bytes=delta.bytes if delta else 0,
+            anchor_bytes=anchor_bytes,
             full_bytes=2 * self._run.numel,
             encode_s=encode_s,
             upload_s=upload_s,
             blocked_s=job.blocked_s,
-            base_step=head.step if head else None,
+            base_step=head.step if head and delta else None,
             info=job.info,
         )
-        size = f"{record.payload_bytes / 1e3:.1f} kB"
-        if record.kind == "anchor":
-            log.info("published step %d (anchor, %s)", job.step, size)
-        else:
-            log.info("published step %d (%s, %.2f%% changed)", job.step, size, 100 * record.density)
+        sent = [f"anchor {anchor_bytes / 1e3:.1f} kB"] if anchor_files else []
+        if delta:
+            sent.insert(0, f"delta {delta.bytes / 1e3:.1f} kB, {100 * record.density:.2f}% changed")
+        log.info("published step %d (%s)", job.step, "; ".join(sent))
         # The step is published: its telemetry and garbage go out with the next request (never undoing it).
         # What the head no longer names, and the step's own delta when retention already dropped it:
         written = {f for e in entries for f in e.files}
@@ -432,7 +442,7 @@ class Publisher:
             upload.insert(0, (delta_path(step, self.claim.tag), data))
         owed, garbage = self._take_due()
         try:
-            self.storage.write_many(upload + owed + ([lease[:2]] if lease else []), garbage)
+            self._write_many(upload + owed + ([lease[:2]] if lease else []), garbage)
         except BaseException:
             self._give_back(owed, garbage)
             raise
@@ -501,9 +511,10 @@ class Publisher:
         return Head(step, fp, tuple(kept), self.claim.epoch, self.claim.holder)
 
     def _resume(self) -> None:
-        """Continue a run already in the sync root: its schema, head and last published state. Then fence
-        earlier writers: the head is rewritten with this claim's epoch, so their next head write fails."""
-        from deltasync.sync.subscriber import Subscriber  # the reader's verified path to the head state
+        """Continue a run already in the sync root: its schema, head and last published state (when it does
+        not verify, the next step goes out as an anchor alone, starting a new chain). Then fence earlier
+        writers: the head is rewritten with this claim's epoch, so their next head write fails."""
+        from deltasync.sync.subscriber import Subscriber, SyncError  # the reader's verified path to the head
 
         try:  # the head readers take: a fenced writer's late write may hide the last writer's
             data: bytes | None = read_head_bytes(self.storage)
@@ -515,15 +526,22 @@ class Publisher:
         head = Head.from_json(data)
         self._run = read_run(self.storage)
         reader = Subscriber(self.storage)
-        reader.sync(head.step)
-        if reader.step != head.step:
-            raise RuntimeError(f"cannot resume {self.storage.url}: {reader.last_error}")
-        if reader.head != head:
+        try:
+            reader.sync(head.step)
+        except SyncError as e:  # a bad delta must not lock the root: a complete state needs no previous one
+            log.warning(
+                "%s: the head's step %d does not verify (%s): the next step goes out as an anchor alone",
+                self.storage.url,
+                head.step,
+                e,
+            )
+        if reader.head not in (None, head):
             raise WriterConflict(f"{self.storage.url}: another publisher moved the head while resuming")
         self.claim.raise_epoch(head.epoch + 1)
         self._head = replace(head, epoch=self.claim.epoch, writer=self.claim.holder)
         self._write_head(self._head, self._current_head())
-        self._published, self._published_fp = reader.state, reader.fingerprint
+        if reader.step == head.step:
+            self._published, self._published_fp = reader.state, reader.fingerprint
         try:
             collect_garbage(self.storage)  # what a crashed predecessor left
         except TransientStorageError as e:
@@ -545,6 +563,16 @@ def require_floats(tensors: Mapping[str, torch.Tensor], where: str) -> None:
             raise ValueError(f"{where}: {name} is {t.dtype}: only float weights can be published (as bf16)")
 
 
+def _info_values_problem(info: Mapping[str, Any]) -> str | None:
+    """Why a trainer record could not carry `info`'s values: each must be an int or a float (NaN and infinity
+    included: readers show a diverged number as a gap), not a bool, a tensor or a string."""
+    for key, value in info.items():
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or (isinstance(value, int) and abs(value) > telemetry.MAX_MAGNITUDE):
+            return f"{key!r} is {type(value).__name__} {value!r:.60}, not a number (pass float(value))"
+    return None
+
+
 def _writer_of(head: bytes | None) -> str:
     if head is None:
         return "the head was removed"
@@ -556,12 +584,14 @@ def _writer_of(head: bytes | None) -> str:
 
 
 def _copy_into(buffer: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> None:
+    """Copy `params` into `buffer`, once all of them are checked: SchemaError leaves `buffer` as it was."""
     difference = name_difference(buffer, params)  # (the buffer keeps the run's order whatever the params')
     if difference:
         raise SchemaError(f"tensor sets differ from the first published state: {difference}")
     for name, t in params.items():
         if buffer[name].shape != t.shape:
             raise SchemaError(f"{name}: shape {tuple(t.shape)} != {tuple(buffer[name].shape)}")
+    for name, t in params.items():
         buffer[name].copy_(t.detach(), non_blocking=True)  # casts to bf16; from CUDA into pinned memory
     if any(t.is_cuda for t in params.values()):
         torch.cuda.synchronize()

@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from deltasync import cli
 from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
-from deltasync.storage import LocalStorage, WriterConflict, open_storage
+from deltasync.storage import HubBucketStorage, LocalStorage, WriterConflict, open_storage
 from deltasync.sync import protocol
 from deltasync.sync.claim import WRITER_PATH, WriterClaim
 from deltasync.sync.publisher import Publisher, PublisherConfig
 from deltasync.sync.subscriber import Subscriber
+from tests.deltasync.storage.test_hub import api_requests
 from tests.helpers import bf16, bitwise_equal, delta_file, make_params, run_steps, train_step, wait_for
 
 ROUNDS = 24
@@ -155,6 +157,26 @@ def test_hub_lease_refuses_a_second_writer_and_fences_a_stale_one(fake_hub):
     assert reader.step == 1 and bitwise_equal(reader.state, bf16(make_params(2)))
     closed = json.loads(storage.read_bytes(WRITER_PATH))  # released: expired, naming the last epoch
     assert closed == {"holder": second.claim.holder, "epoch": second.claim.epoch, "expires_at": 0}
+
+
+def test_gc_on_a_hub_root_leaves_replica_polls_without_an_api_call(fake_hub):
+    root = "hf://buckets/user/sync/run"
+    with Publisher(root, model="tiny", config=PublisherConfig(anchor_every=2, keep_anchors=1)) as publisher:
+        for seed in range(3):
+            publisher.publish(make_params(seed))
+    replica = Subscriber(HubBucketStorage("user/sync", "run", follow=False))
+    replica.sync()
+    assert cli.main(["gc", root]) == 0
+    lease = json.loads(open_storage(root).read_bytes(WRITER_PATH))
+    assert lease["epoch"] == protocol.read_head(open_storage(root)).epoch  # GC wrote no head: no new epoch
+    fake_hub.requests.clear()
+    replica.sync()
+    assert api_requests(fake_hub) == []
+    with Publisher(root) as publisher:  # the next writer still fences every one before it
+        assert publisher.claim.epoch > lease["epoch"]
+        publisher.publish(make_params(3))
+    replica.sync()
+    assert replica.step == 3 and bitwise_equal(replica.state, bf16(make_params(3)))
 
 
 class Stalling(LocalStorage):

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,9 +96,32 @@ def test_every_step_reaches_the_subscriber_bitwise(tmp_path):
     assert all(0 < a.changed < 0.1 * sum(t.numel() for t in params.values()) for a in applied[1:])
     records = [json.loads(p.read_text()) for p in sorted((tmp_path / "telemetry/replicas/r1").iterdir())]
     assert [r["step"] for r in records] == list(range(20)) and all(r["verified"] for r in records)
-    trainer = sorted((tmp_path / "telemetry/trainer").iterdir())
-    kinds = [telemetry.from_json(telemetry.TrainerRecord, p.read_bytes()).kind for p in trainer]
-    assert kinds == ["anchor"] + ["delta"] * 7 + ["anchor"] + ["delta"] * 7 + ["anchor"] + ["delta"] * 3
+    trainer = [telemetry.from_json(telemetry.TrainerRecord, p.read_bytes()) for p in trainer_files(tmp_path)]
+    assert [r.kind for r in trainer] == ["anchor"] + [
+        "delta"
+    ] * 19  # steps 8 and 16: a delta, an anchor beside
+    assert [r.step for r in trainer if r.anchor_bytes] == [0, 8, 16]
+
+
+def trainer_files(root) -> list:
+    return sorted((root / "telemetry/trainer").iterdir())
+
+
+def test_trainer_records_count_every_byte_uploaded(tmp_path):
+    run_steps(tmp_path, 7, PublisherConfig(anchor_every=3, keep_anchors=10_000))  # every file retained
+    records = [telemetry.from_json(telemetry.TrainerRecord, p.read_bytes()) for p in trainer_files(tmp_path)]
+    uploaded = sum(
+        f.stat().st_size for d in ("anchors", "deltas") for f in (tmp_path / d).rglob("*.safetensors")
+    )
+    assert sum(r.payload_bytes + r.anchor_bytes for r in records) == uploaded
+    head = protocol.read_head(LocalStorage(tmp_path))
+    for r in records:  # the delta's bytes are the payload; an anchor's beside it
+        delta, anchor = head.entry(r.step, "delta"), head.entry(r.step, "anchor")
+        assert (r.payload_bytes, r.anchor_bytes) == (
+            delta.bytes if delta else 0,
+            anchor.bytes if anchor else 0,
+        )
+    assert [r.step for r in records if r.anchor_bytes] == [0, 3, 6]
 
 
 def test_late_subscriber_catches_up_through_the_cheapest_path(tmp_path):
@@ -352,6 +376,22 @@ def test_gc_keeps_what_readers_need_and_nothing_else(tmp_path):
     storage.write_bytes(protocol.delta_path(15), b"orphan")
     assert collect_garbage(storage) == [protocol.delta_path(15)]
     assert storage.sizes([protocol.delta_path(40)])[protocol.delta_path(40)] == len(b"in progress")
+
+
+def test_gc_removes_the_step_folders_it_emptied_and_nothing_else(tmp_path):
+    theirs = {"notes", "step-00000099-e9-deadbeef"}  # empty folders that no GC emptied: left alone
+    for name in theirs:
+        (tmp_path / "anchors" / name).mkdir(parents=True)
+    run_steps(tmp_path, 7, PublisherConfig(anchor_every=2, keep_anchors=1))
+    storage = LocalStorage(tmp_path)
+    head = protocol.read_head(storage)
+    retained = {Path(f).parent.name for a in head.anchors for f in a.files}
+    assert {p.name for p in (tmp_path / "anchors").iterdir()} == retained | theirs  # the publisher's GC
+    (shard,) = head.anchors[0].files
+    fenced = protocol.anchor_paths(2, 1, "e0-0000abcd")[0]  # a fenced writer's anchor: garbage
+    storage.write_bytes(fenced, storage.read_bytes(shard))
+    assert collect_garbage(storage) == [fenced, str(Path(fenced).parent)]  # `deltasync gc`
+    assert {p.name for p in (tmp_path / "anchors").iterdir()} == retained | theirs
 
 
 CRASHING_PUBLISHER = textwrap.dedent(
