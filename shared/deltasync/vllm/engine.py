@@ -34,19 +34,27 @@ MoE models work alike: on CPU their experts live in vLLM's prepacked layout, whi
 by element (`deltasync.vllm.experts`); `write="vllm"` is refused for them (vLLM's loader writes the
 unpacked layout).
 
-A refused update raises before any write (a ValueError naming the cause); vLLM's route reports it. When
-the cause is the step's files themselves (corrupt, or not the state they promise), the reporting rank also
-writes the reason as JSON (`{"refused": ...}`) to the update's `report` file, so that the follower knows
-the files are bad, not the server.
+Every rank reaches the same verdict on every files update, whatever it raised: the ranks agree (one
+collective) after the checks, after the writes and with each sum of fingerprint shares, so that no rank waits
+alone in a collective while another has left (one gap is left: a rank that fails in the middle of decoding a
+delta, between the per-tensor collectives of `deltasync.vllm.split` and `Layout.old_values`, leaves the
+others waiting in the next of those). A refused update raises before any write (a ValueError naming
+the cause); anything else one rank raised (out of memory, a bug) is logged there with its traceback and
+raised as `RankFailed`. vLLM's route reports it. The reporting rank also writes what it means to the
+update's `report` file as JSON: `{"refused": ...}` when the cause is the step's files themselves (corrupt,
+or not the state they promise), so that the follower knows the files are bad, not the server; `{"torn":
+...}` when the weights hold part of a write (a failure after the first write), so that generation stays
+paused until an anchor loads.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -83,6 +91,13 @@ from deltasync.vllm.split import decode_held
 log = init_logger(__name__)  # vLLM's logger: configured in its worker processes
 KINDS = ("delta", "stage", "anchor", "verify", "fingerprint", "readback", "paths")
 WRITES = ("direct", "vllm")
+VERDICTS = ("refused", "bug", "failed")  # what a rank's failure is, the first named wins across ranks
+T = TypeVar("T")
+
+
+class RankFailed(RuntimeError):
+    """An update that failed on a rank for a reason other than a refusal (out of memory, a bug); that rank
+    logged its traceback, every rank raises this."""
 
 
 @dataclass
@@ -110,7 +125,8 @@ class DeltasyncUpdateInfo(WeightTransferUpdateInfo):
 
 @dataclass
 class _Plan:
-    """A delta checked against the weights `base`, ready to write (`writes`: this rank's indexed writes)."""
+    """A delta checked against the weights `base`, ready to write (`writes`: this rank's indexed writes) and
+    leading to the weights `new`."""
 
     step: int
     paths: list[str]
@@ -188,10 +204,21 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
             raise ValueError("deltasync engine not initialized: POST /init_weight_transfer_engine first")
         try:
             self._receive(update_info)
-        except ValueError:
+        except (ValueError, RankFailed) as e:
             # Every rank reached the same verdict; one rank reports it (see compat.reports_errors).
             if compat.reports_errors(self.group):
+                self._report(update_info, e)
                 raise
+
+    def _report(self, info: DeltasyncUpdateInfo, error: Exception) -> None:
+        """What a failed files update means, for the follower (see the module docstring)."""
+        if info.report is None or info.kind not in ("delta", "stage", "anchor"):
+            return
+        report = {"refused": str(error)} if isinstance(error, Refused) else {}
+        if self.fingerprint is None:  # part of a write, or a write read back wrong: only an anchor helps
+            report["torn"] = str(error)
+        if report:
+            Path(info.report).write_text(json.dumps(report))
 
     def _receive(self, info: DeltasyncUpdateInfo) -> None:
         if info.kind == "verify":
@@ -214,39 +241,53 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
 
     def _receive_files(self, info: DeltasyncUpdateInfo) -> None:
         staged, self.staged = self.staged, None
-        if info.kind == "delta" and staged is not None and staged.matches(info, self.fingerprint):
-            return self._write_delta(staged, info)
         if info.kind == "anchor":
-            self._refusing(info, self._check_anchor)
-            return self._write_anchor(info)
-        plan = self._refusing(info, self._plan_delta)
+            return self._load_anchor(info)
+        if info.kind == "delta" and staged is not None and staged.matches(info, self.fingerprint):
+            plan = staged
+        else:
+            plan = self._plan_delta(info)
         if info.kind == "stage":
             self.staged = plan
-        else:
-            self._write_delta(plan, info)
+            return None
+
+        def write() -> tuple[None, int]:
+            self._write_delta(plan)
+            return None, 0
+
+        self.fingerprint = None  # from the first write until the last, the state is mixed
+        self._agreed(info, write)
+        self.fingerprint, self.step = plan.new, info.step
         return None
 
-    def _refusing(self, info: DeltasyncUpdateInfo, check):
-        """`check(info)`, agreed on by every rank before any writes: one rank's refusal stops them all
-        (else the others would wait for ever in the collectives that follow). A refusal of the files
-        themselves (Refused, on any rank) is also reported to `info.report`."""
-        error, files, result = None, False, None
+    def _agreed(self, info: DeltasyncUpdateInfo, work: Callable[[], tuple[T, int]]) -> tuple[T, int]:
+        """`work()` -> (result, this rank's share of a sum) on every rank, then one collective: the result
+        and the sum of the shares (mod 2^64) if every rank succeeded, else every rank raises the same
+        error (else the others would wait for ever in the collectives that follow): a refusal of the files
+        (PatchError) first, then a rank's bug (RankFailed, its traceback logged there), then a ValueError."""
+        result, share, verdict = None, 0, None
         try:
-            result = check(info)
-        except (OSError, SafetensorError) as e:
-            error = f"step {info.step}: cannot read its files: {type(e).__name__}: {e}"
-        except ValueError as e:
-            error, files = str(e), isinstance(e, Refused)
-        verdicts = [(error, files)]
+            result, share = work()
+        except Exception as e:
+            verdict = self._verdict(info, e)
+        everyone = [(verdict, share)]
         if self.group is not None:
-            verdicts = [(None, False)] * torch.distributed.get_world_size(self.group)
-            torch.distributed.all_gather_object(verdicts, (error, files), group=self.group)
-        first = next((e for e, _ in verdicts if e is not None), None)
-        if first is None:
-            return result
-        if any(f for _, f in verdicts) and info.report and compat.reports_errors(self.group):
-            Path(info.report).write_text(json.dumps({"refused": first}))
-        raise ValueError(first)
+            everyone = [(None, 0)] * torch.distributed.get_world_size(self.group)
+            torch.distributed.all_gather_object(everyone, (verdict, share), group=self.group)
+        failed = [(VERDICTS.index(v[0]), v[1]) for v, _ in everyone if v is not None]
+        if failed:
+            order, message = min(failed, key=lambda f: f[0])  # of its kind, the lowest rank's
+            raise (PatchError, RankFailed, ValueError)[order](message)
+        return result, sum(s for _, s in everyone) & fingerprint.MASK64  # type: ignore[return-value]
+
+    def _verdict(self, info: DeltasyncUpdateInfo, error: Exception) -> tuple[str, str]:
+        if isinstance(error, (OSError, SafetensorError)):
+            return "failed", f"step {info.step}: cannot read its files: {type(error).__name__}: {error}"
+        if isinstance(error, ValueError):
+            return "refused" if isinstance(error, Refused) else "failed", str(error)
+        rank = compat.rank(self.group)
+        log.error("deltasync: step %d failed on rank %d on a bug", info.step, rank, exc_info=error)
+        return "bug", f"step {info.step}: {type(error).__name__} on rank {rank}: {error} (traceback logged)"
 
     # ---------------------------------------------------------------------------------------------------
 
@@ -339,18 +380,24 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
         return changes
 
     def _plan_delta(self, info: DeltasyncUpdateInfo) -> _Plan:
-        changes = self._decode_delta(info)
-        writes, moved = self._ready().plan_patch(changes)
-        base = int(str(info.base), 16)  # the weights held: checked in _check_delta
-        new = (base + sum_across(moved, self.group)) & ((1 << 64) - 1)
-        if format_fingerprint(new) != info.fingerprint:
+        """The delta decoded, checked and planned on every rank, nothing written."""
+
+        def plan() -> tuple[_Plan, int]:
+            changes = self._decode_delta(info)
+            writes, moved = self._ready().plan_patch(changes)
+            base = int(str(info.base), 16)  # the weights held: checked in _decode_delta
+            return _Plan(info.step, list(info.paths or ()), base, 0, changes, writes), moved
+
+        planned, moved = self._agreed(info, plan)
+        planned.new = (planned.base + moved) & fingerprint.MASK64
+        if format_fingerprint(planned.new) != info.fingerprint:
             raise PatchError(
-                f"step {info.step} would lead to weights {format_fingerprint(new)}, it promises "
+                f"step {info.step} would lead to weights {format_fingerprint(planned.new)}, it promises "
                 f"{info.fingerprint}: refused, nothing written"
             )
-        return _Plan(info.step, list(info.paths or ()), base, new, changes, writes)
+        return planned
 
-    def _write_delta(self, plan: _Plan, info: DeltasyncUpdateInfo) -> None:
+    def _write_delta(self, plan: _Plan) -> None:
         layout = self._ready()
         with torch.no_grad():
             if self.write == "vllm":
@@ -364,17 +411,29 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
             else:
                 for dst, index, values in plan.writes:
                     dst.index_put_(index, values)
-        self.fingerprint, self.step = plan.new, info.step
 
     def _anchor(self, info: DeltasyncUpdateInfo):
         """The anchor's tensors, one at a time, checked against the served schema."""
         schema = {name: list(shape) for name, shape in self._ready().shapes.items()}
         return anchor_tensors([Path(p) for p in info.paths or ()], schema, info.step)
 
-    def _check_anchor(self, info: DeltasyncUpdateInfo) -> None:
-        """The anchor's fingerprint, each rank reading a share of its tensors, against `info.fingerprint`."""
+    def _load_anchor(self, info: DeltasyncUpdateInfo) -> None:
+        """Check the anchor's fingerprint (each rank reading all of it, fingerprinting a share of its
+        tensors) before writing anything, then write it and read the weights back."""
         if info.fingerprint is None:
             raise ValueError(f"step {info.step}: an anchor needs its fingerprint")
+        _, total = self._agreed(info, lambda: (None, self._anchor_share(info)))
+        if format_fingerprint(total) != info.fingerprint:
+            raise PatchError(
+                f"anchor of step {info.step} has fingerprint {format_fingerprint(total)}, it promises "
+                f"{info.fingerprint}"
+            )
+        self.fingerprint = None  # from the first write until the read-back below, the state is mixed
+        _, held = self._agreed(info, lambda: (None, self._write_anchor(info)))
+        self._verify(held, info)
+        self.fingerprint, self.step = held, info.step
+
+    def _anchor_share(self, info: DeltasyncUpdateInfo) -> int:
         world = 1 if self.group is None else torch.distributed.get_world_size(self.group)
         rank, total, names = compat.rank(self.group), 0, set()
         for i, (name, values) in enumerate(self._anchor(info)):
@@ -384,15 +443,11 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
         missing = sorted(set(self._ready().shapes) - names)
         if missing:
             raise PatchError(f"anchor of step {info.step} lacks {len(missing)} tensors, e.g. {missing[0]!r}")
-        actual = format_fingerprint(sum_across(total, self.group))
-        if actual != info.fingerprint:
-            raise PatchError(
-                f"anchor of step {info.step} has fingerprint {actual}, it promises {info.fingerprint}"
-            )
+        return total
 
-    def _write_anchor(self, info: DeltasyncUpdateInfo) -> None:
+    def _write_anchor(self, info: DeltasyncUpdateInfo) -> int:
+        """Write the anchor; this rank's share of the fingerprint of the weights read back."""
         layout = self._ready()
-        self.fingerprint = None  # from the first write until the read-back below, the state is mixed
         with torch.no_grad():
             loader = []
             for name, values in self._anchor(info):
@@ -403,9 +458,7 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
                     b.write(values.as_strided(b.size, b.stride, b.offset).to(b.dst.device))
             if loader:
                 self.model.load_weights(loader)  # type: ignore[operator]
-        self.fingerprint = self._read_fingerprint()
-        self._verify(self.fingerprint, info)
-        self.step = info.step
+        return layout.partial_fingerprint()
 
     def _verify(self, actual: int, info: DeltasyncUpdateInfo) -> None:
         if info.fingerprint is None:
