@@ -19,14 +19,17 @@ client's public methods (`AsyncEngine`: the inference Space). One engine, one wr
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
+import math
 import re
 import shutil
 import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -59,6 +62,10 @@ class FilesRefused(WriteRefused, Refused):
     """The workers found the step's files bad (corrupt, or not the state they promise); nothing written."""
 
 
+class Unreachable(DeltasyncError, ConnectionError):
+    """The vLLM server could not be sent a request (not listening, unknown host): it did nothing."""
+
+
 class Engine(Protocol):
     """vLLM's weight-update protocol, called from the subscriber's thread; failures raise WriteRefused."""
 
@@ -72,8 +79,9 @@ class Engine(Protocol):
 
 
 class HttpEngine:
-    """vLLM's RL routes on `url` (VLLM_SERVER_DEV_MODE=1); `api_key`: the server's --api-key, if any.
-    `stop`: once set, a server still starting is no longer waited for."""
+    """vLLM's RL routes on `url` (VLLM_SERVER_DEV_MODE=1); `api_key`: the server's --api-key, if any (or
+    credentials in `url`, for a proxy with basic authentication: never shown). `stop`: once set, a server
+    that does not answer yet is no longer waited for; it is tried again every `retry_s` seconds."""
 
     def __init__(
         self,
@@ -81,14 +89,25 @@ class HttpEngine:
         api_key: str | None = None,
         timeout_s: float = 600.0,
         stop: threading.Event | None = None,
+        retry_s: float = 2.0,
     ):
-        self.url, self.api_key, self.timeout_s = url.rstrip("/"), api_key, timeout_s
+        parts = urllib.parse.urlsplit(url.rstrip("/"))
+        self.url = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()  # shown in every line
+        if parts.scheme not in ("http", "https") or not parts.hostname or not _valid_port(parts):
+            raise ValueError(f"vLLM server URL {self.url!r}: expected http://HOST:PORT or https://HOST:PORT")
+        self.authorization = f"Bearer {api_key}" if api_key else None
+        if parts.username is not None:
+            if api_key:
+                raise ValueError(f"vLLM server URL {self.url}: both credentials in it and an API key")
+            user, password = (urllib.parse.unquote(p or "") for p in (parts.username, parts.password))
+            self.authorization = f"Basic {base64.b64encode(f'{user}:{password}'.encode()).decode()}"
+        self.timeout_s, self.retry_s = timeout_s, retry_s
         self.stop = stop or threading.Event()
 
     def _post(self, route: str, body: dict[str, Any] | None = None) -> dict:
         headers = {"content-type": "application/json"}
-        if self.api_key:
-            headers["authorization"] = f"Bearer {self.api_key}"
+        if self.authorization:
+            headers["authorization"] = self.authorization
         data = json.dumps(body or {}).encode()
         request = urllib.request.Request(self.url + route, data=data, headers=headers, method="POST")
         where = route.split("?")[0]
@@ -99,27 +118,31 @@ class HttpEngine:
             if e.code == 404:
                 raise WriteRefused(f"{where}: the server has no such route: {DEV_MODE_HINT}") from None
             raise WriteRefused(f"{where}: {_reason(_bounded_read(e, where))}") from None
+        except urllib.error.URLError as e:  # the request was not sent (urllib wraps only that)
+            raise Unreachable(f"cannot reach the vLLM server at {self.url}: {e.reason}") from None
         try:
             return json.loads(answer or b"{}")
         except ValueError:
             raise WriteRefused(f"{where}: the server's answer is not JSON: {answer[:80]!r}") from None
 
-    def init(self, init_info: dict[str, Any], startup_s: float = 600.0) -> None:
-        """Initialize the engine, waiting up to `startup_s` for a server that is still starting."""
-        deadline = time.monotonic() + startup_s
+    def init(self, init_info: dict[str, Any]) -> None:
+        """Initialize the engine, waiting until `stop` for a server that does not answer yet, with a line
+        each time why changes (and once it answers)."""
+        said = None
         while True:
             try:
                 self._post("/init_weight_transfer_engine", {"init_info": init_info})
-                return
-            except urllib.error.URLError as e:  # not listening yet (HTTPError, a refusal, is WriteRefused)
-                if time.monotonic() > deadline:
-                    raise ConnectionError(f"no vLLM server at {self.url}: {e.reason}") from None
-                if time.monotonic() + startup_s - 2.0 < deadline:  # the first attempt: say so once
-                    log.info("waiting for the vLLM server at %s", self.url)
-                if self.stop.wait(2.0):
+                break
+            except Unreachable as e:
+                if str(e) != said:
+                    log.warning("%s: trying again every %g s", e, self.retry_s)
+                    said = str(e)
+                if self.stop.wait(self.retry_s):
                     raise ConnectionError(
                         f"stopped while waiting for the vLLM server at {self.url}"
                     ) from None
+        if said is not None:
+            log.info("the vLLM server at %s answers", self.url)
 
     def pause(self) -> None:
         self._post("/pause?mode=keep&clear_cache=false")
@@ -138,6 +161,13 @@ class HttpEngine:
 
     def recompute_running(self) -> None:
         self._post("/reset_prefix_cache?reset_running_requests=true")
+
+
+def _valid_port(parts: urllib.parse.SplitResult) -> bool:
+    try:
+        return parts.port is None or parts.port > 0
+    except ValueError:  # not a number, or out of range
+        return False
 
 
 def _bounded_read(response, where: str) -> bytes:
@@ -223,7 +253,7 @@ class EngineApplier(FileApplier):
         self.version = "model"  # the weight version label generation runs under
         self.readback: dict | None = None  # the last fingerprint the workers confirmed
         self.last_write: dict | None = None
-        # An anchor failed after part of it was written: generation stays paused until an anchor loads.
+        # An update failed after part of it was written: generation stays paused until an anchor loads.
         self.stuck = False
         self.tmp = Path(tempfile.mkdtemp(prefix="deltasync-follow-"))
         try:
@@ -240,7 +270,7 @@ class EngineApplier(FileApplier):
     def load_files(self, files: list[Path], step: int, fingerprint: int) -> float:
         """Have the workers check and write the anchor of `step` in `files`; the seconds paused."""
         info = {"step": step, "kind": "anchor", "paths": [str(f) for f in files]}
-        info |= {"fingerprint": format_fingerprint(fingerprint), "report": str(self.tmp / "refused.json")}
+        info |= {"fingerprint": format_fingerprint(fingerprint), "report": str(self.tmp / "report.json")}
         pause_s = self._write(info, "anchor", sum(f.stat().st_size for f in files))
         self.anchor_step = step
         return pause_s
@@ -256,7 +286,7 @@ class EngineApplier(FileApplier):
             "paths": [str(f) for f in files],
             "base": format_fingerprint(base),
         }
-        info |= {"fingerprint": format_fingerprint(fingerprint), "report": str(self.tmp / "refused.json")}
+        info |= {"fingerprint": format_fingerprint(fingerprint), "report": str(self.tmp / "report.json")}
         try:
             for data, path in zip(parts, files, strict=True):
                 path.write_bytes(data)
@@ -308,7 +338,8 @@ class EngineApplier(FileApplier):
 
     def _paused(self, infos: list[dict], version: str | None = None, pause: bool = True) -> float:
         """Pause, run the updates, finish (setting `version`) and resume; the seconds generation was paused.
-        A refused update resumes generation on the unchanged weights, unless an anchor was half written."""
+        A refused update resumes generation on the unchanged weights, unless the workers hold part of a
+        write: then generation stays paused until an anchor loads (`stuck`)."""
         if pause:
             self.engine.pause()
         start = time.perf_counter()
@@ -324,11 +355,19 @@ class EngineApplier(FileApplier):
             if pause and self.kv_on_update == "recompute":
                 self.engine.recompute_running()
         except WriteRefused as e:
-            self.stuck |= written > 0  # an update after the first refused: the earlier ones are written
+            report = self._take_report()
+            # An update after the first refused (the earlier ones are written), or one the workers left
+            # part written: only an anchor restores the weights.
+            self.stuck |= written > 0 or "torn" in report
             self._close_refused_update()
             if pause and not self.stuck:
                 self.engine.resume()
-            self._raise_refused_files(e)
+            elif self.stuck:
+                log.warning("generation stays paused until an anchor loads: %s", e)
+            if "refused" in report:
+                raise FilesRefused(str(e)) from None
+            raise
+        except Unreachable:  # nothing sent, nothing written
             raise
         except BaseException:
             self.stuck = True  # the call itself failed: the workers may hold part of the write
@@ -346,12 +385,22 @@ class EngineApplier(FileApplier):
             if not compat.update_not_open(str(e)):
                 raise
 
-    def _raise_refused_files(self, error: WriteRefused) -> None:
-        """FilesRefused if the workers reported that the files themselves are bad."""
-        report = self.tmp / "refused.json"
-        if report.exists():
-            report.unlink()
-            raise FilesRefused(str(error)) from None
+    def _take_report(self) -> dict:
+        """What the workers reported of a refused update (`deltasync.vllm.engine`): `refused`, the files
+        themselves are bad; `torn`, the weights hold part of its writes."""
+        report = self.tmp / "report.json"
+        try:
+            text = report.read_text()
+        except FileNotFoundError:
+            return {}
+        report.unlink()
+        try:
+            answer = json.loads(text)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise WriteRefused(f"the server's workers wrote a malformed report: {text[:80]!r}")
+        return answer
 
     def _write(self, info: dict, kind: str, nbytes: int) -> float:
         step = info["step"]
@@ -409,6 +458,8 @@ def follow(
     verify_every: int = 10,
 ) -> Subscriber:
     """Follow `root` into `engine` until `stop` is set (blocks); `poll_budget`: see `open_storage`."""
+    if not (math.isfinite(poll_s) and poll_s > 0):
+        raise ValueError(f"poll interval must be a positive number of seconds, not {poll_s}")
     applier = EngineApplier(engine, root)
     storage = open_storage(root, poll_budget=poll_budget)
     subscriber = Subscriber(storage, applier, replica=replica, verify_every=verify_every)

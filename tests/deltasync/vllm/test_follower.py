@@ -10,6 +10,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,14 +23,14 @@ from deltasync.storage import open_storage
 from deltasync.sync.anchor import read_anchor
 from deltasync.sync.protocol import read_run
 from deltasync.sync.subscriber import Subscriber, SyncError
-from deltasync.vllm.follower import EngineApplier, HttpEngine, WriteRefused, path_summary
-from tests.helpers import SHAPES, assert_bitwise_equal, run_steps
+from deltasync.vllm.follower import EngineApplier, HttpEngine, WriteRefused, follow, path_summary
+from tests.helpers import SHAPES, assert_bitwise_equal, run_steps, wait_for
 
 
 class FakeEngine:
     """vLLM's protocol as the workers keep it: an update only between start and finish; a refusal (from
-    `refuse`) ends the update; `fingerprint` and `paths` answer as the deltasync engine does (`paths`: what
-    each rank reports)."""
+    `refuse`) ends the update; `tear` fails a write after part of it, as the workers report it; `fingerprint`
+    and `paths` answer as the deltasync engine does (`paths`: what each rank reports)."""
 
     def __init__(self, paths: list[dict[str, str]] | None = None, root: Path | None = None):
         self.state: dict[str, torch.Tensor] = {}
@@ -38,6 +40,7 @@ class FakeEngine:
         self.active = self.paused = False
         self.version: str | None = None
         self.refuse: str | None = None
+        self.tear: str | None = None
 
     def init(self, init_info):
         self.calls.append("init")
@@ -63,6 +66,11 @@ class FakeEngine:
             if self.refuse.startswith("bad file") and info.get("report"):  # as the workers report it
                 Path(info["report"]).write_text(json.dumps({"refused": self.refuse}))
             raise WriteRefused(self.refuse)
+        if self.tear and info["kind"] in ("anchor", "delta"):
+            self.active = False
+            self.state[next(iter(self.state))].view(-1)[0] += 1  # part of the write
+            Path(info["report"]).write_text(json.dumps({"torn": self.tear}))
+            raise WriteRefused(self.tear)
         if info["kind"] == "fingerprint":
             held = format_fingerprint(state_fingerprint(self.state))
             Path(info["path"]).write_text(json.dumps({"step": 0, "fingerprint": held}))
@@ -153,6 +161,24 @@ def test_files_the_workers_refuse_are_never_asked_for_again(followed):
     assert_bitwise_equal(engine.state, states[1])
 
 
+def test_a_write_left_in_part_keeps_generation_paused_until_an_anchor_loads(followed):
+    states, engine, applier, subscriber = followed
+    subscriber.sync(1)
+    engine.tear = "step 2: RuntimeError on rank 0: CUDA out of memory"
+    engine.calls.clear()
+    with pytest.raises(SyncError, match="CUDA out of memory"):
+        subscriber.sync()
+    # Mixed weights, still labelled step 1: no request may run on them.
+    assert engine.calls[-4:] == ["pause", "start", "update delta", "finish"] and "resume" not in engine.calls
+    assert engine.paused and applier.stuck and engine.version == "1"
+    engine.tear = None
+    engine.calls.clear()
+    subscriber.sync()  # from the anchor again
+    assert engine.calls.index("update anchor") < engine.calls.index("resume")
+    assert not engine.paused and not applier.stuck and engine.version == "2"
+    assert_bitwise_equal(engine.state, states[-1])
+
+
 def test_read_back_reports_what_the_workers_hold(followed):
     states, engine, applier, subscriber = followed
     subscriber.sync()
@@ -230,6 +256,74 @@ def test_a_failed_start_says_what_to_do_and_leaves_no_folder(tmp_path, monkeypat
     assert not list(tmp_path.glob("deltasync-follow-*"))
 
 
+def closed_port() -> int:
+    with socket.socket() as sock:  # bound, never listening: connections are refused
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_server_that_does_not_answer_is_named_and_tried_again(tmp_path, caplog, monkeypatch):
+    tries, urlopen = [], urllib.request.urlopen
+    monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: tries.append(1) or urlopen(*a, **k))
+    port, stop, failure = closed_port(), threading.Event(), []
+    engine = HttpEngine(f"http://alice:secret@127.0.0.1:{port}/", stop=stop, retry_s=0.01)
+
+    def start():
+        try:
+            EngineApplier(engine, str(tmp_path / "root"))
+        except BaseException as e:
+            failure.append(e)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    try:
+        wait_for(lambda: len(tries) >= 3, "three tries")
+        assert thread.is_alive()
+    finally:
+        stop.set()
+        thread.join()
+    # One line while the answer stays the same, naming the server (never its credentials) and why.
+    lines = [r.getMessage() for r in caplog.records if r.name == "deltasync.vllm.follower"]
+    assert len(lines) == 1 and "secret" not in lines[0], lines
+    assert lines[0].startswith(f"cannot reach the vLLM server at http://127.0.0.1:{port}: "), lines
+    assert "refused" in lines[0], lines
+    assert isinstance(failure[0], ConnectionError) and "stopped while waiting" in str(failure[0])
+
+
+def test_each_change_of_why_the_server_does_not_answer_is_one_line(caplog, monkeypatch):
+    answers = [ConnectionRefusedError(111, "Connection refused")] * 3 + [TimeoutError("timed out")] * 3
+    real = urllib.request.urlopen
+
+    def urlopen(*args, **kwargs):
+        if answers:
+            raise urllib.error.URLError(answers.pop(0))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    with answering(200, b"{}") as url, caplog.at_level("INFO", "deltasync.vllm.follower"):
+        HttpEngine(url, retry_s=0.001).init({"root": "r"})
+    assert [r.getMessage() for r in caplog.records] == [
+        f"cannot reach the vLLM server at {url}: [Errno 111] Connection refused: trying again every 0.001 s",
+        f"cannot reach the vLLM server at {url}: timed out: trying again every 0.001 s",
+        f"the vLLM server at {url} answers",
+    ]
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://host", "http://host:port", "http://:8000"])
+def test_a_url_that_is_no_server_address_is_refused_in_a_line(url):
+    with pytest.raises(ValueError, match="expected http://HOST:PORT"):
+        HttpEngine(url)
+
+
+@pytest.mark.parametrize("poll_s", [float("nan"), float("inf"), -1.0, 0.0])
+def test_follow_refuses_a_poll_interval_that_is_no_positive_number(tmp_path, poll_s):
+    engine, stop = FakeEngine(), threading.Event()
+    stop.set()  # a follower that took the interval would return at once
+    with pytest.raises(ValueError, match="poll interval must be a positive number of seconds"):
+        follow(str(tmp_path), engine, stop, poll_s=poll_s)
+    assert engine.calls == []
+
+
 def follow_command(root: Path, *args: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "deltasync.cli", "follow", str(root), *args]
     return subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
@@ -260,7 +354,7 @@ def test_follow_stops_on_sigterm_while_the_server_starts_or_stalls(tmp_path, ser
         try:
             if server == "starting":
                 line = ""
-                while "waiting for the vLLM server" not in line:
+                while "cannot reach the vLLM server" not in line:
                     line = proc.stderr.readline()
                     assert line, "the follower ended before waiting for the server"
             else:
