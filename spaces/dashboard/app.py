@@ -4,8 +4,9 @@
 
 Environment: SYNC_ROOT (required), HF_TOKEN (private buckets), PORT (default 7860), HOST (default 0.0.0.0),
 REFRESH_S (seconds between refreshes, default 2), STALE_AFTER_S (a replica behind the newest step and silent
-this long is shown as stopped reporting, default 120), POLL_BUDGET (Hub requests per 5-minute window its polls
-may spend while the bucket's change feed is not followed, default 1000).
+this long is shown as stopped reporting, default 120), POLL_BUDGET (requests per 5-minute window the board may
+spend on a remote root, default 1000: polls are spaced and record reads capped to keep within it; a long run's
+history is read newest first over as many windows as it takes).
 
 The UI is at `/`; scripts read `GET /api/summary` and `GET /api/series?since=STEP` (JSON).
 
@@ -17,6 +18,8 @@ it: `merged_payload_bytes`), and the versions each replica holds (`TelemetryRead
 from __future__ import annotations
 
 import html
+import logging
+import math
 import re
 import string
 import threading
@@ -37,9 +40,12 @@ from appkit.asgi import BodyLimit, serve
 from appkit.settings import from_env
 from appkit.units import format_bytes, format_steps
 from deltasync.errors import EXPECTED
-from deltasync.storage import POLL_BUDGET, open_storage, redact
+from deltasync.storage import POLL_BUDGET, LocalStorage, open_storage, redact
+from deltasync.storage.hub import WINDOW_S
 from deltasync.sync.protocol import read_run
 from deltasync.telemetry.reader import TelemetryReader
+
+log = logging.getLogger("deltasync.dashboard")
 
 PLOTS = [
     "density",
@@ -66,14 +72,22 @@ REPLICA_COLUMNS = [
 SHOWN_PROBLEMS = 50
 MAX_REQUEST_BYTES = 64 << 10  # the page's event calls carry a version number; the API takes no body
 RATE_LIMIT_SHOWN_S = 600.0  # a replica's rate limit stays on the page this long after it ended
+REQUEST_WAIT_S = (
+    2.0  # a page tick or an API call waits this long for a poll it started, then shows what is there
+)
+DENSE = 0.1  # mean delta density above which the page says why this run changes far more than real models do
+OUTLIER_QUANTILE, OUTLIER_HEADROOM = (
+    95,
+    1.5,
+)  # a plot's y-range ends at 1.5x its 95th percentile; higher: marked
 ASCII_PUNCTUATION = re.compile(f"([{re.escape(string.punctuation)}])")  # what Markdown lets one escape
 pio.templates.default = "plotly_white"  # set once: a per-figure template= costs a deep copy on every refresh
 CSS = """
-#headline .cards { display: flex; gap: 12px; flex-wrap: wrap; }
-#headline .card { flex: 1 1 180px; border: 1px solid var(--border-color-primary); border-radius: 8px;
-                  padding: 8px 12px; }
+#headline .cards { display: grid; gap: 10px; grid-template-columns: repeat(auto-fit, minmax(140px, 1fr)); }
+#headline .card { min-width: 0; border: 1px solid var(--border-color-primary); border-radius: 8px;
+                  padding: 8px 10px; }
 #headline .label, #headline .note { font-size: 0.85em; color: var(--body-text-color-subdued); }
-#headline .value { font-size: 1.6em; font-weight: 600; }
+#headline .value { font-size: 1.5em; font-weight: 600; white-space: nowrap; }
 """
 
 
@@ -84,13 +98,23 @@ class Board:
     feed); the others render what is there, even while a slow bucket holds the poll."""
 
     def __init__(
-        self, root: str, stale_after_s: float = 120.0, min_poll_s: float = 0.0, poll_budget: int = POLL_BUDGET
+        self,
+        root: str,
+        stale_after_s: float = 120.0,
+        min_poll_s: float = 0.0,
+        poll_budget: int = POLL_BUDGET,
+        wait_s: float | None = None,
     ):
         self.root = redact(root)  # shown on the page and in /api/summary: never its credentials
         self.stale_after_s = stale_after_s
         self.min_poll_s = min_poll_s
+        self.poll_budget = poll_budget
+        self.wait_s = wait_s  # how long refresh() waits for the poll it starts (None: until it ends)
+        self.clock = time.monotonic
         self._polled_at = -float("inf")
-        self._polling = threading.Lock()
+        self._polling = threading.Lock()  # held by the poll under way (its thread releases it)
+        self._requests = float(poll_budget)  # what the quota window has left for this board (remote roots)
+        self._requests_at = self.clock()
         self.lock = threading.Lock()  # guards the reader's records and the fields below
         self.version = 0  # bumped whenever a poll reads something new
         self.error: str | None = None  # why the root cannot be read right now
@@ -109,30 +133,59 @@ class Board:
             self.error = redact(f"cannot open {root}: {e}")
 
     def refresh(self) -> int:
-        """Read the records written since the last poll, unless a poll is under way or ended less than
-        `min_poll_s` ago; return the data version."""
+        """Start a poll for the records written since the last one, unless one is under way or ended less than
+        `min_poll_s` ago, and wait up to `wait_s` for it; return the data version. The poll runs in its own
+        thread: a root that does not answer holds no page and no API call longer than `wait_s`."""
         if self.reader is None or not self._polling.acquire(blocking=False):
             return self.version
+        storage = self.reader.storage
+        budget_s = 0.0 if storage.follows_changes else storage.poll_s  # a feed's news cost no request
+        left = self._requests_left()
+        cost = 0 if storage.follows_changes else 1  # a listing or a probe of the next names
+        if self.clock() - self._polled_at < max(self.min_poll_s, budget_s) or (
+            left is not None and left < cost
+        ):
+            self._polling.release()
+            return self.version
+        max_reads = None if left is None else int(left) - cost
+        poll = threading.Thread(target=self._poll, args=(max_reads, cost), name="dashboard-poll", daemon=True)
+        poll.start()
+        poll.join(self.wait_s)
+        return self.version
+
+    def _requests_left(self) -> float | None:
+        """Requests this board may still send in the quota window (refilled at poll_budget per WINDOW_S);
+        None for a folder, which has no quota."""
+        if isinstance(self.reader.storage, LocalStorage):
+            return None
+        now = self.clock()
+        refill = (now - self._requests_at) * self.poll_budget / WINDOW_S
+        self._requests = min(float(self.poll_budget), self._requests + refill)
+        self._requests_at = now
+        return self._requests
+
+    def _poll(self, max_reads: int | None, cost: int) -> None:
         try:
-            storage = self.reader.storage
-            budget_s = 0.0 if storage.follows_changes else storage.poll_s  # a feed's news cost no request
-            if time.monotonic() - self._polled_at < max(self.min_poll_s, budget_s):
-                return self.version
             try:
-                fetched = self.reader.fetch()  # the slow part, outside self.lock
+                fetched = self.reader.fetch(max_reads)  # the slow part, outside self.lock
             except Exception as e:  # the root is unreadable: keep the last data and say why
-                self.error = redact(str(e)) or type(e).__name__
-                return self.version
+                error = redact(str(e)) or type(e).__name__
+                if error != self.error:  # said once, and again when it changes
+                    log.warning("cannot read %s: %s", self.root, error)
+                self.error = error
+                return
             finally:
-                self._polled_at = time.monotonic()
+                self._polled_at = self.clock()
+            self._requests -= cost + len(fetched)
             with self.lock:
                 poll = self.reader.apply(fetched)
+                if self.error:
+                    log.warning("reading %s again", self.root)
                 self.error, self.unread, self.read_at = None, poll.unread, time.time()
                 if not self._run_read and self.reader.trainer:
                     self._read_run()
                 if poll.records or poll.problems:
                     self.version += 1
-                return self.version
         finally:
             self._polling.release()
 
@@ -177,27 +230,73 @@ class Board:
 
 def build_figures(series: dict[str, Any], lora: dict | None = None) -> list[go.Figure]:
     """One figure per entry of PLOTS from TelemetryReader.series(), x = step (on a LoRA root, `lora`: the
-    adapter version of that step). Columns become numpy arrays: plotly ships those to the browser as binary,
-    which keeps refreshes of long runs fast."""
+    adapter version of that step), on one shared step axis. Columns become numpy arrays: plotly ships those to
+    the browser as binary, which keeps refreshes of long runs fast."""
     trainer = {k: np.asarray(v) for k, v in series["trainer"].items()}
     kind = trainer["kind"].astype(str)
-    delta, anchor = kind == "delta", kind == "anchor"
-    return [
+    delta, published = kind == "delta", kind != "skipped"
+    anchored = published & ((kind == "anchor") | (trainer["anchor_bytes"] > 0))
+    figures = [
         _density(trainer, delta),
-        _payload(trainer, delta, anchor, lora),
+        _payload(trainer, delta, anchored, lora),
         _staleness_seconds(series["replicas"]),
         _info_figure(trainer, "Staleness of trained rollouts (steps)", "versions behind", "staleness_steps"),
         _reward(trainer),
         _rollouts(trainer),
         _tokens(trainer),
-        _trainer_time(trainer, delta | anchor),
+        _trainer_time(trainer, published),
     ]
+    steps = [trainer["step"], *(np.asarray(r["step"]) for r in series["replicas"].values())]
+    axis = step_axis(np.concatenate(steps))
+    for figure in figures:
+        if figure.data:
+            figure.update_xaxes(**axis)
+    return figures
+
+
+def step_axis(steps: np.ndarray) -> dict[str, Any]:
+    """The x-axis all plots share, so that a step sits at the same place in each: the run's steps, whole
+    numbers only, about ten ticks (1-2-5 spacing)."""
+    lo, hi = (int(steps.min()), int(steps.max())) if len(steps) else (0, 1)
+    spacing = next(d for d in _one_two_five(1) if (hi - lo) / d <= 10)
+    return dict(range=[lo - 0.5, hi + 0.5], tick0=0, dtick=spacing, tickformat="d")
+
+
+def _one_two_five(start: float) -> Any:
+    """start, 2 start, 5 start, 10 start, 20 start, ... for ever."""
+    decade = start
+    while True:
+        yield from (decade, 2 * decade, 5 * decade)
+        decade *= 10
+
+
+def byte_ticks(values: np.ndarray) -> dict[str, Any]:
+    """A log axis for byte counts with labels one can read off: 1, 2 and 5 of each decade the values span
+    (every decade's 1 only, past four decades), in B, kB, MB, GB."""
+    positive = values[values > 0]
+    if not len(positive):
+        return {}
+    lo, hi = float(positive.min()) / 1.5, float(positive.max()) * 1.5
+    ticks = [v for v in _ticks_between(lo, hi) if lo <= v <= hi]
+    if math.log10(hi / lo) > 4:
+        ticks = [v for v in ticks if str(int(v)).startswith("1")]
+    labels = [format_bytes(v).replace(".0 ", " ") for v in ticks]
+    return dict(type="log", tickvals=ticks, ticktext=labels, range=[math.log10(lo), math.log10(hi)])
+
+
+def _ticks_between(lo: float, hi: float) -> list[float]:
+    ticks = []
+    for v in _one_two_five(10 ** math.floor(math.log10(lo))):
+        if v > hi:
+            return ticks
+        ticks.append(v)
+    return ticks
 
 
 def _figure(title: str, y_title: str, traces: list[go.Scatter], empty: str = "no data yet") -> go.Figure:
     fig = go.Figure([t for t in traces if len(t.x)])
     fig.update_layout(
-        title=title,
+        title=dict(text=title, font_size=15),
         height=340,
         margin=dict(l=60, r=20, t=40, b=70),
         legend=dict(orientation="h", y=-0.22, x=0, yanchor="top"),
@@ -224,24 +323,27 @@ def _density(trainer: dict[str, np.ndarray], delta: np.ndarray) -> go.Figure:
 
 
 def _payload(
-    trainer: dict[str, np.ndarray], delta: np.ndarray, anchor: np.ndarray, lora: dict | None
+    trainer: dict[str, np.ndarray], delta: np.ndarray, anchored: np.ndarray, lora: dict | None
 ) -> go.Figure:
-    what = "Payload per adapter version" if lora else "Payload"
-    if not (delta | anchor).any():
-        return _figure(f"{what} vs full bf16 model", "bytes (log)", [])
+    """Each step's delta and each anchor at its own size (a step may upload both), beside the full model."""
+    what = "Payload per adapter version" if lora else "Payload per step"
+    if not (delta | anchored).any():
+        return _figure(what, "bytes (log)", [])
     steps, payload, full = trainer["step"], trainer["payload_bytes"], trainer["full_bytes"]
-    ratio = np.divide(payload, full, out=np.zeros(len(full)), where=full > 0) * 100
-    published = delta | anchor
+    # An older publisher's anchor step carried the anchor in payload_bytes and had no delta.
+    anchor = np.where(trainer["anchor_bytes"] > 0, trainer["anchor_bytes"], payload)
+    ratio = lambda part: np.divide(part, full, out=np.zeros(len(full)), where=full > 0) * 100  # noqa: E731
+    published = delta | anchored
     hover = "%{y:.3s}B (%{customdata:.3f}% of full)<extra></extra>"
     traces = [
-        _line("delta", steps[delta], payload[delta], customdata=ratio[delta], hovertemplate=hover),
+        _line("delta", steps[delta], payload[delta], customdata=ratio(payload)[delta], hovertemplate=hover),
         go.Scatter(
             name="anchor",
-            x=steps[anchor],
-            y=payload[anchor],
+            x=steps[anchored],
+            y=anchor[anchored],
             mode="markers",
             marker_symbol="diamond",
-            customdata=ratio[anchor],
+            customdata=ratio(anchor)[anchored],
             hovertemplate=hover,
         ),
         _line(
@@ -252,17 +354,21 @@ def _payload(
             hovertemplate="%{y:.3s}B<extra></extra>",
         ),
     ]
+    shown = [payload[delta], anchor[anchored], full[published]]
     merged_steps, merged = _info(trainer, "merged_payload_bytes")
     if len(merged_steps):  # a LoRA run's trainer measured what the merged path would have published
         hover = "%{y:.3s}B<extra>merged path</extra>"
         traces.append(
             _line("merged path (measured)", merged_steps, merged, line_dash="dot", hovertemplate=hover)
         )
-    median = f"median delta {np.median(ratio[delta]):.3f}% of full" if delta.any() else "no deltas yet"
-    fig = _figure(f"{what} vs full bf16 model ({median})", "bytes (log)", traces)
+        shown.append(merged)
+    median = (
+        f"median delta {np.median(ratio(payload)[delta]):.3g}% of full" if delta.any() else "no deltas yet"
+    )
+    fig = _figure(f"{what} ({median})", "bytes (log)", traces)
     if lora:
         fig.update_xaxes(title=f"step (= adapter version {lora['name']}-v<step>)")
-    fig.update_yaxes(type="log", dtick=1, tickformat="~s", ticksuffix="B")  # one tick per decade
+    fig.update_yaxes(**byte_ticks(np.concatenate(shown).astype(float)))
     return fig
 
 
@@ -341,12 +447,41 @@ def _tokens(trainer: dict[str, np.ndarray]) -> go.Figure:
 
 def _trainer_time(trainer: dict[str, np.ndarray], published: np.ndarray) -> go.Figure:
     steps = trainer["step"]
-    traces = [
-        _line("blocked (training loop waited)", steps, trainer["blocked_s"]),
-        _line("encode", steps[published], trainer["encode_s"][published]),
-        _line("upload", steps[published], trainer["upload_s"][published]),
+    columns = [
+        ("blocked (training loop waited)", steps, trainer["blocked_s"]),
+        ("encode", steps[published], trainer["encode_s"][published]),
+        ("upload", steps[published], trainer["upload_s"][published]),
     ]
-    return _figure("Trainer time per step (s)", "seconds", traces)
+    fig = _figure("Trainer time per step (s)", "seconds", [_line(*column) for column in columns])
+    clip_outliers(fig, [(x, y) for _, x, y in columns])
+    return fig
+
+
+def clip_outliers(fig: go.Figure, columns: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """End the y-axis at OUTLIER_HEADROOM x the OUTLIER_QUANTILE-th percentile when a few points (a slow first
+    step: compiling, a cold cache) would flatten the rest; those points sit on the top edge as triangles that
+    show their value."""
+    values = np.concatenate([y for _, y in columns]).astype(float) if columns else np.zeros(0)
+    if not len(values):
+        return
+    top = float(np.percentile(values, OUTLIER_QUANTILE)) * OUTLIER_HEADROOM
+    if top <= 0 or values.max() <= top:
+        return
+    x = np.concatenate([x[y > top] for x, y in columns])
+    y = np.concatenate([y[y > top] for _, y in columns])
+    fig.add_trace(
+        go.Scatter(
+            name=f"above {top:.3g} s (clipped)",
+            x=x,
+            y=np.full(len(y), top),
+            customdata=y,
+            mode="markers",
+            marker=dict(symbol="triangle-up", size=10, color="crimson"),
+            cliponaxis=False,
+            hovertemplate="%{customdata:.3g} s<extra>clipped</extra>",
+        )
+    )
+    fig.update_yaxes(range=[0, top])
 
 
 # ------------------------------------------------------------------------------------------- text views
@@ -392,7 +527,10 @@ def headline_html(summary: dict[str, Any]) -> str:
             "Bytes saved",
             summary["bytes_saved"],
             format_bytes(summary["bytes_saved"]),
-            f"{saved * 100:.2f}% less than full uploads" if saved is not None else "",
+            f"{saved * 100:.2f}% less than full uploads ({format_bytes(summary['uploaded_bytes'])} uploaded, "
+            "anchors included)"
+            if saved is not None
+            else "",
         ),
         (
             "median-latency",
@@ -404,7 +542,7 @@ def headline_html(summary: dict[str, Any]) -> str:
     ]
     adapters = summary.get("adapters")
     if adapters:
-        cards += adapter_cards(adapters)
+        cards = cards[:1] + adapter_cards(summary, adapters) + cards[2:]
     return (
         '<div class="cards">'
         + "".join(
@@ -417,29 +555,58 @@ def headline_html(summary: dict[str, Any]) -> str:
     )
 
 
-def adapter_cards(adapters: dict[str, Any]) -> list[tuple[str, str, Any, str, str]]:
-    """A LoRA root's cards: its adapter versions, and the payload per version against the merged path."""
+def adapter_cards(summary: dict[str, Any], adapters: dict[str, Any]) -> list[tuple[str, str, Any, str, str]]:
+    """A LoRA root's cards, in place of the mean delta payload: its adapter versions, what one version costs
+    to publish (its upload: a delta, or an anchor of the whole adapter), and the merged path's per version."""
     versions = adapters["versions"]
     adapter, merged = adapters["mean_adapter_payload_bytes"], adapters["mean_merged_payload_bytes"]
+    per_version = summary["uploaded_bytes"] / summary["steps"] if summary["steps"] else None
     span = f"{versions[0]['version']} .. {versions[-1]['version']}" if versions else "none yet"
+    rank = adapters["lora"]["rank"]
     return [
         (
             "adapter-versions",
             "Adapter versions",
             len(versions),
             len(versions),
-            f"{span}, LoRA rank {adapters['lora']['rank']}",
+            f"{span}, LoRA rank {rank if rank is not None else 'not given'}",
+        ),
+        (
+            "version-cost",
+            "Per-version cost",
+            per_version,
+            format_bytes(per_version),
+            "mean upload per version (deltas and anchors); the whole adapter is "
+            + format_bytes(summary["full_bytes"]),
         ),
         (
             "merged-payload",
             "Merged path per version",
             merged,
             format_bytes(merged),
-            f"{merged / max(adapter, 1):.1f}x the adapter's {format_bytes(adapter)} (measured by the trainer)"
+            f"{merged / max(adapter, 1):.1f}x the adapter's {format_bytes(adapter)} per version "
+            "(the same versions, measured by the trainer)"
             if merged is not None and adapter is not None
             else "the trainer did not measure it (--measure_merged)",
         ),
     ]
+
+
+def density_markdown(summary: dict[str, Any]) -> str:
+    """One note beside the density plot when the run changes far more of its weights per step than RL runs of
+    real models do (a tiny demo model at a high learning rate), so that nobody reads it as the product's
+    regime; empty otherwise."""
+    density, numel = summary.get("mean_delta_density"), summary.get("numel")
+    if density is None or density <= DENSE:
+        return ""
+    return (
+        f"ⓘ **Why {density * 100:.0f}% of the elements change per step here:** this model "
+        f"({numel / 1e6:.1f}M parameters) trains at a learning rate far above RL's, so most updates move a "
+        "weight by more than half a bf16 step. RL runs of real models at RL learning rates change a few %: "
+        "docs/benchmarks.md measured 0.6-2.5% per step on all-MiniLM-L6-v2 (22.7M parameters, AdamW lr 1e-6 "
+        "to 3e-6) and 1.3% on a whole Qwen3-1.7B (lr 2.5e-7), where a delta is 0.3-1% of the "
+        "full model's bytes."
+    )
 
 
 def status_markdown(summary: dict[str, Any], refresh_s: float) -> str:
@@ -454,6 +621,13 @@ def status_markdown(summary: dict[str, Any], refresh_s: float) -> str:
     lines = []
     if not summary["steps"] and not summary["replicas"]:
         lines.append(f"**No run yet** at {root}: no telemetry records. This page updates by itself.")
+    elif summary["finished"]:
+        cadence = summary["step_interval_s"]
+        lines.append(
+            f"**Finished** at {root}: latest step {summary['latest_step']}, no new step for "
+            f"{fmt_seconds(summary['trainer_silent_s'])}"
+            + (f" (steps came every {fmt_seconds(cadence)})." if cadence is not None else ".")
+        )
     else:
         lines.append(f"**Live** at {root}: latest step {summary['latest_step']}.")
     if summary["read_at"]:
@@ -483,6 +657,11 @@ def status_markdown(summary: dict[str, Any], refresh_s: float) -> str:
                 f"⚠ Replica **{markdown_text(row['replica'])}** was rate limited until {_clock(until)} "
                 f"(its step {row['step']} waited for it)."
             )
+    if summary["unread_records"]:
+        lines.append(
+            f"Reading the run's history, newest first: {summary['unread_records']} records to go "
+            "(within POLL_BUDGET requests per 5 minutes); the numbers above lack them until then."
+        )
     if summary["problem_count"]:
         lines.append(f"⚠ {summary['problem_count']} invalid telemetry files skipped (listed below).")
     if summary["unread"]:
@@ -544,13 +723,15 @@ def markdown_text(text: str) -> str:
 
 def update(board: Board, shown: int, refresh_s: float) -> list:
     """One tick for a page that shows data version `shown`: poll, redraw the text views (they age), and send
-    the figures only if the data changed: [version, status, headline, replicas, problems, *figures]."""
+    the figures only if the data changed: [version, status, headline, density note, replicas, problems,
+    *figures]."""
     version = board.refresh()
     summary = board.summary()
     figures = board.figures() if version != shown else [gr.skip()] * len(PLOTS)
     texts = [
         status_markdown(summary, refresh_s),
         headline_html(summary),
+        density_markdown(summary),
         replicas_frame(summary),
         problems_markdown(board.problems()),
     ]
@@ -561,7 +742,7 @@ def build_app(
     root: str, refresh_s: float = 2.0, stale_after_s: float = 120.0, poll_budget: int = POLL_BUDGET
 ) -> FastAPI:
     """The JSON API and the Gradio UI (mounted at "/") over one Board."""
-    board = Board(root, stale_after_s, min_poll_s=refresh_s / 2, poll_budget=poll_budget)
+    board = Board(root, stale_after_s, refresh_s / 2, poll_budget, wait_s=REQUEST_WAIT_S)
     api = FastAPI(title="deltasync dashboard")
     api.add_middleware(BodyLimit, max_bytes=MAX_REQUEST_BYTES)
 
@@ -584,6 +765,7 @@ def build_app(
         gr.Markdown("# deltasync: sync health")
         status = gr.Markdown(elem_id="status")
         headline = gr.HTML(elem_id="headline")
+        density_note = gr.Markdown(elem_id="density-note")
         plots = []
         for left, right in zip(PLOTS[::2], PLOTS[1::2], strict=True):
             with gr.Row():
@@ -601,7 +783,7 @@ def build_app(
         shown_version = gr.State(-1)
         timer = gr.Timer(refresh_s)
 
-        outputs = [shown_version, status, headline, replicas, problems, *plots]
+        outputs = [shown_version, status, headline, density_note, replicas, problems, *plots]
         for event in (demo.load, timer.tick):
             event(
                 lambda shown: update(board, shown, refresh_s),

@@ -92,24 +92,30 @@ def write_run(storage: Storage, steps: range, t0: float, replicas=REPLICAS, seed
             )
 
 
+def uploaded(record: dict) -> int:
+    """What a trainer record's step uploaded: its delta, and an anchor beside it (older records: no field)."""
+    return record["payload_bytes"] + record.get("anchor_bytes", 0)
+
+
 def expected(storage: Storage) -> dict:
     """What the page should show, computed from the records on storage independently of the reader."""
     records = [json.loads(storage.read_bytes(p)) for p in storage.list("telemetry")]
     trainer = [r for r in records if "replica" not in r]
     published = [r for r in trainer if r["kind"] != "skipped"]
     deltas = [r for r in published if r["kind"] == "delta"]
+    anchored = [r for r in published if r["kind"] == "anchor" or r.get("anchor_bytes")]  # beside a delta too
     applied = [r for r in records if "replica" in r and r["verified"]]
     lags = sorted(r["applied_at"] - r["published_at"] for r in applied)
     mid = len(lags) // 2
     return {
         "steps": len(published),
         "mean_payload": sum(r["payload_bytes"] for r in deltas) / len(deltas),
-        "bytes_saved": sum(r["full_bytes"] - r["payload_bytes"] for r in published),
+        "bytes_saved": sum(r["full_bytes"] - uploaded(r) for r in published),
         "median_latency": lags[mid] if len(lags) % 2 else (lags[mid - 1] + lags[mid]) / 2,
         # points per plot, trace by trace (traces with no points are left out)
         "plots": {
             "density": [len(deltas)],
-            "payload": [len(deltas), len(published) - len(deltas), len(published)],
+            "payload": [len(deltas), len(anchored), len(published)],
             "staleness-seconds": [
                 *(sum(r.get("replica") == name for r in applied) for name in REPLICAS),
                 sum("replica" in r and not r["verified"] for r in records),
@@ -252,9 +258,10 @@ def test_summary_matches_records(tmp_path):
 
 
 def test_run_of_the_real_publisher_and_subscribers(tmp_path, dashboard):
-    """The dashboard reads what the real publisher and subscribers write, without a problem."""
+    """The dashboard reads what the real publisher and subscribers write, without a problem, and its bytes
+    saved are what the root's files say: every anchor and delta uploaded (anchors beside deltas too)."""
     torch = pytest.importorskip("torch")
-    from deltasync.sync.publisher import Publisher
+    from deltasync.sync.publisher import Publisher, PublisherConfig
     from deltasync.sync.subscriber import Subscriber
 
     g = torch.Generator().manual_seed(0)
@@ -263,7 +270,8 @@ def test_run_of_the_real_publisher_and_subscribers(tmp_path, dashboard):
         "model.b": 0.05 * torch.randn(64, generator=g),
     }
     subscribers = [Subscriber(tmp_path, replica=name) for name in REPLICAS]
-    with Publisher(tmp_path, model="tiny") as publisher:
+    config = PublisherConfig(anchor_every=3, keep_anchors=10)  # GC deletes nothing: the files are the uploads
+    with Publisher(tmp_path, model="tiny", config=config) as publisher:
         for step in range(8):
             for t in params.values():  # ~2% of the elements move by more than a bf16 step
                 t += (torch.rand(t.shape, generator=g) < 0.02) * t.abs().clamp_min(1e-3) * 0.05
@@ -277,6 +285,9 @@ def test_run_of_the_real_publisher_and_subscribers(tmp_path, dashboard):
     want = expected(reader.storage)
     assert summary["steps"] == want["steps"] == 8 and summary["latest_step"] == 7
     assert summary["bytes_saved"] == want["bytes_saved"] > 0
+    files = [p for folder in ("anchors", "deltas") for p in (tmp_path / folder).rglob("*") if p.is_file()]
+    assert summary["uploaded_bytes"] == sum(p.stat().st_size for p in files)
+    assert summary["anchors"] == len(list((tmp_path / "anchors").iterdir())) > 1
     assert [(r["step"], r["behind_steps"], r["applied"], r["status"]) for r in summary["replicas"]] == [
         (7, 0, 8, "ok")
     ] * len(REPLICAS)
@@ -394,13 +405,13 @@ def test_board_states(dashboard, tmp_path, monkeypatch):
 def test_board_polls_within_its_poll_budget_without_the_feed(dashboard, fake_hub, monkeypatch):
     fake_hub.feed = False  # not served: the board polls, each poll costing requests
     write_run(open_storage("hf://buckets/user/sync"), range(0, 2), time.time())
-    monkeypatch.setenv("POLL_BUDGET", "3")  # one poll per window
+    monkeypatch.setenv("POLL_BUDGET", "8")  # a poll every 112 s; the first one and its 6 reads fit
     cfg = dashboard.Settings()
     built = []
     monkeypatch.setattr(dashboard, "build_app", lambda *args: built.append(args))
     monkeypatch.setattr(dashboard, "serve", lambda *args, **kwargs: None)
     dashboard.main()
-    assert built[0][-1] == cfg.poll_budget == 3
+    assert built[0][-1] == cfg.poll_budget == 8
     board = dashboard.Board("hf://buckets/user/sync", poll_budget=cfg.poll_budget)
     board.refresh()
     eventually(lambda: not board.reader.storage.follows_changes)  # the feed was tried and is not served
@@ -473,7 +484,7 @@ def test_a_tick_over_records_with_thousands_of_info_keys_stays_bounded(dashboard
         info = {"reward_mean": 0.5} | {f"s{step}.k{i}": 1.0 for i in range(keys)}
         write(storage, TrainerRecord(step, "delta", 1e9 + step, 10, 1, 1, 2, 0.0, 0.0, 0.0, info=info))
     board = dashboard.Board(str(tmp_path))
-    version, status, _, _, problems, *figures = dashboard.update(board, -1, 2)
+    version, status, _, _, _, problems, *figures = dashboard.update(board, -1, 2)
     assert len(board.reader.trainer) == 200
     assert len(board.reader.problems) == 20 and "20 invalid telemetry files skipped" in status
     assert all("3001 keys, more than 64" in why for why in board.reader.problems.values())

@@ -8,15 +8,19 @@ start and whenever the feed lost its place. Elsewhere, listing `telemetry/` cost
 probe, with one `sizes()` call, the next few step names of each writer already known. Listings find the rest:
 new replicas, a replica that jumped ahead to an anchor, stray files. Records are untrusted: a bad one
 (malformed, huge, not a regular file) is skipped and reported in one line naming it, never fatal, and never
-blocks a poll.
+blocks a poll. A caller on a request quota passes `max_reads` to `fetch`: the newest records are read first
+and the rest over later polls (`backlog`), so a dashboard started on a long run shows its latest steps at once
+and never spends a window's quota in one poll.
 """
 
 from __future__ import annotations
 
 import collections
 import heapq
+import itertools
 import math
 import os
+import re
 import stat
 import statistics
 import time
@@ -46,6 +50,10 @@ LISTING_SHARE = 0.1
 PROBE_STEPS = 8  # next step names probed per writer; a faster writer is followed over successive polls
 SUMMARY_PROBLEMS = 50  # newest problems listed in summary(); all are in `problems`
 SERIES_REPLICAS = 64  # replicas in series(): those with the newest steps (a run has a handful)
+CADENCE_STEPS = 20  # the trainer's step cadence is the median interval of its last this many records
+FINISHED_AFTER_STEPS = 10  # a run with no new record for this many step intervals (and a minute) has stopped
+FINISHED_AFTER_MIN_S = 60.0
+STEP_NAME = re.compile(r"step-(\d+)\.json$")
 
 
 # What reading one file gave: the record and its size, a bad record, a failure to retry, or nothing (removed).
@@ -76,6 +84,7 @@ class TelemetryReader:
         self.problems: dict[str, str] = {}
         self._seen: set[str] = set()
         self._unread: set[str] = set()  # failed to read: retried on the next poll
+        self.backlog: list[str] = []  # found but not read yet (fetch's max_reads): read on later polls
         # A replica that refuses a step and then recovers rewrites that step's record: watch refusals' sizes.
         self._refused_sizes: dict[str, int] = {}
 
@@ -83,9 +92,10 @@ class TelemetryReader:
         """Read the records written since the last poll. Raises TransientStorageError if the storage fails."""
         return self.apply(self.fetch())
 
-    def fetch(self) -> list[tuple[str, Read]]:
-        """poll()'s I/O: the new files and what reading each gave. It changes no records, so other threads may
-        read them meanwhile (a slow bucket blocks no one); one thread at a time fetches and applies."""
+    def fetch(self, max_reads: int | None = None) -> list[tuple[str, Read]]:
+        """poll()'s I/O: the new files and what reading each gave, at most `max_reads` of them (the newest
+        steps first; None: all). It changes no records, so other threads may read them meanwhile (a slow
+        bucket blocks no one); one thread at a time fetches and applies."""
         paths, probes = [], []
         start = time.monotonic()
         changed = self.storage.changes(TELEMETRY_DIR)
@@ -105,8 +115,13 @@ class TelemetryReader:
             sizes = self.storage.sizes(probes + list(self._refused_sizes))
             paths += [p for p in probes if sizes[p] is not None]
             paths += [p for p, size in self._refused_sizes.items() if sizes[p] not in (None, size)]
-        paths = list(dict.fromkeys([*self._unread, *paths]))
+        paths = list(dict.fromkeys([*self._unread, *self.backlog, *paths]))
         self._unread.clear()
+        if max_reads is not None and len(paths) > max_reads:
+            paths.sort(key=_step_of_name, reverse=True)
+            paths, self.backlog = paths[:max_reads], paths[max_reads:]
+        else:
+            self.backlog = []
         if self.readers > 1 and len(paths) > 1:
             with ThreadPoolExecutor(min(self.readers, len(paths))) as pool:
                 return list(zip(paths, pool.map(self._read, paths), strict=True))
@@ -195,6 +210,7 @@ class TelemetryReader:
                 "changed": [r.changed for r in trainer],
                 "numel": [r.numel for r in trainer],
                 "payload_bytes": [r.payload_bytes for r in trainer],
+                "anchor_bytes": [r.anchor_bytes for r in trainer],
                 "full_bytes": [r.full_bytes for r in trainer],
                 "encode_s": [r.encode_s for r in trainer],
                 "upload_s": [r.upload_s for r in trainer],
@@ -219,35 +235,52 @@ class TelemetryReader:
 
     def summary(self, now: float, stale_after_s: float = 120.0) -> dict[str, Any]:
         """Headline numbers and one row per replica. A replica behind the newest step that has not reported
-        for `stale_after_s` seconds is marked as stopped reporting."""
+        for `stale_after_s` seconds is marked as stopped reporting; the run is `finished` once the trainer
+        wrote nothing for FINISHED_AFTER_STEPS of its step intervals (and at least FINISHED_AFTER_MIN_S)."""
         published = [r for r in self.trainer.values() if r.kind != "skipped"]
         deltas = [r for r in published if r.kind == "delta"]
         head = max((r.step for r in published), default=None)
         latencies = [r.lag_s for steps in self.replicas.values() for r in steps.values() if r.verified]
-        uploaded = sum(r.payload_bytes for r in published)
+        uploaded = sum(r.uploaded_bytes for r in published)  # an anchor step's delta and anchor both count
         full = sum(r.full_bytes for r in published)
+        # A replica may report a step before the trainer's record of it is read: nobody is behind by < 0.
+        newest = max([head if head is not None else -1, *(max(s) for s in self.replicas.values())])
+        cadence = self._cadence_s()
+        last = max((r.published_at for r in self.trainer.values()), default=None)
+        silent_s = now - last if last is not None else None
+        finished_after_s = max(FINISHED_AFTER_MIN_S, FINISHED_AFTER_STEPS * (cadence or 0.0))
         return {
             "root": self.storage.url,
             "rate_limited_until": self.storage.rate_limited_until,  # this reader's own requests are refused
             "steps": len(published),
             "latest_step": head,
-            "anchors": len(published) - len(deltas),
+            "anchors": sum(r.anchored for r in published),
             "skipped_steps": len(self.trainer) - len(published),
             "full_bytes": max(published, key=lambda r: r.step).full_bytes if published else None,
             "mean_delta_payload_bytes": statistics.fmean(r.payload_bytes for r in deltas) if deltas else None,
             "mean_delta_density": statistics.fmean(r.density for r in deltas) if deltas else None,
+            "numel": max(published, key=lambda r: r.step).numel if published else None,
             "uploaded_bytes": uploaded,
             "bytes_saved": full - uploaded,  # against uploading the full bf16 model at every published step
             "saved_fraction": (full - uploaded) / full if full else None,
             "median_sync_latency_s": statistics.median(latencies) if latencies else None,
             "verified_applies": len(latencies),
+            "step_interval_s": cadence,
+            "trainer_silent_s": silent_s,
+            "finished": silent_s is not None and silent_s > finished_after_s,
+            "unread_records": len(self.backlog),  # found, not read yet: the numbers above lack them
             "replicas": [
-                _replica_row(name, records, head, now, stale_after_s)
+                _replica_row(name, records, newest if newest >= 0 else None, now, stale_after_s)
                 for name, records in sorted(self.replicas.items())
             ],
             "problems": list(self.problems.values())[-SUMMARY_PROBLEMS:],  # each line names its file
             "problem_count": len(self.problems),
         }
+
+    def _cadence_s(self) -> float | None:
+        """The median interval between the trainer's last CADENCE_STEPS records (None: fewer than two)."""
+        times = sorted(r.published_at for r in self.trainer.values())[-CADENCE_STEPS:]
+        return statistics.median(b - a for a, b in itertools.pairwise(times)) if len(times) > 1 else None
 
     def adapter_summary(self, lora: Mapping[str, Any]) -> dict[str, Any]:
         """For a LoRA root (`lora`: its run.json's `lora`): each published step's adapter version and payload
@@ -258,18 +291,19 @@ class TelemetryReader:
         published = [self.trainer[s] for s in sorted(self.trainer) if self.trainer[s].kind != "skipped"]
         compared = [r for r in published if "merged_payload_bytes" in r.info]
         replicas = sorted(self.replicas.items())
+        rank = lora["adapter_config"].get("r")  # run.json is untrusted: PEFT's config may lack it
         return {
-            "lora": {"name": lora["name"], "rank": lora["adapter_config"]["r"]},
+            "lora": {"name": lora["name"], "rank": rank if isinstance(rank, int) else None},
             "versions": [
                 {
                     "version": adapter_name(lora["name"], r.step),
-                    "kind": r.kind,
-                    "payload_bytes": r.payload_bytes,
+                    "kind": "anchor" if r.anchored else "delta",
+                    "payload_bytes": r.uploaded_bytes,
                     "merged_payload_bytes": r.info.get("merged_payload_bytes"),
                 }
                 for r in published
             ],
-            "mean_adapter_payload_bytes": statistics.fmean(r.payload_bytes for r in compared)
+            "mean_adapter_payload_bytes": statistics.fmean(r.uploaded_bytes for r in compared)
             if compared
             else None,
             "mean_merged_payload_bytes": (
@@ -303,6 +337,12 @@ def _check(record: TrainerRecord | ReplicaRecord, path: str) -> None:
         raise RecordError(f"{path}: changed {record.changed} outside [0, numel {record.numel}]")
     if record.payload_bytes < 0 or getattr(record, "full_bytes", 0) < 0:
         raise RecordError(f"{path}: negative byte count")
+
+
+def _step_of_name(path: str) -> int:
+    """The step a record's file name gives (-1 for any other name): newest first."""
+    match = STEP_NAME.search(path)
+    return int(match[1]) if match else -1
 
 
 def _finite(value: float | None) -> float | None:
