@@ -17,7 +17,7 @@ from deltasync.sync import claim as claim_module
 from deltasync.sync import protocol
 from deltasync.sync.claim import WRITER_PATH
 from deltasync.sync.publisher import Publisher, PublisherConfig
-from deltasync.sync.subscriber import Subscriber
+from deltasync.sync.subscriber import Subscriber, SyncError
 from tests.deltasync.sync.test_single_writer import Stalling
 from tests.helpers import bf16, bitwise_equal, delta_file, make_params, run_steps, train_step
 
@@ -139,7 +139,9 @@ def test_a_bad_last_delta_does_not_lock_the_root(tmp_path, caplog):
     run_steps(tmp_path, 4)
     corrupt_last_delta(tmp_path, 3)
     replica = Subscriber(tmp_path)
-    replica.sync(2)
+    with pytest.raises(SyncError, match="refused delta of step 3"):
+        replica.sync()
+    assert replica.step == 2  # its last good step, until the next anchor
     params = make_params(seed=5)
     caplog.set_level(logging.WARNING, logger="deltasync.sync.publisher")
     with Publisher(tmp_path) as restarted:  # a restarted trainer
