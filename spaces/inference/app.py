@@ -9,7 +9,7 @@ process through the engine client's public weight-update methods by the same fol
 Configuration, from the environment:
     MODEL              HF id or local folder: the weights at the run's first anchor (required)
     SYNC_ROOT          local folder or hf://buckets/<namespace>/<name>[/prefix] (required)
-    HOST, PORT         0.0.0.0, 7860
+    HOST, PORT         where to listen: 0.0.0.0 in a Space (SPACE_ID set), else 127.0.0.1; 7860
     API_TOKEN          bearer token for /v1/* and /inference/*, and the front page's password (unset: open)
     HF_TOKEN           read by huggingface_hub for the model and the bucket; this app never logs it
     REPLICA_ID         this replica's name in telemetry (default: stable per Space, else per host)
@@ -72,7 +72,7 @@ import psutil
 import torch
 import uvicorn
 from fastapi import Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import REGISTRY
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -100,6 +100,7 @@ from deltasync.vllm.headers import WeightVersionHeaders
 from deltasync.vllm.lora import RESOLVER, ROOT_ENV, DeltasyncLoRAResolver, register_resolver
 
 log = logging.getLogger("deltasync.inference")
+LORA_RANKS: tuple[int, ...] = get_args(MaxLoRARanks)  # the --max-lora-rank values vLLM accepts
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 PUBLIC_ROUTES = {
     "/health",
@@ -118,10 +119,12 @@ class Settings(BaseSettings):
 
     model: str
     sync_root: str
-    host: str = "0.0.0.0"
+    space_id: str = ""  # set by the Hub in a Space
+    # A Space is reached through the Hub's proxy; anywhere else, listening on every interface would open an
+    # endpoint without a token to the network unasked.
+    host: str = Field(default_factory=lambda data: "0.0.0.0" if data["space_id"] else "127.0.0.1")
     port: int = 7860
     api_token: SecretStr | None = None
-    space_id: str = ""  # set by the Hub in a Space
     replica_id: str = Field(default_factory=lambda data: default_replica_id(data["space_id"]))
     served_model_name: str = ""
     poll_s: float = 1.0
@@ -130,7 +133,8 @@ class Settings(BaseSettings):
     max_request_bytes: int = 4 << 20
     kv_on_update: KvPolicy = "keep"
     engine_args: str = ""
-    max_lora_rank: int = 0  # > 0: serve a LoRA root, whatever run.json says (or does not yet) at start
+    # > 0: serve a LoRA root, whatever run.json says (or does not yet) at start
+    max_lora_rank: int = Field(0, ge=0, le=max(LORA_RANKS))
 
     @property
     def served_names(self) -> list[str]:
@@ -230,12 +234,20 @@ class VersionSalt:
             request = json.loads(body)
         except ValueError:
             request = None  # vLLM answers it with its own error
+        except RecursionError:  # nested deeper than Python's stack: vLLM's parser would fail the same way
+            return await bad_request("the request body's JSON is nested too deeply")(scope, receive, send)
         if isinstance(request, dict):
             request["cache_salt"] = version_salt(self.version(), request.get("cache_salt"))
             body = json.dumps(request).encode()
             scope = {**scope, "headers": _with_length(scope["headers"], len(body))}
         replayed = _replay([{"type": "http.request", "body": body, "more_body": False}], receive)
         await self.app(scope, replayed, send)
+
+
+def bad_request(message: str) -> JSONResponse:
+    """A 400 in the shape of vLLM's own errors."""
+    error = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+    return JSONResponse({"error": error}, status_code=400)
 
 
 def version_salt(version: str, salt: object) -> str:
@@ -360,7 +372,7 @@ def server_args(cfg: Settings, lora: dict | None = None):
     """vLLM's arguments; `lora`: the root's `RunInfo.lora` (a LoRA root), which turns LoRA serving on."""
     argv = ["--model", cfg.model, "--dtype", "bfloat16", "--served-model-name", *cfg.served_names]
     if lora is not None:  # room for the versions rollouts may still name (TRL's max_staleness 4, plus 1)
-        rank = min(r for r in get_args(MaxLoRARanks) if r >= max(cfg.max_lora_rank, lora_rank(lora)))
+        rank = served_rank(cfg.max_lora_rank, lora_rank(lora))
         argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(MAX_LORAS)]
     argv += ["--weight-transfer-config", json.dumps({"backend": "deltasync"}), "--disable-fastapi-docs"]
     argv += ["--enable-scale-out"]  # for /inference/v1/generate; the other scale-out routes are dropped
@@ -412,6 +424,10 @@ def lora_of(cfg: Settings) -> dict | None:
     except FileNotFoundError:
         return {} if cfg.max_lora_rank else None
     where = redact(cfg.sync_root)
+    if run.lora is not None:
+        served_rank(
+            cfg.max_lora_rank, lora_rank(run.lora, where), where
+        )  # one line now if vLLM cannot serve it
     if cfg.max_lora_rank and run.lora is None:
         raise SystemExit(
             f"MAX_LORA_RANK is set, but {where} holds full weights of {run.model}, not an adapter"
@@ -423,9 +439,25 @@ def lora_of(cfg: Settings) -> dict | None:
     return run.lora
 
 
-def lora_rank(lora: dict) -> int:
-    """The rank of a LoRA root's adapter ({}: MAX_LORA_RANK's root, not written yet, counts as 0)."""
-    return int(lora.get("adapter_config", {}).get("r", 0))
+def lora_rank(lora: dict, where: str = "the root") -> int:
+    """The rank of a LoRA root's adapter ({}: MAX_LORA_RANK's root, not written yet, counts as 0); SystemExit
+    with one line when its adapter_config holds no rank."""
+    rank = lora.get("adapter_config", {}).get("r", 0)
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise SystemExit(
+            f"{where} holds an adapter whose adapter_config says r {str(rank)[:40]!r}: not a rank"
+        )
+    return rank
+
+
+def served_rank(max_lora_rank: int, rank: int, where: str = "the root") -> int:
+    """vLLM's --max-lora-rank for an adapter of `rank` and MAX_LORA_RANK (at most LORA_RANKS' largest): the
+    least vLLM offers that holds both; SystemExit with one line when the adapter's is above them all."""
+    if rank > max(LORA_RANKS):
+        raise SystemExit(
+            f"{where} holds an adapter of rank {rank}, above the largest vLLM serves ({max(LORA_RANKS)})"
+        )
+    return min(r for r in LORA_RANKS if r >= max(max_lora_rank, rank))
 
 
 def lora_status(cfg: Settings, resolver: DeltasyncLoRAResolver, in_flight: InFlight, args) -> dict:

@@ -1,6 +1,6 @@
-"""The inference app's settings and /health without an engine: POLL_BUDGET reaches its storage, and /health
-says "rate limited until T" while the Hub refuses the replica, still 200 (it serves), with vLLM's 503 kept.
-Imports the app (and so vLLM) but starts no engine."""
+"""The inference app's settings and /health without an engine: POLL_BUDGET reaches its storage, HOST is
+loopback outside a Space, and /health says "rate limited until T" while the Hub refuses the replica, still
+200 (it serves), with vLLM's 503 kept. Imports the app (and so vLLM) but starts no engine."""
 
 import time
 
@@ -16,6 +16,19 @@ def test_poll_budget_is_read_from_the_environment(app, monkeypatch):
     assert app.Settings().poll_budget == 1000
     monkeypatch.setenv("POLL_BUDGET", "30")
     assert app.Settings().poll_budget == 30
+
+
+@pytest.mark.parametrize(("space_id", "host"), [(None, "127.0.0.1"), ("me/replica", "0.0.0.0")])
+def test_only_a_space_listens_on_every_interface_unless_told(app, monkeypatch, space_id, host):
+    monkeypatch.setenv("MODEL", "tiny")
+    monkeypatch.setenv("SYNC_ROOT", "hf://buckets/user/sync")
+    if space_id:
+        monkeypatch.setenv("SPACE_ID", space_id)
+    else:
+        monkeypatch.delenv("SPACE_ID", raising=False)
+    assert app.Settings().host == host
+    monkeypatch.setenv("HOST", "::1")
+    assert app.Settings().host == "::1"
 
 
 @pytest.mark.parametrize("engine_status", [200, 503])

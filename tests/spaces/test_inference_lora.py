@@ -39,3 +39,25 @@ def test_run_json_decides_without_the_setting_and_must_agree_with_it(app, model,
     publish(tmp_path / "full")
     with pytest.raises(SystemExit, match="MAX_LORA_RANK is set, but .* holds full weights of tiny"):
         app.lora_of(settings(app, model, tmp_path / "full", max_lora_rank=16))
+
+
+@pytest.mark.parametrize(
+    ("r", "line"),
+    [
+        (1024, r"holds an adapter of rank 1024, above the largest vLLM serves \(512\)$"),
+        ("sixteen", "holds an adapter whose adapter_config says r 'sixteen': not a rank$"),
+        (None, "holds an adapter whose adapter_config says r 'None': not a rank$"),
+    ],
+)
+def test_an_adapter_vllm_cannot_serve_stops_the_space_with_one_line(app, model, tmp_path, r, line):
+    publish(tmp_path, {"name": "policy", "adapter_config": {"r": r}})
+    with pytest.raises(SystemExit, match=line):
+        app.lora_of(settings(app, model, tmp_path))
+
+
+def test_a_max_lora_rank_above_vllms_stops_the_space_with_one_line(app, model, tmp_path, monkeypatch):
+    monkeypatch.setenv("MODEL", str(model))
+    monkeypatch.setenv("SYNC_ROOT", str(tmp_path))
+    monkeypatch.setenv("MAX_LORA_RANK", "1024")
+    with pytest.raises(SystemExit, match="^bad configuration .*MAX_LORA_RANK: .*512$"):
+        app.from_env(app.Settings)
