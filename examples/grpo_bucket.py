@@ -1,6 +1,7 @@
 """GRPO on a task of your own (sums, checked exactly) with TRL's AsyncGRPOTrainer. Every step goes to a sync
 root that vLLM replicas follow (the inference Space, or `deltasync follow` beside a vLLM server); rollouts
-are sampled from those replicas. One log line per published step: "published step N (x kB, y% changed)".
+are sampled from those replicas. Two log lines per step: "published step N (x kB, y% changed)" and the
+step's mean reward; TRL's full metrics go to <output_dir>/metrics.jsonl.
 
 On a GPU, against replicas that serve Qwen/Qwen3-0.6B and follow hf://buckets/me/sums:
 
@@ -26,17 +27,25 @@ With `--lora_r 8` it trains a LoRA adapter: each step publishes the adapter alon
 `--enable-lora` and DELTASYNC_LORA_ROOT set to the root) serve each step N as the adapter `policy-vN`.
 """
 
+import json
 import logging
 import random
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PrinterCallback, ProgressCallback, TrainerCallback
 from trl import TrlParser
 
-import deltasync.trl as ds
+# Here, not in main(): TRL's spawned rollout worker runs this module's top level before it imports TRL's async
+# trainer (and with it vLLM). TRL 1.16 warns that it was tested with vLLM <= 0.31 (its rollouts only talk HTTP
+# to vLLM's OpenAI server, which vllm 0.32 serves unchanged); vLLM notes on a CPU that its Triton has no CPU
+# backend, which nothing here uses.
+warnings.filterwarnings("ignore", "TRL currently supports vLLM versions", UserWarning)
+logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
+log = logging.getLogger("grpo_bucket")
 
 
 @dataclass
@@ -66,18 +75,29 @@ def brief(completions: list[list[dict]], **kwargs) -> list[float]:
     return [0.2 * max(0.0, 1 - max(0, len(c[-1]["content"].strip()) - 3) / 100) for c in completions]
 
 
+class StepLine(TrainerCallback):
+    """One short line per step instead of TRL's printed metrics dict, which goes to metrics.jsonl whole."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        with (Path(args.output_dir) / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+        if "reward" in logs:
+            log.info("step %d: reward %.3f", state.global_step, logs["reward"])
+
+
 def main() -> None:
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("deltasync").setLevel(logging.INFO)  # one line per published step
-    # TRL 1.16 warns that it was tested with vLLM <= 0.31; its rollouts only talk HTTP to vLLM's OpenAI
-    # server, which vllm 0.32 serves unchanged. deltasync.trl imported TRL's async GRPO quietly; this covers
-    # the rest.
-    warnings.filterwarnings("ignore", "TRL currently supports vLLM versions", UserWarning)
+    for name in ("deltasync", "grpo_bucket"):  # a line per published step, one per trained step
+        logging.getLogger(name).setLevel(logging.INFO)
     # TRL's trainer adds two StepIntervalCallbacks (weight sync, metrics); transformers warns of the second.
     logging.getLogger("transformers.trainer_callback").addFilter(
         lambda record: "StepIntervalCallback" not in record.getMessage()
     )
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    import deltasync.trl as ds
 
     ours, args = TrlParser((BucketArguments, AsyncGRPOConfig)).parse_args_and_config()
     ds.apply_cpu_shims("cuda" if torch.cuda.is_available() and not args.use_cpu else "cpu")
@@ -93,7 +113,11 @@ def main() -> None:
     trainer = AsyncGRPOTrainer(
         model=name, reward_funcs=[exact_sum, brief], args=args, weight_transfer=transfer, peft_config=lora,
         train_dataset=sums(ours.num_prompts, args.seed), processing_class=AutoTokenizer.from_pretrained(name),
+        callbacks=[StepLine()],
     )  # fmt: skip
+    for printer in (PrinterCallback, ProgressCallback):  # each prints the whole metrics dict every step
+        trainer.remove_callback(printer)
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     if trainer.accelerator.is_main_process:  # nothing is published unless all is usable
         schema = ds.schema_of(trainer.model, adapter=lora is not None)
         ds.check_or_exit(ours.sync_root, schema, name, urls, lora_rank=ours.lora_r)

@@ -66,9 +66,14 @@ def run_example(model: Path, root: Path, url: str, out: Path, *flags: str, scrip
 
 
 def assert_each_step_logged_and_trained(log: str, root: Path) -> None:
-    """One deltasync line per published step, no TRL version-range warning, TRL's rollout worker gone at the
-    end without being killed; every delta changed weights."""
+    """One deltasync line and one reward line per step, no TRL version-range warning, no Triton notice, no
+    metrics dict (TRL's go to metrics.jsonl), TRL's rollout worker gone at the end without being killed; every
+    delta changed weights."""
     assert "TRL currently supports vLLM" not in log and "Child did not exit" not in log, log[-5000:]
+    lines = log.splitlines()
+    assert "Triton" not in log and not any(line.startswith("{'") for line in lines), log[-5000:]
+    rewards = [line.split("step ")[1].split(":")[0] for line in lines if "grpo_bucket: step" in line]
+    assert rewards == [str(step) for step in range(1, STEPS + 1)], log[-5000:]
     published = [line for line in log.splitlines() if "deltasync.sync.publisher: published step" in line]
     assert [line.split("published step ")[1].split(" ")[0] for line in published] == ["0", "1", "2"], log
     for step in range(1, STEPS + 1):
