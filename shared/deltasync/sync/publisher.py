@@ -188,7 +188,7 @@ class Publisher:
         start = time.perf_counter()
         params = dict(params.items() if isinstance(params, Mapping) else params)
         require_floats(params, where)
-        problem = telemetry.info_problem(info or {}) or _info_values_problem(info or {})
+        problem = info_problem(info or {})
         if problem:  # else every dashboard would skip the step's record, or the worker fail on it
             raise ValueError(f"{where}: info {problem}")
         chosen = check_step(self.last_step + 1 if step is None else step, where)
@@ -563,9 +563,13 @@ def require_floats(tensors: Mapping[str, torch.Tensor], where: str) -> None:
             raise ValueError(f"{where}: {name} is {t.dtype}: only float weights can be published (as bf16)")
 
 
-def _info_values_problem(info: Mapping[str, Any]) -> str | None:
-    """Why a trainer record could not carry `info`'s values: each must be an int or a float (NaN and infinity
-    included: readers show a diverged number as a gap), not a bool, a tensor or a string."""
+def info_problem(info: Mapping[str, Any]) -> str | None:
+    """Why a trainer record could not carry `info`, or None: telemetry's rules, and every value an int or a
+    float (NaN and infinity included: readers show a diverged number as a gap), not a bool, a tensor or a
+    string."""
+    problem = telemetry.info_problem(info)
+    if problem:
+        return problem
     for key, value in info.items():
         number = isinstance(value, int | float) and not isinstance(value, bool)
         if not number or (isinstance(value, int) and abs(value) > telemetry.MAX_MAGNITUDE):

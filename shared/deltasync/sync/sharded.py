@@ -40,14 +40,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from deltasync import telemetry
 from deltasync.codec import fingerprint
 from deltasync.codec.changes import TensorChanges
 from deltasync.codec.patch import Patch, encode, window_changes
 from deltasync.errors import EXPECTED
 from deltasync.storage import Storage, open_storage, retry
 from deltasync.sync.protocol import delta_paths
-from deltasync.sync.publisher import Publisher, PublisherConfig, StoredDelta, keeps_on_device
+from deltasync.sync.publisher import Publisher, PublisherConfig, StoredDelta, info_problem, keeps_on_device
 from deltasync.sync.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -153,7 +152,7 @@ class ShardedPublisher:
         then stops with the cause, instead of the ranks publishing from then on a step apart."""
         start = time.perf_counter()
         try:
-            problem = telemetry.info_problem(info or {})
+            problem = info_problem(info or {})
             if problem:  # here, on every rank, rather than from the writer's Publisher a step later
                 raise ValueError(f"publish(): info {problem}")
             parts = {}
