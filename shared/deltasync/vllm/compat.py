@@ -18,7 +18,8 @@
   the multiprocess executor wraps a worker's error as `Worker failed with error '<error>', please check the
   stack trace above for the root cause` (`worker_error` unwraps it), and a worker refuses
   `finish_weight_update` outside an update with `finish_weight_update called without a matching
-  start_weight_update.` (`update_not_open`).
+  start_weight_update.` (`update_not_open`). So does our engine's refusal of any update before it is
+  initialized (`NOT_INITIALIZED`: a server that restarted).
 - `vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`: on CPUs with oneDNN (AVX-512) or AMX,
   vLLM runs linear layers from packed copies made at load time and frees the parameters, so an in-place write
   could never reach the compute. `keep_live_cpu_weights` wraps it so that, only in a server whose
@@ -42,6 +43,7 @@ BACKEND = "deltasync"
 
 WORKER_FAILED = re.compile(r"Worker failed with error '(.*)', please check the", re.S)
 UPDATE_NOT_OPEN = "finish_weight_update called without a matching start_weight_update"
+NOT_INITIALIZED = "deltasync engine not initialized: POST /init_weight_transfer_engine first"
 
 
 def worker_error(text: str) -> str:

@@ -201,7 +201,7 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
 
     def receive_weights(self, update_info: DeltasyncUpdateInfo) -> None:
         if self.layout is None:
-            raise ValueError("deltasync engine not initialized: POST /init_weight_transfer_engine first")
+            raise ValueError(compat.NOT_INITIALIZED)
         try:
             self._receive(update_info)
         except (ValueError, RankFailed) as e:
@@ -293,7 +293,7 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
 
     def _ready(self) -> Layout:
         if self.layout is None:
-            raise ValueError("deltasync engine not initialized: POST /init_weight_transfer_engine first")
+            raise ValueError(compat.NOT_INITIALIZED)
         return self.layout
 
     def _decode_delta(self, info: DeltasyncUpdateInfo) -> dict[str, TensorChanges]:

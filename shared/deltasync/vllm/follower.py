@@ -360,6 +360,8 @@ class EngineApplier(FileApplier):
             # part written: only an anchor restores the weights.
             self.stuck |= written > 0 or "torn" in report
             self._close_refused_update()
+            if compat.NOT_INITIALIZED in str(e):  # a server restarted on its own weights: the next try works
+                self.engine.init({"root": self.root, "write": self.write})
             if pause and not self.stuck:
                 self.engine.resume()
             elif self.stuck:

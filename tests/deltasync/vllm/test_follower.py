@@ -41,9 +41,15 @@ class FakeEngine:
         self.version: str | None = None
         self.refuse: str | None = None
         self.tear: str | None = None
+        self.initialized = False
 
     def init(self, init_info):
         self.calls.append("init")
+        self.initialized = True
+
+    def restart(self):
+        """A server started again: its model folder's weights, the engine not initialized."""
+        self.state, self.initialized, self.active, self.paused = {}, False, False, False
 
     def pause(self):
         self.calls.append("pause")
@@ -61,6 +67,9 @@ class FakeEngine:
 
     def update(self, info):
         self.calls.append(f"update {info['kind']}")
+        if not self.initialized:
+            self.active = False
+            raise WriteRefused("deltasync engine not initialized: POST /init_weight_transfer_engine first")
         if self.refuse:
             self.active = False
             if self.refuse.startswith("bad file") and info.get("report"):  # as the workers report it
@@ -176,6 +185,19 @@ def test_a_write_left_in_part_keeps_generation_paused_until_an_anchor_loads(foll
     subscriber.sync()  # from the anchor again
     assert engine.calls.index("update anchor") < engine.calls.index("resume")
     assert not engine.paused and not applier.stuck and engine.version == "2"
+    assert_bitwise_equal(engine.state, states[-1])
+
+
+def test_a_server_that_restarted_is_initialized_again_and_reloaded(followed):
+    states, engine, applier, subscriber = followed
+    subscriber.sync(1)
+    engine.restart()
+    engine.calls.clear()
+    with pytest.raises(SyncError, match="not initialized"):
+        subscriber.sync()
+    assert engine.calls[-1] == "init" and not applier.stuck
+    subscriber.sync()  # from the anchor: the restarted server holds its model folder's weights
+    assert "update anchor" in engine.calls and not engine.paused
     assert_bitwise_equal(engine.state, states[-1])
 
 
