@@ -81,7 +81,7 @@ class DeltasyncLoRAResolver(LoRAResolver):
             return None
         try:
             path = await asyncio.to_thread(self.fetch, base_model_name, match[1], int(match[2]))
-        except Refused as e:
+        except (Refused, OSError) as e:  # OSError: the cache's disk (full, unwritable)
             self.last_error = f"LoRA adapter {lora_name:.160}: {e}"  # no newline: VERSIONED took it
             log.warning("%s", self.last_error)
             return None

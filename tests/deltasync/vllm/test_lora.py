@@ -196,3 +196,11 @@ def test_the_cache_keeps_the_folders_last_used_and_nothing_it_did_not_write(tmp_
 def test_a_keep_setting_that_is_no_count_stops_with_one_line(value):
     with pytest.raises(SystemExit, match="DELTASYNC_LORA_KEEP"):
         keep_setting(value)
+
+
+def test_a_cache_that_cannot_be_written_resolves_to_nothing_with_one_line(tmp_path):
+    publish(tmp_path / "root", 1)
+    (tmp_path / "cache").write_text("a file, not a folder")
+    resolver = DeltasyncLoRAResolver(str(tmp_path / "root"), tmp_path / "cache")
+    assert resolve(resolver, f"{NAME}-v0") is None
+    assert "Not a directory" in resolver.last_error and "\n" not in resolver.last_error
