@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import math
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -30,6 +31,9 @@ from deltasync.sync.config import ANCHOR_ENCODINGS, PublisherConfig
 
 if TYPE_CHECKING:
     import torch
+
+    from deltasync.storage import Storage
+    from deltasync.sync.protocol import Head
 
 # The commands import what they use when they run: `--version` and `--help` import no torch.
 
@@ -83,8 +87,9 @@ def naming(path: Path) -> Iterator[None]:
 
 @contextmanager
 def compile_notice() -> Iterator[None]:
-    """Inside this block, say so on stderr when numba starts compiling: its cache lacks the codec's kernels
-    (the first run after an install), and the command would otherwise sit silent for seconds."""
+    """Inside this block, say so on stderr, once, when numba starts compiling: its cache lacks the kernels
+    this command runs (each command's first run after an install), and it would otherwise sit silent for
+    seconds. A cached kernel compiles nothing, so says nothing."""
     from numba.core import event  # numba only for the commands that run the codec
 
     class Notice(event.Listener):
@@ -94,7 +99,8 @@ def compile_notice() -> Iterator[None]:
             if not self.said:  # one line, however many kernels follow
                 self.said = True
                 print(
-                    "deltasync: compiling the codec's kernels (once per install, ~10 s)...", file=sys.stderr
+                    "deltasync: compiling the codec's kernels for this command (then cached, ~10 s)...",
+                    file=sys.stderr,
                 )
 
         def on_end(self, ev: event.Event) -> None:
@@ -179,20 +185,34 @@ def cmd_pull(args: argparse.Namespace) -> dict:
 
     from deltasync.sync.subscriber import Subscriber
 
+    out = args.output
+    if out.suffix != ".safetensors" or out.is_dir():
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"{out} is a file: -o takes a folder or a .safetensors file to write")
+        out = out / "model.safetensors"
     subscriber = Subscriber(args.root, retries=0)
     applied = subscriber.sync(args.step)
     assert subscriber.state is not None  # synced without an error: it holds the step
-    args.output.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"format": "pt", "step": str(subscriber.step), "fingerprint": f"{subscriber.fingerprint:016x}"}
-    save_file(subscriber.state, args.output / "model.safetensors", metadata=meta)
-    return {"step": subscriber.step, "path": [f"{a.kind}:{a.step}" for a in applied]}
+    save_file(subscriber.state, out, metadata=meta)
+    return {"step": subscriber.step, "path": [f"{a.kind}:{a.step}" for a in applied], "output": str(out)}
+
+
+def published_head(storage: Storage, root: str) -> Head:
+    """ROOT's head; one line saying so where nothing was published there yet."""
+    from deltasync.sync import protocol
+
+    try:
+        return protocol.read_head(storage)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no run published at {root} yet") from None
 
 
 def cmd_ls(args: argparse.Namespace) -> None:
     from deltasync.storage import open_storage
-    from deltasync.sync import protocol
 
-    head = protocol.read_head(open_storage(args.root))
+    head = published_head(open_storage(args.root), args.root)
     for e in head.entries:
         row = {"step": e.step, "kind": e.kind, "bytes": e.bytes, "changed": e.changed}
         print(json.dumps(row | {"published_at": e.published_at}))
@@ -205,7 +225,7 @@ def cmd_gc(args: argparse.Namespace) -> dict:
     from deltasync.sync.gc import collect_garbage
 
     storage = open_storage(args.root)
-    protocol.read_head(storage)  # no run: nothing to claim
+    published_head(storage, args.root)  # no run: nothing to claim
     claim = WriterClaim(storage)  # GC deletes: only as the root's one writer
     try:
         return {"head": protocol.read_head(storage).step, "deleted": collect_garbage(storage)}
@@ -283,6 +303,17 @@ def replica_id(text: str) -> str:
     if not REPLICA_ID.fullmatch(text):
         raise argparse.ArgumentTypeError(f"{text!r} must match {REPLICA_ID.pattern}")
     return text
+
+
+def seconds(text: str) -> float:
+    """--poll-s: a finite number of seconds above 0 (0, a negative number or nan would poll without pause)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds above 0")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -365,8 +396,15 @@ def build_parser() -> argparse.ArgumentParser:
         f"bytes) or auto (packed unless ROOT is a folder; default {PublisherConfig.anchor_encoding})",
     )
 
-    p = command("pull", "write the verified state of a step to OUTDIR/model.safetensors", cmd_pull)
-    p.add_argument("-o", "--output", metavar="OUTDIR", type=Path, required=True, help="folder to write into")
+    p = command("pull", "write the verified state of a step to a safetensors file", cmd_pull)
+    p.add_argument(
+        "-o",
+        "--output",
+        metavar="OUT",
+        type=Path,
+        required=True,
+        help="the .safetensors file to write, or a folder to write model.safetensors into",
+    )
     p.add_argument("--step", type=int, help="a retained step (default: the newest)")
 
     command("ls", "list the retained steps of ROOT, one JSON line each", cmd_ls)
@@ -386,7 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=replica_id,
         help="replica id for the telemetry it writes to ROOT (default: none written)",
     )
-    p.add_argument("--poll-s", type=float, default=1.0, help="seconds between polls of the head (default 1)")
+    p.add_argument(
+        "--poll-s", type=seconds, default=1.0, help="seconds between polls of the head (default 1)"
+    )
     p.add_argument(
         "--poll-budget",
         type=int,

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -108,7 +109,7 @@ def test_push_ls_pull_gc(tmp_path):
     (root / "anchors" / "step-00000002").mkdir()
     (root / "anchors" / "step-00000002" / "model.safetensors").write_bytes(b"orphan")
     (root / "deltas" / "notes.txt").write_bytes(b"not ours")  # only files named as a publisher names them
-    deleted = ["anchors/step-00000002/model.safetensors"]
+    deleted = ["anchors/step-00000002/model.safetensors", "anchors/step-00000002"]  # the folder it emptied
     assert json.loads(run("gc", root).stdout) == {"head": 3, "deleted": deleted}
     assert (root / "deltas" / "notes.txt").exists()
     r = run("pull", root, "-o", tmp_path / "o", "--step", "9")
@@ -191,7 +192,9 @@ def test_the_first_run_says_it_compiles_the_kernels(tmp_path):
     ]
     first, second = run(*args, env=cache), run(*args, env=cache)
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
-    assert first.stderr == "deltasync: compiling the codec's kernels (once per install, ~10 s)...\n"
+    assert (
+        first.stderr == "deltasync: compiling the codec's kernels for this command (then cached, ~10 s)...\n"
+    )
     assert second.stderr == ""
 
 
@@ -234,3 +237,55 @@ def test_version_and_help_import_no_torch():
     )
     r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
     assert r.stderr.strip() == "[]", r.stderr
+
+
+def test_pull_writes_the_safetensors_file_that_o_names(tmp_path):
+    state = {"w": torch.randn(8, 8)}
+    save_file(state, tmp_path / "model.safetensors")
+    root = tmp_path / "root"
+    assert run("push", root, tmp_path / "model.safetensors").returncode == 0
+    for out in (tmp_path / "old.safetensors", tmp_path / "new" / "old.safetensors"):
+        r = run("pull", root, "-o", out)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["output"] == str(out)
+        assert torch.equal(load_file(out)["w"].view(torch.int16), state["w"].bfloat16().view(torch.int16))
+    (tmp_path / "notes.txt").write_text("mine")
+    r = run("pull", root, "-o", tmp_path / "notes.txt")
+    assert (
+        r.returncode == 1 and r.stderr.count("\n") == 1 and "-o takes a folder or a .safetensors" in r.stderr
+    )
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_ls_and_gc_of_a_folder_without_a_run_say_so(tmp_path, capsys):
+    for command in ("ls", "gc"):
+        assert cli.main([command, str(tmp_path)]) == 1
+        err = capsys.readouterr().err
+        assert err == f"deltasync {command}: error: no run published at {tmp_path} yet\n"
+
+
+def test_follow_refuses_a_poll_interval_that_would_never_pause(capsys):
+    for bad in ("-1", "0", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit) as exit:
+            cli.build_parser().parse_args(["follow", "root", "--vllm-url", "http://x", "--poll-s", bad])
+        assert exit.value.code == 2
+        assert f"argument --poll-s: {bad!r}" in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["follow", "root", "--vllm-url", "http://x", "--poll-s", "0.5"])
+    assert args.poll_s == 0.5
+
+
+def test_a_patch_with_metadata_nested_too_deeply_is_one_line(tmp_path, capsys):
+    from deltasync.codec import patch as patches
+    from tests.deltasync.codec.test_patch import DEEP, with_metadata
+
+    old = {"w": torch.zeros(8, dtype=torch.bfloat16)}
+    save_file(old, tmp_path / "old.safetensors")
+    data = patches.encode(patches.make_patch(old, {"w": torch.ones(8)}, 1, 0), old)
+    bad = tmp_path / "p"
+    bad.write_bytes(with_metadata(data, dense=DEEP))
+    for args in (["inspect", bad], ["apply", tmp_path / "old.safetensors", bad, "-o", tmp_path / "o"]):
+        assert cli.main(list(map(str, args))) == 1
+        err = capsys.readouterr().err
+        said = f"{bad}: bad patch metadata 'dense': JSON nested too deeply"
+        assert err == f"deltasync {args[0]}: error: {said}\n"
+    assert not (tmp_path / "o").exists()
