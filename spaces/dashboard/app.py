@@ -24,6 +24,7 @@ import re
 import string
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -104,13 +105,14 @@ class Board:
         min_poll_s: float = 0.0,
         poll_budget: int = POLL_BUDGET,
         wait_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.root = redact(root)  # shown on the page and in /api/summary: never its credentials
         self.stale_after_s = stale_after_s
         self.min_poll_s = min_poll_s
         self.poll_budget = poll_budget
         self.wait_s = wait_s  # how long refresh() waits for the poll it starts (None: until it ends)
-        self.clock = time.monotonic
+        self.clock = clock  # of polls and the quota window
         self._polled_at = -float("inf")
         self._polling = threading.Lock()  # held by the poll under way (its thread releases it)
         self._requests = float(poll_budget)  # what the quota window has left for this board (remote roots)
@@ -141,7 +143,8 @@ class Board:
         storage = self.reader.storage
         budget_s = 0.0 if storage.follows_changes else storage.poll_s  # a feed's news cost no request
         left = self._requests_left()
-        cost = 0 if storage.follows_changes else 1  # a listing or a probe of the next names
+        # a listing and a stat (of the next names, or of refusals a replica may rewrite); run.json until read
+        cost = (0 if storage.follows_changes else 2) + (not self._run_read)
         if self.clock() - self._polled_at < max(self.min_poll_s, budget_s) or (
             left is not None and left < cost
         ):
@@ -355,7 +358,7 @@ def _payload(
         ),
     ]
     shown = [payload[delta], anchor[anchored], full[published]]
-    merged_steps, merged = _info(trainer, "merged_payload_bytes")
+    merged_steps, merged = _info({k: v[published] for k, v in trainer.items()}, "merged_payload_bytes")
     if len(merged_steps):  # a LoRA run's trainer measured what the merged path would have published
         hover = "%{y:.3s}B<extra>merged path</extra>"
         traces.append(
@@ -600,7 +603,7 @@ def density_markdown(summary: dict[str, Any]) -> str:
     if density is None or density <= DENSE:
         return ""
     return (
-        f"ⓘ **Why {density * 100:.0f}% of the elements change per step here:** this model "
+        f"**Why {density * 100:.0f}% of the elements change per step here:** this model "
         f"({numel / 1e6:.1f}M parameters) trains at a learning rate far above RL's, so most updates move a "
         "weight by more than half a bf16 step. RL runs of real models at RL learning rates change a few %: "
         "docs/benchmarks.md measured 0.6-2.5% per step on all-MiniLM-L6-v2 (22.7M parameters, AdamW lr 1e-6 "

@@ -1,6 +1,7 @@
 """The dashboard Space: the incremental telemetry reader and its summary, the app's states and JSON API, and
 the page itself in Debian's Chromium driven by Playwright (`python app.py` on a loopback port)."""
 
+import functools
 import html
 import json
 import os
@@ -577,3 +578,154 @@ def test_page_in_chromium(space, tmp_path):
         page.screenshot(path=shot, full_page=True)
         print(f"screenshot: {shot}")
         browser.close()
+
+
+# ---------------------------------------------------------------------------------- what a person reads
+
+
+def test_a_replica_ahead_of_the_trainer_records_read_is_not_behind(tmp_path):
+    storage = open_storage(tmp_path)
+    now = time.time()
+    write_run(storage, range(0, 5), now - 20)
+    r0_step_5 = ReplicaRecord("r0", 5, "delta", now - 2, now - 1, 0.1, 0.1, True, 0)
+    write(storage, r0_step_5)  # the trainer's record of step 5 goes out with its next request
+    reader = TelemetryReader(storage)
+    reader.poll()
+    summary = reader.summary(now)
+    assert summary["latest_step"] == 4
+    assert [(r["replica"], r["step"], r["behind_steps"]) for r in summary["replicas"]] == [
+        ("r0", 5, 0),
+        ("r1", 4, 1),
+    ]
+
+
+def test_a_run_that_stopped_is_finished_not_live(dashboard, tmp_path):
+    board = dashboard.Board(str(tmp_path))
+    write_run(board.reader.storage, range(0, 10), time.time() - 30 - 14 * 60)  # steps 3 s apart, 14 min ago
+    board.refresh()
+    status = dashboard.status_markdown(board.summary(), 2)
+    assert "**Finished**" in status and "Live" not in status and "steps came every 3.0 s" in status
+    write_run(board.reader.storage, range(10, 11), time.time() - 30 - 10 * 3)  # it goes on
+    board.refresh()
+    assert "**Live**" in dashboard.status_markdown(board.summary(), 2)
+
+
+def test_plots_share_integer_steps_payload_ticks_can_be_read_and_outliers_do_not_flatten(dashboard, tmp_path):
+    storage = open_storage(tmp_path)
+    write_run(storage, range(0, 40), time.time())
+    reader = TelemetryReader(storage)
+    reader.poll()
+    reader.trainer[0].blocked_s = 28.0  # a first step that compiled kernels
+    anchor_beside_delta = reader.trainer[20]
+    anchor_beside_delta.anchor_bytes = 2 * NUMEL + 4096
+    figures = dict(zip(dashboard.PLOTS, dashboard.build_figures(reader.series()), strict=True))
+    for name, figure in figures.items():
+        axis = figure.layout.xaxis
+        assert (tuple(axis.range), axis.dtick, axis.tickformat) == ((-0.5, 39.5), 5, "d"), name
+    payload = figures["payload"]
+    assert payload.layout.yaxis.type == "log" and len(payload.layout.yaxis.ticktext) >= 4
+    assert {"200 kB", "500 kB", "1 MB", "50 MB"} <= set(payload.layout.yaxis.ticktext)
+    anchors = next(t for t in payload.data if t.name == "anchor")
+    assert dict(zip(anchors.x, anchors.y, strict=True)) == {0: 2 * NUMEL + 4096, 20: 2 * NUMEL + 4096}
+    delta = next(t for t in payload.data if t.name == "delta")
+    assert 20 in list(delta.x)  # its delta went out too
+    times = figures["trainer-time"]
+    top = times.layout.yaxis.range[1]
+    assert 0.5 < top < 1  # the other steps' times fill the plot
+    clipped = times.data[-1]
+    assert (list(clipped.x), list(clipped.y), list(clipped.customdata)) == ([0], [top], [28.0])
+
+
+def test_density_note_only_where_a_run_changes_far_more_than_real_models(dashboard, tmp_path):
+    storage = open_storage(tmp_path)
+    write_run(storage, range(0, 5), time.time())
+    reader = TelemetryReader(storage)
+    reader.poll()
+    assert dashboard.density_markdown(reader.summary(time.time())) == ""  # ~1% per step
+    for record in reader.trainer.values():
+        record.changed = record.numel // 2
+    note = dashboard.density_markdown(reader.summary(time.time()))
+    assert "Why 50% of the elements change per step" in note and "docs/benchmarks.md" in note
+
+
+def test_lora_summary_stays_up_without_a_rank_and_with_a_nan_merged_payload(dashboard, tmp_path):
+    storage = open_storage(tmp_path)
+    run = {
+        "version": 1,
+        "model": "tiny",
+        "schema": {"w": [4]},
+        "lora": {"name": "policy", "adapter_config": {}},
+    }
+    storage.write_bytes("run.json", json.dumps(run).encode())
+    write_run(storage, range(0, 3), time.time())
+    nan = json.loads(storage.read_bytes("telemetry/trainer/step-00000002.json"))
+    nan["info"]["merged_payload_bytes"] = float("nan")
+    storage.write_bytes("telemetry/trainer/step-00000002.json", json.dumps(nan).encode())
+    board = dashboard.Board(str(tmp_path))
+    board.refresh()
+    summary = json.loads(json.dumps(board.summary(), allow_nan=False))  # what /api/summary answers
+    assert summary["adapters"]["lora"] == {"name": "policy", "rank": None}
+    assert "merged_payload_bytes" in summary["problems"][0] and summary["steps"] == 2
+    assert "LoRA rank not given" in dashboard.headline_html(summary)
+
+
+def test_board_reads_a_long_history_within_its_poll_budget_newest_first(dashboard, tmp_path, monkeypatch):
+    now = [0.0]
+    board = dashboard.Board(f"memory://{tmp_path.name}", poll_budget=20, clock=lambda: now[0])
+    storage = board.reader.storage
+    write_run(storage, range(0, 30), time.time() - 100)
+    records = storage.list("telemetry")
+    requests, reads = [], []
+
+    def counted(call, *args, **kwargs):
+        requests.extend([args[0]] if args[0] else [])  # (a stat of no names sends nothing)
+        if call.__name__ == "read_bytes":
+            reads.append(args[0])
+        return call(*args, **kwargs)
+
+    for name in ("list", "sizes", "read_bytes"):
+        monkeypatch.setattr(storage, name, functools.partial(counted, getattr(storage, name)))
+    board.refresh()
+    summary = board.summary()
+    assert len(requests) <= 20 and summary["latest_step"] == 29  # the newest records first
+    assert summary["unread_records"] == len(records) - len(reads) + 1 > 0  # (one read was run.json)
+    assert "records to go" in dashboard.status_markdown(summary, 2)
+    for _ in range(len(records)):
+        if not board.summary()["unread_records"]:
+            break
+        now[0] += dashboard.WINDOW_S
+        requests.clear()
+        board.refresh()
+        board.refresh()  # the window is spent (or the history read): this one reads nothing new
+        assert len(requests) <= 20
+    assert set(reads) >= set(records)
+    summary, want = board.summary(), expected(storage)
+    assert (summary["steps"], summary["bytes_saved"]) == (want["steps"], want["bytes_saved"])
+
+
+def test_an_unreachable_root_holds_no_request_and_is_said_once(dashboard, tmp_path, monkeypatch, caplog):
+    board = dashboard.Board(str(tmp_path), wait_s=0.05)
+    entered, release, ended = threading.Event(), threading.Event(), threading.Event()
+
+    def hanging_list(prefix: str = "") -> list[str]:
+        entered.set()
+        release.wait(30)
+        ended.set()
+        raise TransientStorageError(f"{tmp_path}: request failed: connection refused")
+
+    monkeypatch.setattr(board.reader.storage, "list", hanging_list)
+    assert board.refresh() == 0  # returns while the poll it started still waits on the root
+    assert entered.is_set() and not ended.is_set()
+    assert "for the first time" in dashboard.status_markdown(board.summary(), 2)
+    release.set()
+    eventually(lambda: board.error is not None)
+
+    def refused(prefix: str = "") -> list[str]:
+        raise TransientStorageError(f"{tmp_path}: request failed: connection refused")
+
+    monkeypatch.setattr(board.reader.storage, "list", refused)
+    board.wait_s = None
+    for _ in range(3):
+        board.refresh()
+    lines = [r.getMessage() for r in caplog.records if r.name == "deltasync.dashboard"]
+    assert lines == [f"cannot read {tmp_path}: {tmp_path}: request failed: connection refused"]

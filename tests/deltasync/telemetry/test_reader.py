@@ -83,6 +83,12 @@ BAD = {
     "trainer-time-in-the-year-3-billion": (trainer(14).path(), with_raw(trainer(14), published_at="1e17")),
     "trainer-info-with-3000-keys": (trainer(15).path(), with_raw(trainer(15), info=MANY_KEYS)),
     "trainer-info-with-an-empty-key": (trainer(16).path(), with_raw(trainer(16), info='{"": 1.0}')),
+    "trainer-merged-payload-nan": (
+        trainer(17).path(),
+        with_raw(trainer(17), info='{"merged_payload_bytes": NaN}'),
+    ),
+    "trainer-step-a-bool": (trainer(18).path(), with_raw(trainer(18), step="true")),
+    "trainer-anchor-bytes-negative": (trainer(19).path(), with_raw(trainer(19), anchor_bytes="-1")),
 }
 
 
@@ -216,9 +222,9 @@ def test_the_page_plots_every_good_step_and_lists_each_bad_file(dashboard, tmp_p
         bad.add(path)
     board = dashboard.Board(str(tmp_path))
     without_blocking(board.refresh, fifos)
-    version, status, _, _, problems, *figures = dashboard.update(board, -1, 2)
+    version, status, _, _, _, problems, *figures = dashboard.update(board, -1, 2)
     assert board.error is None and version == 1
-    assert f"**Live** at `{tmp_path}`: latest step {GOOD_STEPS[-1]}" in status
+    assert f"**Finished** at `{tmp_path}`: latest step {GOOD_STEPS[-1]}" in status  # its records are old
     assert f"⚠ {len(bad)} invalid telemetry files skipped" in status
     assert all(dashboard.markdown_text(path) in problems for path in bad)
     density = figures[dashboard.PLOTS.index("density")]
