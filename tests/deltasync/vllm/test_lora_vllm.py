@@ -106,7 +106,9 @@ def test_the_inference_space_serves_a_lora_root_by_version(tmp_path):
         # What a trainer's preflight reads there: the adapter's parameters, LoRA up to the adapter's rank.
         schema = {n: list(t.shape) for n, t in adapter.items()}
         assert preflight(root, schema, str(model), [url], lora_rank=8) is None
-        refused = preflight(root, schema, str(model), [url])  # a trainer of all the weights
+        # A trainer of all the weights: refused by the root (a LoRA run), and by the replica on a new root.
+        assert "holds a LoRA run" in preflight(root, schema, str(model), [url])
+        refused = preflight(tmp_path / "new-root", schema, str(model), [url])
         assert (
             refused
             == f"inference server {url} serves LoRA adapters, not full weights (a Space: unset MAX_LORA_RANK)"
