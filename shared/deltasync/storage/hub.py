@@ -144,23 +144,9 @@ class _Feed:
             self.cond.notify_all()
 
 
-def _session() -> httpx2.Client:
-    """huggingface_hub's shared client (made again after a fork), with `_bounded` among its request hooks."""
-    client = get_session()
-    hooks = client.event_hooks
-    if _bounded not in hooks["request"]:
-        client.event_hooks = {**hooks, "request": [*hooks["request"], _bounded]}
-    return client
-
-
-def _bounded(request: httpx2.Request) -> None:
-    """Every bucket request (ours, and huggingface_hub's listings, batches and Xet tokens, which it sends
-    with no timeout) gets a finite one: a stalled Hub or a half-open connection fails the call
-    (TransientStorageError) instead of blocking its thread for ever."""
-    if "/buckets/" in request.url.path:
-        given = request.extensions.get("timeout") or {}
-        finite = httpx2.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S).as_dict()
-        request.extensions["timeout"] = {k: given.get(k) or v for k, v in finite.items()}
+def _timeout() -> httpx2.Timeout:
+    """Every request of ours fails (TransientStorageError) rather than wait for ever on a silent server."""
+    return httpx2.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
 
 
 class HubBucketStorage(Storage):
@@ -278,7 +264,7 @@ class HubBucketStorage(Storage):
         """One request of ours (not the client's, which sleeps through a 429 by itself)."""
         self._refuse_while_limited()
         headers = build_hf_headers(token=self._token)
-        response = _session().request(method, url, headers=headers, **kwargs)
+        response = get_session().request(method, url, headers=headers, timeout=_timeout(), **kwargs)
         self._check(response)
         return response
 
@@ -354,7 +340,8 @@ class HubBucketStorage(Storage):
         url = f"{self.api.endpoint}/buckets/{self.bucket_id}/resolve/{self._key(path)}"
         headers = build_hf_headers(token=self._token)
         self._refuse_while_limited()
-        with _session().stream("GET", url, headers=headers, follow_redirects=True) as response:
+        stream = get_session().stream("GET", url, headers=headers, follow_redirects=True, timeout=_timeout())
+        with stream as response:
             if response.status_code == 404:
                 raise FileNotFoundError(path)
             self._check(response)
@@ -378,7 +365,6 @@ class HubBucketStorage(Storage):
         self._refuse_while_limited()
         try:
             with atomic_file(local) as tmp:
-                _session()  # (its timeouts for the Xet token's request)
                 self.api.download_bucket_files(self.bucket_id, [(remote, tmp)], raise_on_missing_files=True)
         except _HUB_MISSING as e:
             raise FileNotFoundError(f"{self.url}/{path}") from e
@@ -386,7 +372,6 @@ class HubBucketStorage(Storage):
     def _list(self, prefix: str) -> list[str]:
         # The server may match the prefix as a plain string ("run1" also matches "run10/..."): filter here.
         folder = (self.prefix + prefix).rstrip("/")
-        _session()  # (its timeouts for the listing's requests)
         try:
             entries = list(self.api.list_bucket_tree(self.bucket_id, folder or None, recursive=True))
         except _HUB_MISSING:
@@ -399,7 +384,7 @@ class HubBucketStorage(Storage):
 
     def probe(self) -> None:
         try:  # any HTTP answer means reachable; huggingface_hub's own calls retry connection errors for ~25 s
-            _session().head(self.api.endpoint, timeout=10)
+            get_session().head(self.api.endpoint, timeout=10)
         except Exception as e:
             raise TransientStorageError(f"{self.url}: cannot reach {self.api.endpoint}: {e}") from None
 
@@ -413,7 +398,6 @@ class HubBucketStorage(Storage):
         its own readers at once; what the feed said of those paths before the call is old, what it said
         since (its event may beat the call's answer) is kept."""
         self._refuse_while_limited()  # else the client would sleep inside the call until the window ends
-        _session()  # (its timeouts for the batch's requests)
         self._create_bucket()
         keys = [self._key(p) for _, p in add] + [self._key(p) for p in delete]
         with self._feed.cond:
