@@ -24,8 +24,19 @@ class PatchError(Refused):
     """A patch that is malformed, corrupt, or made for another base state. Nothing was applied."""
 
 
+class CompactDecodeError(Refused):
+    """A compact tensor stream that cannot be what an encoder wrote (`tensor`: whose, where a caller
+    decodes several tensors' streams at once)."""
+
+    tensor: str | None = None
+
+
 class AnchorError(Refused):
     """An anchor that is malformed, incomplete, or not the state its head entry promises."""
+
+
+class PackedError(Refused):
+    """Bytes that are not a packed tensor of the expected size."""
 
 
 class ManifestError(Refused):
@@ -49,6 +60,14 @@ class TransientStorageError(DeltasyncError):
     """A storage call failed for a reason other than a missing object; the same call may succeed later."""
 
 
+class RateLimited(TransientStorageError):
+    """The server refused a request over the caller's request quota: nothing succeeds before `until`."""
+
+    def __init__(self, message: str, until: float):
+        super().__init__(message)
+        self.until = until
+
+
 class WriterConflict(DeltasyncError, RuntimeError):
     """Another writer holds the sync root, or took it over: this one must not write (or acknowledge) there."""
 
@@ -56,6 +75,33 @@ class WriterConflict(DeltasyncError, RuntimeError):
 class Stopped(DeltasyncError, RuntimeError):
     """A background worker stopped: closed, or failed (its cause is chained, and was logged with its
     traceback where it happened)."""
+
+
+class SyncError(DeltasyncError, RuntimeError):
+    """Sync could not reach the requested step; the target still holds the last verified step (or nothing)."""
+
+
+class WriteRefused(DeltasyncError, RuntimeError):
+    """The server refused an update (its reason is the message). Unless `EngineApplier.stuck`, it wrote
+    nothing."""
+
+
+class FilesRefused(WriteRefused, Refused):
+    """The workers found the step's files bad (corrupt, or not the state they promise); nothing written."""
+
+
+class Unreachable(DeltasyncError, ConnectionError):
+    """The vLLM server could not be sent a request (not listening, unknown host): it did nothing."""
+
+
+class PackingError(ValueError):
+    """The prepack is not a per-expert permutation of the elements: these weights cannot be written in
+    place."""
+
+
+class RankFailed(RuntimeError):
+    """An update that failed on a rank for a reason other than a refusal (out of memory, a bug): not
+    expected, so not a DeltasyncError; that rank logged its traceback, every rank raises this."""
 
 
 EXPECTED = (DeltasyncError, OSError, ValueError)  # what a caller reports in a line; anything else is a bug

@@ -26,17 +26,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deltasync.codec.symbols import ANS_SCALE, MAX_CLASSES, MAX_RICE, Q_SYMBOLS, V_SYMBOLS
-from deltasync.errors import Refused
+from deltasync.errors import CompactDecodeError
 
 CHUNK = 1 << 22  # elements per chunk: ~40k changes at 1%, headers of a few bytes
 MAX_CHUNK = 1 << 31  # raw escapes hold 32-bit quotients
-
-
-class CompactDecodeError(Refused):
-    """A compact tensor stream that cannot be what an encoder wrote (`tensor`: whose, where a caller
-    decodes several tensors' streams at once)."""
-
-    tensor: str | None = None
 
 
 @dataclass

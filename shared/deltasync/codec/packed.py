@@ -21,14 +21,10 @@ import zstandard
 
 from deltasync.codec.bf16 import bits
 from deltasync.codec.parallel import parallel_map, spans
-from deltasync.errors import Refused
+from deltasync.errors import PackedError
 
 CHUNK = 1 << 22
 LEVEL = 1
-
-
-class PackedError(Refused):
-    """Bytes that are not a packed tensor of the expected size."""
 
 
 def pack(t: torch.Tensor, threads: int | None = None, chunk: int = CHUNK) -> bytes:

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
-from deltasync.errors import TooLargeError, TransientStorageError
+from deltasync.errors import RateLimited, TooLargeError, TransientStorageError
 from deltasync.errors import WriterConflict as WriterConflict  # (the backends' name for it)
 
 log = logging.getLogger(__name__)
@@ -47,14 +47,6 @@ _CREDENTIALS = [
     (re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)\S*@"), r"\1***@"),
     (re.compile(r"hf_[A-Za-z0-9]{8,}"), "hf_***"),  # a Hub token anywhere
 ]
-
-
-class RateLimited(TransientStorageError):
-    """The server refused a request over the caller's request quota: nothing succeeds before `until`."""
-
-    def __init__(self, message: str, until: float):
-        super().__init__(message)
-        self.until = until
 
 
 def rate_limited_line(until: float) -> str:

@@ -37,7 +37,7 @@ from deltasync import telemetry
 from deltasync.codec import fingerprint
 from deltasync.codec.changes import TensorChanges, apply_changes
 from deltasync.codec.patch import Patch, decode, decode_parts, read_info, schema_hash
-from deltasync.errors import DeltasyncError, PatchError, Refused
+from deltasync.errors import PatchError, Refused, SyncError
 from deltasync.storage import RateLimited, Storage, TooLargeError, TransientStorageError, open_storage, retry
 from deltasync.sync.anchor import read_anchor
 from deltasync.sync.protocol import (
@@ -58,10 +58,6 @@ MAX_ERROR_CHARS = 500  # last_error and telemetry errors: one readable line, how
 def _bounded(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
-
-
-class SyncError(DeltasyncError, RuntimeError):
-    """Sync could not reach the requested step; the target still holds the last verified step (or nothing)."""
 
 
 class Applier(ABC):

@@ -82,7 +82,7 @@ from deltasync.codec.patch import (
     read_info,
     read_tables,
 )
-from deltasync.errors import PatchError, Refused
+from deltasync.errors import PatchError, RankFailed, Refused
 from deltasync.sync.anchor import anchor_tensors
 from deltasync.vllm import compat
 from deltasync.vllm.layout import Layout, sum_across
@@ -93,11 +93,6 @@ KINDS = ("delta", "stage", "anchor", "verify", "fingerprint", "readback", "paths
 WRITES = ("direct", "vllm")
 VERDICTS = ("refused", "bug", "failed")  # what a rank's failure is, the first named wins across ranks
 T = TypeVar("T")
-
-
-class RankFailed(RuntimeError):
-    """An update that failed on a rank for a reason other than a refusal (out of memory, a bug); that rank
-    logged its traceback, every rank raises this."""
 
 
 @dataclass

@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import torch
 
+from deltasync.errors import PackingError
 from deltasync.vllm import compat
 
 DIGIT_BITS = 8
 DIGIT_BASE = 0x3F00  # bf16 bit patterns 0x3F00-0x3FFF: normal numbers (0.5 to 2), one per digit
 _LEARNED: dict[tuple[tuple[int, ...], torch.dtype, str], torch.Tensor] = {}  # (expert shape, dtype, isa)
 _VERIFIED: set[tuple[tuple[int, ...], torch.dtype, str]] = set()  # (parameter shape, dtype, isa)
-
-
-class PackingError(ValueError):
-    """The prepack is not a per-expert permutation of the elements: these weights cannot be written in
-    place."""
 
 
 class Packing:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from deltasync.codec.fingerprint import format_fingerprint
-from deltasync.errors import DeltasyncError, Refused
+from deltasync.errors import FilesRefused, Unreachable, WriteRefused
 from deltasync.storage import POLL_BUDGET, open_storage
 from deltasync.sync.subscriber import Applied, FileApplier, Subscriber
 from deltasync.vllm import compat
@@ -51,19 +51,6 @@ DEV_MODE_HINT = (
     "start the server with VLLM_SERVER_DEV_MODE=1 (on a private address) and "
     """--weight-transfer-config '{"backend": "deltasync"}'"""
 )
-
-
-class WriteRefused(DeltasyncError, RuntimeError):
-    """The server refused an update (its reason is the message). Unless `EngineApplier.stuck`, it wrote
-    nothing."""
-
-
-class FilesRefused(WriteRefused, Refused):
-    """The workers found the step's files bad (corrupt, or not the state they promise); nothing written."""
-
-
-class Unreachable(DeltasyncError, ConnectionError):
-    """The vLLM server could not be sent a request (not listening, unknown host): it did nothing."""
 
 
 class Engine(Protocol):
