@@ -177,7 +177,7 @@ def cmd_push(args: argparse.Namespace) -> dict:
         step = publisher.publish(state, step=args.step)
     assert publisher.head is not None  # closed without an error: the head names the step
     entries = [e for e in publisher.head.entries if e.step == step]
-    return {"step": step, "kinds": [e.kind for e in entries], "payload_bytes": entries[0].bytes}
+    return {"step": step, "kinds": [e.kind for e in entries], "payload_bytes": sum(e.bytes for e in entries)}
 
 
 def cmd_pull(args: argparse.Namespace) -> dict:

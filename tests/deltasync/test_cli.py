@@ -89,6 +89,8 @@ def test_push_ls_pull_gc(tmp_path):
         pushed = json.loads(r.stdout)
         kinds = {0: ["anchor"], 3: ["delta", "anchor"]}.get(step, ["delta"])  # anchor every 3 steps
         assert (pushed["step"], pushed["kinds"]) == (step, kinds)
+        written = [*root.glob(f"deltas/step-{step:08d}-*"), *root.glob(f"anchors/step-{step:08d}-*/*")]
+        assert pushed["payload_bytes"] == sum(f.stat().st_size for f in written)
     rows = [json.loads(line) for line in run("ls", root).stdout.splitlines()]
     assert [(r["step"], r["kind"]) for r in rows] == [
         (0, "anchor"),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import collections
 import logging
+import math
 import tempfile
 import threading
 import time
@@ -248,6 +249,8 @@ class Subscriber:
         `stop` is set; errors are logged and kept in `last_error`. `on_applied` is called for each step
         applied; its errors are logged and skip nothing else. An error that repeats poll after poll (no run
         yet, a path still missing) is logged once, then quietly."""
+        if not math.isfinite(interval) or interval < 0:
+            raise ValueError(f"poll interval must be a number of seconds >= 0, got {interval}")
         said = None
         while not stop.is_set():
             try:

@@ -278,6 +278,8 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
     def _verdict(self, info: DeltasyncUpdateInfo, error: Exception) -> tuple[str, str]:
         if isinstance(error, (OSError, SafetensorError)):
             return "failed", f"step {info.step}: cannot read its files: {type(error).__name__}: {error}"
+        if isinstance(error, MemoryError):  # a local failure that may pass, not the files' fault nor a bug
+            return "failed", f"step {info.step}: out of memory on rank {compat.rank(self.group)}"
         if isinstance(error, ValueError):
             return "refused" if isinstance(error, Refused) else "failed", str(error)
         rank = compat.rank(self.group)

@@ -2,6 +2,7 @@
 
 import threading
 
+import pytest
 import torch
 
 from deltasync.sync.subscriber import Subscriber, TensorsApplier
@@ -49,3 +50,9 @@ def test_a_failing_on_applied_callback_skips_no_other_step(tmp_path, caplog):
     assert seen == [0, 1, 2, 3]
     assert "on_applied for step 0 failed" in caplog.text
     assert "the caller's bug" in caplog.text
+
+
+@pytest.mark.parametrize("interval", [-1.0, float("nan"), float("inf")])
+def test_a_poll_interval_that_is_no_wait_is_refused(tmp_path, interval):
+    with pytest.raises(ValueError, match="poll interval"):
+        Subscriber(tmp_path).follow(threading.Event(), interval=interval)
