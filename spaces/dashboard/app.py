@@ -265,31 +265,34 @@ def step_axis(steps: np.ndarray) -> dict[str, Any]:
     return dict(range=[lo - 0.5, hi + 0.5], tick0=0, dtick=spacing, tickformat="d")
 
 
-def _one_two_five(start: float) -> Any:
-    """start, 2 start, 5 start, 10 start, 20 start, ... for ever."""
+def _one_two_five(start: float, mantissas: tuple[float, ...] = (1, 2, 5)) -> Any:
+    """start, 2 start, 5 start, 10 start, 20 start, ... for ever (or other `mantissas` of each decade)."""
     decade = start
     while True:
-        yield from (decade, 2 * decade, 5 * decade)
+        yield from (m * decade for m in mantissas)
         decade *= 10
 
 
 def byte_ticks(values: np.ndarray) -> dict[str, Any]:
     """A log axis for byte counts with labels one can read off: 1, 2 and 5 of each decade the values span
-    (every decade's 1 only, past four decades), in B, kB, MB, GB."""
+    (finer within less than a decade, only each decade's 1 past four decades), in B, kB, MB, GB."""
     positive = values[values > 0]
     if not len(positive):
         return {}
     lo, hi = float(positive.min()) / 1.5, float(positive.max()) * 1.5
-    ticks = [v for v in _ticks_between(lo, hi) if lo <= v <= hi]
+    for mantissas in ((1, 2, 5), (1, 1.5, 2, 3, 5, 7), (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9)):
+        ticks = [v for v in _ticks_between(lo, hi, mantissas) if lo <= v <= hi]
+        if len(ticks) >= 4:
+            break
     if math.log10(hi / lo) > 4:
-        ticks = [v for v in ticks if str(int(v)).startswith("1")]
+        ticks = [v for v in ticks if f"{v:e}".startswith("1")]
     labels = [format_bytes(v).replace(".0 ", " ") for v in ticks]
     return dict(type="log", tickvals=ticks, ticktext=labels, range=[math.log10(lo), math.log10(hi)])
 
 
-def _ticks_between(lo: float, hi: float) -> list[float]:
+def _ticks_between(lo: float, hi: float, mantissas: tuple[float, ...]) -> list[float]:
     ticks = []
-    for v in _one_two_five(10 ** math.floor(math.log10(lo))):
+    for v in _one_two_five(10 ** math.floor(math.log10(lo)), mantissas):
         if v > hi:
             return ticks
         ticks.append(v)
