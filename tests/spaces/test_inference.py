@@ -177,7 +177,8 @@ class TestFollowingServer:
         monkeypatch.setenv("INFERENCE_API_TOKEN", TOKEN)
         schema = {n: list(t.shape) for n, t in run.states[0].items()}
         assert preflight(run.served, schema, server.model, [server.url]) is None
-        refused = preflight(run.served, schema, server.model, [server.url], lora_rank=16)
+        # A LoRA trainer, on a fresh root (the served root would refuse it first: it holds full weights)
+        refused = preflight(tmp_path / "fresh", schema, server.model, [server.url], lora_rank=16)
         assert refused == f"inference server {server.url} serves full weights, not a LoRA adapter " + (
             "(a Space: set MAX_LORA_RANK)"
         )
