@@ -97,9 +97,8 @@ def base_image_installs(base: str) -> list[str]:
             )
         return []
     if name == "vllm/vllm-openai":
-        local = list(
-            Path("/opt/wheels").glob(f"{TORCH_CPU.replace('==', '-')}*")
-        )  # as the Makefile's TORCH_SOURCE
+        # the Makefile's TORCH_SOURCE: the local wheel store if it holds the CPU torch, else PyTorch's index
+        local = any(Path("/opt/wheels").glob(TORCH_CPU.replace("==", "-") + "*"))
         source = "" if local else " --extra-index-url https://download.pytorch.org/whl/cpu"
         return [
             f"pip install -q '{TORCH_CPU}'{source}",
