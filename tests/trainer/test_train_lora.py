@@ -1,7 +1,7 @@
 """`python -m trainer --lora_r R`: TRL trains a PEFT LoRA and each step publishes the adapter alone, to a root
 whose run.json says it is a LoRA root (the environment here refuses games, so the run ends after the cold
-sync published step 0, as in test_train_failures); preflight refuses a root that holds another run's tensors
-in one line."""
+sync published step 0, as in test_train_failures); preflight refuses a root that holds a full-weight run in
+one line that says so and what to do."""
 
 import subprocess
 import sys
@@ -42,4 +42,5 @@ def test_lora_run_publishes_the_adapter_and_preflight_refuses_a_full_weight_root
     run_trainer(full, tmp_path / "out-full")  # a full-weight run on another root
     proc = run_trainer(full, tmp_path / "out-again", "--lora_r", "8")
     last = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 2 and last.startswith("preflight failed: ") and "another model" in last, last
+    assert proc.returncode == 2 and last.startswith("preflight failed: "), last
+    assert "holds a full-weight run" in last and "without --lora_r" in last, last
