@@ -23,7 +23,12 @@ DOCS = sorted(
 )
 SPACES = ("inference", "env", "dashboard")
 # Read by a library inside the app, not by its settings class; the Space README's table lists them too.
-LIBRARY_VARIABLES = {"inference": {"HF_TOKEN"}, "env": set(), "dashboard": {"HF_TOKEN"}}
+# Variables the library reads in the app's process (huggingface_hub's token; the LoRA resolver's cache).
+LIBRARY_VARIABLES = {
+    "inference": {"HF_TOKEN", "DELTASYNC_LORA_CACHE", "DELTASYNC_LORA_KEEP"},
+    "env": set(),
+    "dashboard": {"HF_TOKEN"},
+}
 MAX_README_LINES = 200
 
 FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```", re.M | re.S)

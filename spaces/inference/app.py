@@ -41,8 +41,8 @@ Public routes: /health (vLLM's, saying "rate limited until T" while the Hub refu
 (vLLM's token-in/token-out API: its choices carry exact `weight_versions` spans), GET /weights (sync status,
 with `write_paths`: how many tensors each write path takes, and which ones go other than directly) and the
 Gradio page at /. vLLM's other routes (admin, dev, scaling, metrics, docs) answer 404. Completions
-carry `x-weight-version` (the version when the request arrived) and `x-weight-version-end` (when the response
-started; for a non-streamed response, when it was complete): the versions that produced it lie in between.
+carry `x-weight-version` (the version when the request arrived) and, unless streamed, `x-weight-version-end`
+(when it was complete): the versions that produced it lie in between.
 Each generation request is salted with the weight version current when it arrives (vLLM's `cache_salt`), so no
 request reuses prefix-cache blocks computed by other weights.
 """
