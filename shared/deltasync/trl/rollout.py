@@ -3,8 +3,9 @@ them, spread over several replicas, and generation held close to training.
 
 A replica following the root labels every completion with the weight versions (published steps) it ran
 under: the `x-weight-version` header (when the request arrived) and `x-weight-version-end` (when it was
-complete; absent on a streamed response). TRL's worker ignores them and tags a rollout with the version the TRAINER last sent, which says
-nothing about when the replica applied it. `VersionedRolloutLoop` keeps TRL's loop and request body and:
+complete; absent on a streamed response). TRL's worker ignores them and tags a rollout with the version the
+TRAINER last sent, which says nothing about when the replica applied it. `VersionedRolloutLoop` keeps TRL's
+loop and request body and:
 
 - adds the bearer token (INFERENCE_API_TOKEN, read in the worker process, never logged or pickled),
 - stamps each rollout's samples with the OLDEST version any of its turns ran under, as reported by the replica
