@@ -81,8 +81,8 @@ class DeltasyncLoRAResolver(LoRAResolver):
             return None
         try:
             path = await asyncio.to_thread(self.fetch, base_model_name, match[1], int(match[2]))
-        except (Refused, OSError) as e:  # OSError: the cache's disk (full, unwritable)
-            self.last_error = f"LoRA adapter {lora_name:.160}: {e}"  # no newline: VERSIONED took it
+        except EXPECTED as e:  # a refused root or file, the storage for now, the cache's disk (full)
+            self.last_error = f"LoRA adapter {lora_name:.160}: {redact(str(e))}"  # VERSIONED took any newline
             log.warning("%s", self.last_error)
             return None
         self.resolved.append(lora_name)
@@ -122,8 +122,6 @@ class DeltasyncLoRAResolver(LoRAResolver):
                 self.reader.run = read_run(self.reader.storage)
             except FileNotFoundError:
                 raise Refused(f"no run in {self.where} yet") from None
-            except EXPECTED as e:
-                raise Refused(f"{self.where}: run.json cannot be read: {redact(str(e))}") from None
         return self.reader.run
 
     def _served(self, run: RunInfo, base_model: str, lora_name: str) -> dict:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from deltasync.errors import TransientStorageError
 from deltasync.sync.protocol import ManifestError, RunInfo
 from deltasync.sync.publisher import Publisher
 from deltasync.vllm.lora import DeltasyncLoRAResolver, keep_setting
@@ -204,3 +205,21 @@ def test_a_cache_that_cannot_be_written_resolves_to_nothing_with_one_line(tmp_pa
     resolver = DeltasyncLoRAResolver(str(tmp_path / "root"), tmp_path / "cache")
     assert resolve(resolver, f"{NAME}-v0") is None
     assert "Not a directory" in resolver.last_error and "\n" not in resolver.last_error
+
+
+def test_a_storage_failure_is_not_the_roots_fault_and_the_next_request_resolves(
+    tmp_path, resolver, monkeypatch
+):
+    states = publish(tmp_path / "root", 1)
+
+    def failing(path: str, limit: int | None = None) -> bytes:
+        raise TransientStorageError("the storage is down for now")
+
+    with monkeypatch.context() as m:
+        m.setattr(resolver.reader.storage, "read_bytes", failing)
+        assert resolve(resolver, f"{NAME}-v0") is None
+    assert "down for now" in resolver.last_error and "cannot be read" not in resolver.last_error
+    request = resolve(resolver, f"{NAME}-v0")  # run.json was not taken as bad: read again, served
+    assert_bitwise_equal(
+        load_file(tmp_path / "cache" / request.lora_path / "adapter_model.safetensors"), states[0]
+    )
