@@ -138,9 +138,14 @@ def test_wait_healthy_reports_an_early_exit(tmp_path):
         wait_healthy(proc, "http://127.0.0.1:9/health", log, timeout=30)
 
 
-def test_the_pace_from_the_steps_so_far():
+def test_the_pace_of_the_last_steps():
     # steps 0..10 published 5 s apart: 90 steps of 100 left
     assert demo.pace_line([100.0 + 5 * i for i in range(11)], 100) == "  pace 5.0 s per step: ~7.5 min left"
+    # the first step waited 60 s for the trainer to start, steps 2..5 came 5 s apart
+    assert demo.pace_line([0.0, 60.0, 65.0, 70.0, 75.0, 80.0], 100) == "  pace 5.0 s per step: ~7.9 min left"
+    # the last 10 steps' pace, not the whole run's
+    slow_then_fast = [0.0] + [20.0 * i for i in range(1, 11)] + [200.0 + 5 * i for i in range(1, 11)]
+    assert demo.pace_line(slow_then_fast, 100) == "  pace 5.0 s per step: ~6.7 min left"
 
 
 def test_a_steps_publish_line_comes_before_its_replica_lines():

@@ -240,8 +240,10 @@ def lora_lines(s: dict[str, Any]) -> list[str]:
 
 
 def pace_line(published_at: Sequence[float], total_steps: int) -> str:
-    """The pace so far, from the publish times of the steps after the first, and the time left at it."""
-    per_step = (published_at[-1] - published_at[0]) / (len(published_at) - 1)
+    """The pace of the last PACE_EVERY steps (never the first step's, which waits for the trainer to start and
+    for the first rollouts), from the steps' publish times, and the time left at it."""
+    recent = published_at[1:][-(PACE_EVERY + 1) :]
+    per_step = (recent[-1] - recent[0]) / (len(recent) - 1)
     left = (total_steps - len(published_at) + 1) * per_step
     return f"  pace {per_step:.1f} s per step: ~{left / 60:.1f} min left"
 
