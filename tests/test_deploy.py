@@ -86,7 +86,7 @@ def check_bundle(app: str, files: dict[str, bytes]) -> None:
         }
         requires = z.read("deltasync-0.1.0.dist-info/METADATA").decode()
     assert modules == tracked(REPO / "shared" / "deltasync"), app
-    assert "pydantic" not in requires  # the settings are the apps' (appkit), not the library's
+    assert "pydantic-settings" not in requires  # the settings are the apps' (appkit), not the library's
 
 
 def test_dry_run_writes_self_contained_bundles(tmp_path, capsys, monkeypatch, env_leftovers):
