@@ -200,25 +200,15 @@ class Trickling(http.server.BaseHTTPRequestHandler):
         self.send_header("content-length", str(len(body)))
         self.end_headers()
         for byte in body:
-            self.wfile.write(bytes([byte]))
-            self.wfile.flush()
+            try:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+            except OSError:  # the client gave up
+                return
             time.sleep(0.2)
 
     def log_message(self, *args):
         pass
-
-
-def test_a_replica_that_trickles_its_answer_is_bounded_as_a_whole(root, monkeypatch):
-    monkeypatch.setattr(sys.modules[preflight.__module__], "TIMEOUT_S", 1.0)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Trickling)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
-        failure = preflight(root, SCHEMA, MODEL, [url])
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert failure == f"inference server {url}/v1/models does not answer within 1 s"
 
 
 @pytest.mark.parametrize(
@@ -287,9 +277,10 @@ class TricklingForEver(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_a_replica_that_never_finishes_a_chunk_is_bounded_as_a_whole(root, monkeypatch):
+@pytest.mark.parametrize("handler", [Trickling, TricklingForEver])
+def test_a_replica_that_trickles_its_answer_is_bounded_as_a_whole(root, monkeypatch, handler):
     monkeypatch.setattr(sys.modules[preflight.__module__], "TIMEOUT_S", 1.0)
-    server = http.server.HTTPServer(("127.0.0.1", 0), TricklingForEver)  # one request, answered in its thread
+    server = http.server.HTTPServer(("127.0.0.1", 0), handler)  # one request, answered in its thread
     serving = threading.Thread(target=server.serve_forever)
     serving.start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
