@@ -1,6 +1,7 @@
 """`make demo`'s pieces that run in seconds: the summary read from a sync root's telemetry, and the process
 helpers (their own session, stopped whole). The whole demo (vLLM, trainer) is run by `make demo`, not here."""
 
+import dataclasses
 import os
 import sys
 import time
@@ -168,3 +169,9 @@ def test_a_cached_tiny_model_is_used_without_a_word(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(trainer.tiny_model, "default_model_dir", lambda: tmp_path)
     assert demo.policy_model(demo.Settings()) == tmp_path
     assert capsys.readouterr().out == ""
+
+
+def test_a_steps_line_counts_the_anchor_uploaded_beside_its_delta():
+    record = dataclasses.replace(trainer_record(5, "delta", 10, 20_000, None), anchor_bytes=500_000)
+    line = demo.progress_line(record, 20)
+    assert line.startswith("step 5/20  delta+anchor") and f"{demo.format_bytes(520_000)} published" in line

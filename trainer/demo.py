@@ -254,9 +254,10 @@ def progress_line(record: TrainerRecord | ReplicaRecord, total_steps: int) -> st
         if record.kind == "skipped":
             return f"step {record.step}/{total_steps}  folded into a later step (uploads lagged)"
         reward, merged = record.info.get(REWARD_KEY), record.info.get("merged_payload_bytes")
+        kind = "delta+anchor" if record.kind == "delta" and record.anchored else record.kind
         return (
-            f"step {record.step}/{total_steps}  {record.kind:<6} {100 * record.density:6.2f}% changed  "
-            f"{format_bytes(record.payload_bytes):>9} published"
+            f"step {record.step}/{total_steps}  {kind:<6} {100 * record.density:6.2f}% changed  "
+            f"{format_bytes(record.uploaded_bytes):>9} published"
             + ("" if merged is None else f" (merged: {format_bytes(merged)})")
             + ("" if reward is None else f"  reward {reward:.3f}")
         )
