@@ -8,8 +8,10 @@ terms out of the shard's file info section, and refuses with a 400 a shard namin
 reads a file by its reconstruction (`GET /v1/reconstructions/{hash}`: xorb chunk ranges, and the byte ranges
 to fetch them from `/v1/fetch_term`). The v2 routes and global dedup answer 404: the client falls back to v1
 and skips dedup. So any number of processes, each with its own huggingface_hub client and Xet session (and
-Xet cache, `client_cache`), read and write the same buckets. CAS requests carry the Xet token, not the
-user's: they count against no quota and are not in `requests`.
+Xet cache, `client_cache`), read and write the same buckets. CAS requests carry a Xet token, not the user's:
+the token routes hand out one per request, valid for `xet_token_s` on the test clock (an expired one is
+answered 401), and the CAS calls made with it (reconstructions, xorbs, shards; not the presigned fetches)
+count in the class `cas` of the user it was issued to, against no quota; they are not in `requests`.
 
 Space repos (for the deploy command): create, README metadata validation, commits of regular (base64) files,
 the file tree, variables, secrets and hardware requests. Files are kept in memory.
@@ -46,6 +48,7 @@ import hashlib
 import itertools
 import json
 import math
+import secrets
 import struct
 import tempfile
 import threading
@@ -64,7 +67,7 @@ from huggingface_hub.utils import parse_datetime
 from trainer.processes import serving_in_thread
 
 USER = "user"  # whom the token belongs to: the `me` namespace
-XET_TOKEN = "xet"  # the CAS access token the Xet token routes hand out
+XET_TOKEN = "xet"  # the fake's own CAS access token (its resolver reads the CAS with it): never expires
 FREE_TIER = {"api": 1000, "resolvers": 5000}  # requests per 5-minute window (hub-docs: rate limits)
 PRO_TIER = {"api": 2500, "resolvers": 12000}
 
@@ -76,7 +79,9 @@ def _iso(t: float) -> str:
 
 
 def request_class(path: str) -> str | None:
-    """The quota a request counts against: `api`, `resolvers`, or None (not counted)."""
+    """The quota a request counts against: `api`, `resolvers`, `cas` (no quota), or None (not counted)."""
+    if path.startswith("/cas/"):
+        return None if path.startswith("/cas/v1/fetch_term") else "cas"  # a fetch: a presigned storage URL
     if path.startswith("/api/"):
         return "api"
     if "/resolve/" in path:
@@ -134,6 +139,7 @@ class FakeHub:
         self.client_cache = cas_dir / "client-xet-cache"
         self._files: dict[str, list[Term]] = {}  # xet file hash -> its terms, from the uploaded shards
         self.closing = False
+        self._sessions: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()  # open feed sessions
         self.reset()
         self.app = self._build_app()
 
@@ -155,13 +161,17 @@ class FakeHub:
         self.feed_buffer = 10_000
         self.feed_session_s = 600.0
         self.keepalive_s = 15.0
+        self.feed_check_s = 0.25  # real seconds between an idle session's checks for faults and its end
         self.changes: list[Change] = []  # a new list per reset: the feed's sessions from before end
         self.stale_s = 0.0
         self.stale_every = 1  # 2: every other read in the window is stale (two caches, one caught up)
         self._stale_reads = 0
         self.fresh_tokens: set[str] = set()
+        self.xet_token_s = 3600.0
+        self.xet_tokens: dict[str, tuple[str, float]] = {XET_TOKEN: ("", math.inf)}  # -> user's, valid until
         self._lost: tuple[int, int] = (0, 500)
         self.updated_at: dict[str, float] = {}
+        self._wake_feed()  # sessions from before end
 
     def lose_responses(self, n: int, status: int = 500) -> None:
         """The next `n` batch requests land, but are answered `status` (the client sees an error)."""
@@ -188,7 +198,7 @@ class FakeHub:
         index = math.floor(now / self.window_s)
         window = self.windows.setdefault((token, index), Window(index * self.window_s))
         window.counts[cls] += 1
-        left = self.quotas[cls] - window.counts[cls]
+        left = self.quotas.get(cls, 2**62) - window.counts[cls]  # `cas`: no quota
         return int(max(left, 0)) if left >= 0 else -1, (index + 1) * self.window_s - now, window
 
     @property
@@ -200,6 +210,7 @@ class FakeHub:
 
     def stop(self) -> None:
         self.closing = True  # ends the feed's open streams, which would hold the server's shutdown
+        self._wake_feed()
         self._serving.close()
 
     def size(self, xet_hash: str) -> int:
@@ -222,6 +233,12 @@ class FakeHub:
         self.updated_at[bucket] = now
         for change in changes:
             self.changes.append(Change(len(self.changes) + 1, now, bucket, batch, change))
+        self._wake_feed()
+
+    def _wake_feed(self) -> None:
+        """Every open feed session sends what is new at once (they wait for this, not poll)."""
+        for loop, news in list(self._sessions):
+            loop.call_soon_threadsafe(news.set)
 
     def read(self, xet_hash: str) -> bytes:
         """A file's bytes, read out of the CAS by this process's Xet session (a real client decodes them)."""
@@ -260,10 +277,16 @@ class FakeHub:
 
         @app.middleware("http")
         async def auth_quota_and_faults(request: Request, call_next):
-            if request.url.path.startswith("/cas/"):  # the CAS service: the Xet token, no Hub quota
-                presigned = request.url.path.startswith("/cas/v1/fetch_term")  # on the Hub, a storage URL
-                if not presigned and request.headers.get("authorization") != f"Bearer {XET_TOKEN}":
-                    return JSONResponse({"error": "bad Xet token"}, status_code=401)
+            if request.url.path.startswith("/cas/"):  # the CAS service: a Xet token, no Hub quota
+                if request_class(request.url.path) is None:  # a presigned fetch
+                    return await call_next(request)
+                xet_token = (request.headers.get("authorization") or "").removeprefix("Bearer ")
+                user, valid_until = self.xet_tokens.get(xet_token, ("", 0.0))
+                if valid_until <= self.clock():
+                    return JSONResponse({"error": "bad or expired Xet token"}, status_code=401)
+                if user:
+                    with self._lock:
+                        self._count(user, "cas")
                 return await call_next(request)
             self.requests.append(f"{request.method} {request.url.path}")
             while self.stall and not self.closing:
@@ -319,16 +342,19 @@ class FakeHub:
 
         @app.get("/api/buckets/{ns}/{name}/xet-write-token")
         @app.get("/api/buckets/{ns}/{name}/xet-read-token")
-        async def xet_token(ns: str, name: str):
+        async def xet_token(ns: str, name: str, request: Request):
             self._bucket(ns, name)
-            exp = int(time.time()) + 3600  # hf_xet checks it against the real clock
+            # On the test clock (hf_xet checks it against the real one: tests' clocks run ahead of it).
+            exp = int(self.clock() + self.xet_token_s)
+            access = f"xet-{len(self.xet_tokens)}-{secrets.token_hex(8)}"
+            self.xet_tokens[access] = (request.headers.get("authorization") or "", exp)
             # hf_xet reads the JSON body; huggingface_hub's own helper reads the headers.
             headers = {
                 "X-Xet-Cas-Url": self.cas_url,
-                "X-Xet-Access-Token": XET_TOKEN,
+                "X-Xet-Access-Token": access,
                 "X-Xet-Token-Expiration": str(exp),
             }
-            body = {"accessToken": XET_TOKEN, "exp": exp, "casUrl": self.cas_url}
+            body = {"accessToken": access, "exp": exp, "casUrl": self.cas_url}
             return JSONResponse(body, headers=headers)
 
         @app.post("/api/buckets/{ns}/{name}/batch")
@@ -602,27 +628,35 @@ class FakeHub:
         cursor = end
         yield _event("ready", {"cursor": str(cursor)} if cursor else {})
         last_sent = time.monotonic()
-        while True:
-            await asyncio.sleep(0.02)
-            if self.closing or changes is not self.changes:
-                return
-            if self.fail_status is not None or self.feed_status is not None:
-                return
-            if await request.is_disconnected():
-                return
-            with self._lock:
-                end = len(self.changes)
-                live = batches(end)
-            if live:
-                cursor = end
-                yield b"".join(live)
-                last_sent = time.monotonic()
-            elif time.monotonic() - last_sent >= self.keepalive_s:
-                yield b": keep-alive\n\n"
-                last_sent = time.monotonic()
-            if self.clock() - started >= self.feed_session_s:
-                yield _event("reconnect", {"cursor": str(cursor)})
-                return
+        news = asyncio.Event()  # set when a batch lands (or the Hub stops): no polling while nothing changes
+        session = (asyncio.get_running_loop(), news)
+        self._sessions.add(session)
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(news.wait(), self.feed_check_s)
+                news.clear()
+                if self.closing or changes is not self.changes:
+                    return
+                if self.fail_status is not None or self.feed_status is not None:
+                    return
+                if await request.is_disconnected():
+                    return
+                with self._lock:
+                    end = len(self.changes)
+                    live = batches(end)
+                if live:
+                    cursor = end
+                    yield b"".join(live)
+                    last_sent = time.monotonic()
+                elif time.monotonic() - last_sent >= self.keepalive_s:
+                    yield b": keep-alive\n\n"
+                    last_sent = time.monotonic()
+                if self.clock() - started >= self.feed_session_s:
+                    yield _event("reconnect", {"cursor": str(cursor)})
+                    return
+        finally:
+            self._sessions.discard(session)
 
 
 @dataclass
