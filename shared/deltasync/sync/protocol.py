@@ -1,6 +1,7 @@
 """The sync root's layout and its two manifests.
 
-    run.json                                          the model: id and parameter schema (names, shapes; bf16)
+    run.json                                          the model: id, parameter schema (names, shapes; bf16),
+                                                      maybe its first state by reference (`base`: a Hub model)
     anchors/step-00000000-e1-1a2b3c4d/model*.safetensors  complete bf16 states (HF names; sharded)
     deltas/step-00000001-e1-1a2b3c4d.safetensors      patches (codec.patch) from the previous published step
     deltas/step-00000002-e1-1a2b3c4d/part-00001-of-00002.safetensors  a step in parts, one per rank (sharded)
@@ -46,6 +47,7 @@ WRITER_PATH = "writer.lock"  # who writes (deltasync.sync.claim): a lock's holde
 ANCHOR_FORMAT = "deltasync.anchor"
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_INT = (1 << 63) - 1  # steps, sizes, counts, dims: anything larger is corrupt
+STARTS = ("anchor", "base")  # entries holding a complete state: a chain starts at one
 _TAG = r"(?:-(e\d{1,19}-[0-9a-f]{8}))?"
 STEP_DIR = re.compile(rf"step-\d{{8,}}{_TAG}")  # an anchor's or a sharded delta's folder
 Count = Annotated[int, Field(ge=0, le=MAX_INT)]  # a step, size, count or dim a manifest may hold
@@ -253,6 +255,41 @@ def _load(adapter: TypeAdapter[T], data: bytes, what: str) -> T:
 _VERSIONED = TypeAdapter(_Versioned)
 
 
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(?:/[A-Za-z0-9][\w.-]{0,95})?")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class ModelReference:
+    """A Hub model repository at one commit and the safetensors files holding its weights: a run's step 0
+    by reference, in place of an anchor (deltasync.sync.base)."""
+
+    repo: str
+    revision: str  # a commit sha: what it names never changes
+    files: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.repo}@{self.revision}"
+
+    def problem(self) -> str | None:
+        """Why a reader refuses this reference, or None."""
+        if not _REPO_ID.fullmatch(self.repo) or ".." in self.repo:
+            return f"{self.repo!r:.100} is not a model repository id"
+        if not _COMMIT.fullmatch(self.revision):
+            return f"revision {self.revision!r:.60} is not a commit sha"
+        if not self.files or len(self.files) > 100_000:
+            return "it names no weight files"
+        for name in self.files:
+            try:
+                check_path(name)
+            except ValueError as e:
+                return str(e)
+            if not name.endswith(".safetensors"):
+                return f"{name!r:.100} is not a safetensors file"
+        return None
+
+
 def _checked_lora(lora: dict | None) -> dict | None:
     if lora is not None and not (
         isinstance(lora.get("name"), str) and isinstance(lora.get("adapter_config"), dict)
@@ -274,6 +311,9 @@ class RunInfo:
     # adapter_config.json}. None: full weights.
     lora: Annotated[dict | None, AfterValidator(_checked_lora)] = None
     dtype: str = WEIGHT_DTYPE  # of every weight (the seam another dtype, FP8, would use; older runs: none)
+    # The Hub model whose weights the head's "base" entry is (the run's first state, by reference); None:
+    # every chain starts at an anchor in the root (older runs: none).
+    base: ModelReference | None = None
 
     @classmethod
     def of(cls, model: str, state: Mapping[str, torch.Tensor], lora: dict | None = None) -> RunInfo:
@@ -291,8 +331,9 @@ class RunInfo:
 
     def to_json(self) -> bytes:
         raw = {"version": FORMAT_VERSION, **asdict(self)}
-        if self.lora is None:  # a full-weight root's run.json is as it always was
-            del raw["lora"]
+        for optional in ("lora", "base"):  # a run without them has the run.json it always had
+            if raw[optional] is None:
+                del raw[optional]
         return json.dumps(raw, indent=1).encode()
 
     @classmethod
@@ -306,17 +347,21 @@ class RunInfo:
             problem = schema_problem(name, shape)
             if problem:
                 raise ManifestError(f"{RUN_PATH}: bad schema entry {name!r:.80}: {shape!r:.80}: {problem}")
+        problem = run.base.problem() if run.base else None
+        if problem:
+            raise ManifestError(f"{RUN_PATH}: bad base model: {problem}")
         return run
 
 
 @with_config(STRICT)
 @dataclass(frozen=True)
 class Entry:
-    """One published file set: a complete anchor or a delta from `base_step`."""
+    """One published file set: a complete anchor or a delta from `base_step`; or the run's base model by
+    reference (kind "base": run.json's `base`, no files in the root)."""
 
     step: Count
-    kind: str  # "anchor" | "delta"
-    files: tuple[str, ...]  # a delta's parts or an anchor's shards, in order
+    kind: str  # "anchor" | "delta" | "base"
+    files: tuple[str, ...]  # a delta's parts or an anchor's shards, in order; none for "base"
     bytes: Count  # all its files together
     fingerprint: str  # of the full bf16 state at `step` (deltasync.codec.fingerprint.format_fingerprint)
     published_at: float
@@ -338,7 +383,8 @@ class Head:
 
     @property
     def anchors(self) -> list[Entry]:
-        return [e for e in self.entries if e.kind == "anchor"]
+        """The complete states: anchors, and the base model by reference."""
+        return [e for e in self.entries if e.kind in STARTS]
 
     @property
     def deltas(self) -> list[Entry]:
@@ -373,8 +419,10 @@ class Head:
         return head
 
     def _check_chain(self) -> None:
-        if not self.entries or self.entries[0].kind != "anchor":
+        if not self.entries or self.entries[0].kind not in STARTS:
             raise ManifestError(f"{HEAD_PATH}: the chain must start at an anchor")
+        if any(e.kind == "base" for e in self.entries[1:]):
+            raise ManifestError(f"{HEAD_PATH}: the base model can only start the chain")
         first, last = self.entries[0], self.entries[-1]
         if (last.step, last.fingerprint) != (self.step, self.fingerprint):
             raise ManifestError(f"{HEAD_PATH}: the last entry is not the head step {self.step}")
@@ -401,8 +449,12 @@ def _check_entry(entry: Entry, index: int) -> None:
             raise ManifestError(f"{what}: a delta without a base step")
         if entry.base_step >= step:
             raise ManifestError(f"{what}: base step {entry.base_step} is not before step {step}")
+    elif kind == "base":  # its files are the model repository's (run.json), none of the root's
+        if files or entry.base_step is not None:
+            raise ManifestError(f"{what}: the base model names no files of the root and no base step")
+        return
     elif kind != "anchor":
-        raise ManifestError(f"{what}: kind {kind!r:.40} is neither 'anchor' nor 'delta'")
+        raise ManifestError(f"{what}: kind {kind!r:.40} is none of 'anchor', 'delta', 'base'")
     for path in files:
         try:
             check_path(path)
