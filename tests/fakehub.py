@@ -37,7 +37,7 @@ A test clock (`clock`, default `time.time`) or short windows keep tests fast; th
 time until a 429's window ends.
 
 Not modelled: copies, listing/moving/settings of buckets, visibility; LFS/Xet files in repos (preupload
-answers "regular" for every file), model and dataset repos, Space runtimes and builds.
+answers "regular" for every file), dataset repos, Space runtimes and builds. Model repos: tests/fakemodels.py.
 """
 
 import asyncio
@@ -64,6 +64,7 @@ from fastapi import APIRouter, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from huggingface_hub.utils import parse_datetime
 
+from tests.fakemodels import ModelRepos, model_routes
 from trainer.processes import serving_in_thread
 
 USER = "user"  # whom the token belongs to: the `me` namespace
@@ -148,6 +149,7 @@ class FakeHub:
         self.buckets: dict[str, dict[str, dict]] = {}  # bucket id -> path -> file entry (wire format)
         self.previous: dict[tuple[str, str], tuple[float, dict]] = {}  # overwritten at, entry before
         self.spaces: dict[str, Space] = {}  # Space id -> what was created, committed and configured
+        self.models = ModelRepos()  # model repositories (tests/fakemodels.py)
         self.requests: list[str] = []  # "METHOD /path" of every request, so tests can count round trips
         self.fail_status: int | None = None  # when set, every request fails with it (an outage)
         self.stall = False  # while set, requests (not the CAS's) get no answer
@@ -548,6 +550,7 @@ class FakeHub:
                 self.read(entry["xetHash"]), headers=headers, media_type="application/octet-stream"
             )
 
+        app.include_router(model_routes(lambda: self.models))  # last: its /{ns}/{name}/... routes are wide
         return app
 
     def _cas_router(self) -> APIRouter:

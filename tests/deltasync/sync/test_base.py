@@ -5,7 +5,10 @@ import dataclasses
 import json
 
 import pytest
+from huggingface_hub import constants
 
+from deltasync.errors import AnchorError, TransientStorageError
+from deltasync.sync import base
 from deltasync.sync.protocol import Entry, Head, ManifestError, ModelReference, RunInfo
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -62,3 +65,34 @@ def test_a_head_may_start_at_the_base_model_and_only_there():
         bad = Head(entries[-1].step, "00000000000000aa", entries)
         with pytest.raises(ManifestError, match=problem):
             Head.from_json(bad.to_json())
+
+
+@pytest.fixture
+def hub(fake_hub, tmp_path, monkeypatch):
+    """The fake Hub, its model repositories downloaded to a cache of this test's own."""
+    # huggingface_hub builds file URLs from the endpoint it found at import (the fake's is set after)
+    template = fake_hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    return fake_hub
+
+
+def test_the_fake_hub_serves_model_repositories_to_the_real_client(hub):
+    fake_hub = hub
+    first = fake_hub.models.commit("user/tiny", {"model.safetensors": b"one", "config.json": b"{}"})
+    ref = base.resolve("user/tiny")  # the main branch, pinned to its commit
+    assert ref == ModelReference("user/tiny", first, ("model.safetensors",))
+    second = fake_hub.models.commit("user/tiny", {"model.safetensors": b"two"})
+    assert base.resolve("user/tiny").revision == second != first
+    assert [p.read_bytes() for p in base.download(ref)] == [b"one"]  # a commit's files never change
+    before = len(fake_hub.requests)
+    assert [p.read_bytes() for p in base.download(ref)] == [b"one"]
+    assert len(fake_hub.requests) == before  # cached: a commit's files are never asked for again
+    fake_hub.models.forget("user/tiny", second)
+    with pytest.raises(AnchorError, match=rf"user/tiny@{second}: not on the Hub \(RevisionNotFoundError\)"):
+        base.download(ModelReference("user/tiny", second, ("model.safetensors",)))
+    with pytest.raises(AnchorError, match="user/gone@main: not on the Hub"):
+        base.resolve("user/gone")
+    fake_hub.fail_status = 503
+    with pytest.raises(TransientStorageError, match="cannot reach the model repository"):
+        base.resolve("user/tiny")
