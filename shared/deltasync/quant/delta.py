@@ -1,0 +1,164 @@
+"""The quantized delta between two steps: the codes and scales that differ, and its file.
+
+A step of a quantized root changes codes where the bf16 value moved across a rounding boundary of the code,
+and a row's scale where the row's largest magnitude changed (every code of such a row is compared again, so
+the changed ones travel, not the row). Applying the delta to the previous quantized state gives the
+quantization of the new bf16 state exactly, because it is the difference of the two quantized states.
+
+File (safetensors; entries uint8, zstd): per changed tensor `NAME:gaps` (uint32 gaps between changed flat
+positions, minus one), `NAME:steps` (the code bytes' steps, new - old mod 256: mostly +-1, so they compress),
+and where scales changed `NAME:rows` (uint32 row gaps) and `NAME:scale` (the new fp32 scales). Metadata:
+format, recipe, the fingerprints (deltasync.quant.state) of the state before and after, and per tensor
+[changed codes, changed scales].
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+import zstandard
+from safetensors import SafetensorError
+from safetensors.torch import load, save
+
+from deltasync.errors import PatchError
+from deltasync.quant.state import SCALE, Changes, Quantized, fingerprint_after, format_fingerprint
+
+FORMAT = "deltasync.quant-delta/1"
+MAX_HEADER_BYTES = 64 << 20
+
+
+def diff(old: Mapping[str, Quantized], new: Mapping[str, Quantized]) -> dict[str, Changes]:
+    """The codes and scales of `new` that differ from `old` (tensors without a change left out)."""
+    out = {}
+    for name, q in new.items():
+        new_bytes = q.code_bytes()
+        positions = np.flatnonzero(old[name].code_bytes() != new_bytes)
+        rows = np.flatnonzero(old[name].scales.numpy().view(np.int32) != q.scales.numpy().view(np.int32))
+        if positions.size or rows.size:
+            out[name] = Changes(positions, new_bytes[positions], rows, q.scales.numpy()[rows])
+    return out
+
+
+def _pack(a: np.ndarray) -> torch.Tensor:
+    return torch.frombuffer(
+        bytearray(zstandard.ZstdCompressor(level=3).compress(a.tobytes())), dtype=torch.uint8
+    )
+
+
+def _gaps(positions: np.ndarray) -> np.ndarray:
+    return np.diff(positions, prepend=-1).astype(np.uint32) - np.uint32(1)
+
+
+def encode(
+    changes: Mapping[str, Changes], old: Mapping[str, Quantized], recipe: str, base_fp: int, target_fp: int
+) -> bytes:
+    """The delta file of `changes` to quantized state `old` (fingerprint `base_fp`), reaching `target_fp`."""
+    entries: dict[str, torch.Tensor] = {}
+    counts: dict[str, list[int]] = {}
+    for name, d in changes.items():
+        steps = d.codes - old[name].code_bytes()[d.positions]  # uint8: mod 256
+        entries |= {f"{name}:gaps": _pack(_gaps(d.positions)), f"{name}:steps": _pack(steps)}
+        if d.rows.size:
+            entries |= {f"{name}:rows": _pack(_gaps(d.rows)), f"{name}{SCALE}": _pack(d.scales)}
+        counts[name] = [int(d.positions.size), int(d.rows.size)]
+    meta = {
+        "format": FORMAT,
+        "recipe": recipe,
+        "base_fingerprint": format_fingerprint(base_fp),
+        "fingerprint": format_fingerprint(target_fp),
+        "tensors": json.dumps(counts),
+    }
+    return save(entries, metadata=meta)
+
+
+def _metadata(data: bytes) -> dict:
+    if len(data) < 8:
+        raise PatchError(f"not a safetensors file: {len(data)} bytes")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > min(MAX_HEADER_BYTES, len(data) - 8):
+        raise PatchError(f"truncated or corrupt: header claims {n} bytes, file has {len(data)}")
+    try:
+        meta = json.loads(data[8 : 8 + n]).get("__metadata__")
+    except (ValueError, RecursionError, AttributeError) as e:
+        raise PatchError(f"corrupt safetensors header: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise PatchError(
+            f"not a quantized delta (format {meta.get('format') if isinstance(meta, dict) else None!r})"
+        )
+    return meta
+
+
+def _unpack(entries: dict, key: str, count: int, dtype: type) -> np.ndarray:
+    size = count * np.dtype(dtype).itemsize
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(
+            entries.pop(key).numpy().tobytes(), max_output_size=size
+        )
+    except KeyError:
+        raise PatchError(f"entry {key!r} is missing") from None
+    except zstandard.ZstdError as e:
+        raise PatchError(f"entry {key!r} is corrupt: {e}") from None
+    if len(raw) != size:
+        raise PatchError(f"entry {key!r} holds {len(raw)} bytes, its count says {size}")
+    return np.frombuffer(raw, dtype)
+
+
+def _positions(entries: dict, key: str, count: int, limit: int) -> np.ndarray:
+    positions = np.cumsum(_unpack(entries, key, count, np.uint32).astype(np.int64) + 1) - 1
+    if positions.size and positions[-1] >= limit:
+        raise PatchError(f"entry {key!r} reaches position {positions[-1]}, beyond its tensor's {limit}")
+    return positions
+
+
+def _is_count_pair(v: object) -> bool:
+    return isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v)
+
+
+def decode(
+    data: bytes, state: Mapping[str, Quantized], recipe: str, base_fp: int
+) -> tuple[dict[str, Changes], int]:
+    """The delta in `data` and the fingerprint it reaches, checked against quantized `state` (fingerprint
+    `base_fp`) before anything is written: PatchError in one line if the file is corrupt, made for another
+    recipe or state, or does not reach the fingerprint it promises."""
+    meta = _metadata(data)
+    if meta.get("recipe") != recipe:
+        raise PatchError(
+            f"a delta for quantization {meta.get('recipe')!r:.60}, this replica serves {recipe!r}"
+        )
+    try:
+        base, target = int(meta["base_fingerprint"], 16), int(meta["fingerprint"], 16)
+        counts = json.loads(meta["tensors"])
+        entries = load(data)
+    except (KeyError, ValueError, TypeError, RecursionError, SafetensorError) as e:
+        raise PatchError(f"bad quantized delta metadata or entries: {e!r:.200}") from None
+    if base != base_fp:
+        held = format_fingerprint(base_fp)
+        raise PatchError(f"made for state {format_fingerprint(base)}, this replica holds {held}")
+    if not isinstance(counts, dict) or not all(_is_count_pair(v) for v in counts.values()):
+        raise PatchError("bad quantized delta metadata: 'tensors' is not {name: [codes, scales]}")
+    delta = {}
+    for name, (changed, rows) in counts.items():
+        if name not in state:
+            raise PatchError(f"changes {name!r:.200}, which this replica does not hold quantized")
+        q = state[name]
+        if not 0 <= changed <= q.codes.numel() or not 0 <= rows <= q.scales.numel():
+            raise PatchError(f"{name}: {changed} codes and {rows} scales changed, beyond its shape")
+        positions = _positions(entries, f"{name}:gaps", changed, q.codes.numel())
+        codes = _unpack(entries, f"{name}:steps", changed, np.uint8) + q.code_bytes()[positions]
+        row_idx = (
+            _positions(entries, f"{name}:rows", rows, q.scales.numel()) if rows else np.zeros(0, np.int64)
+        )
+        scales = _unpack(entries, name + SCALE, rows, np.float32) if rows else np.zeros(0, np.float32)
+        delta[name] = Changes(positions, codes, row_idx, scales)
+    if entries:
+        raise PatchError(f"entries no tensor count names: {sorted(entries)[:3]}")
+    reached = fingerprint_after(base_fp, state, delta)
+    if reached != target:
+        raise PatchError(
+            f"reaches {format_fingerprint(reached)}, not the {format_fingerprint(target)} it promises"
+        )
+    return delta, target

@@ -1,0 +1,57 @@
+"""A quantization recipe, named as vLLM's `--quantization` names it and as run.json records it: which of a
+checkpoint's tensors it quantizes and how."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deltasync.errors import Refused
+from deltasync.quant import fp8, int8
+
+# Not quantized by any recipe although 2-D: embeddings and the LM head are vLLM embedding layers, and
+# Qwen2-MoE's shared-expert gate is built with quant_config=None.
+UNQUANTIZED = ("embed_tokens.weight", "lm_head.weight", "shared_expert_gate.weight")
+EXPERTS = ".mlp.experts."  # a checkpoint's routed experts: model.layers.L.mlp.experts.E.{gate,up,down}_proj
+
+
+def _linear_or_expert(name: str) -> bool:
+    return not name.endswith(UNQUANTIZED)
+
+
+def _expert(name: str) -> bool:
+    return EXPERTS in name
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """`name` as vLLM's `--quantization` takes it; `quantize`: bf16 [N, K] -> (codes [N, K], fp32 scales [N]),
+    one scale per output row; `selects`: whether a 2-D `.weight` of the checkpoint is quantized."""
+
+    name: str
+    code: torch.dtype
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    selects: Callable[[str], bool]
+
+    def quantized_names(self, shapes: Mapping[str, Sequence[int]]) -> list[str]:
+        """The names in a checkpoint's schema this recipe quantizes (vLLM's rule: linear layers and routed
+        experts, or the experts alone; never embeddings, the LM head, norms or biases)."""
+        return [n for n, s in shapes.items() if len(s) == 2 and n.endswith(".weight") and self.selects(n)]
+
+
+RECIPES = {
+    # vLLM: every LinearBase (attention and MLP projections, a MoE router) and the routed experts; on CPU
+    # vLLM serves it for dense models only (its CPU MoE backends refuse per-channel fp8).
+    "fp8_per_channel": Recipe("fp8_per_channel", fp8.CODE, fp8.quantize, _linear_or_expert),
+    # vLLM: the routed experts only; dense linear layers stay bf16.
+    "int8_per_channel_weight_only": Recipe("int8_per_channel_weight_only", int8.CODE, int8.quantize, _expert),
+}
+
+
+def recipe(name: str) -> Recipe:
+    """The recipe called `name`, or Refused naming the known ones."""
+    if name not in RECIPES:
+        raise Refused(f"unknown quantization {name!r}: deltasync follows {', '.join(RECIPES)}")
+    return RECIPES[name]
