@@ -1,0 +1,137 @@
+"""Quantized deltas against bf16 patches, on the same training steps.
+
+    python -m bench.quant [--layers 28] [--steps 3] [--lrs 1e-6,3e-6]
+
+Qwen3-0.6B shapes (all 28 layers and the tied embedding by default, N(0, 0.02) weights) moved by bench.codec's
+Adam-like fp32 master steps. Per step, side by side in one run:
+
+- bf16: the codec's compact patch of the whole model (what a bf16 root publishes) and its trainer time
+  (change detection + fingerprint + encode, `make_patch` + `encode`);
+- quantized: what a quantized root would publish, the bf16 patch of the tensors the recipe leaves alone
+  (embedding, norms) plus the quantized delta of the rest (deltasync.quant.delta); for the quantized (linear)
+  tensors alone, their bf16 density and patch beside their quantized delta; and the trainer's extra
+  work (quantize the new bf16 state, diff against the previous quantized state, fingerprint, encode);
+- the replica's side of the quantized delta: decode + verify (before the pause) and the write (the pause).
+
+Recipes: `fp8_per_channel` as vLLM applies it to a dense Qwen3 (every linear layer);
+`int8_per_channel_weight_only` quantizes experts only, so Qwen3-0.6B has none: its rows apply int8's numerics
+to the same linear layers, to show what an expert's share of a MoE would cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench.codec import qwen3_shapes, qwen3_trajectory, timed
+from deltasync.codec import patch as patches
+from deltasync.codec.fingerprint import state_fingerprint
+from deltasync.quant import delta as deltas
+from deltasync.quant.recipe import RECIPES, Recipe
+from deltasync.quant.state import Quantized, apply, fingerprint, fingerprint_after
+
+HEAD = (
+    "| recipe | lr | step | bf16 density | bf16 patch | **quantized step** | linears: bf16 density "
+    "| bf16 patch | **quantized delta** | changed codes | B / changed code | scales changed "
+    "| bf16: diff + encode | quantize | diff + fp + encode "
+    "| **trainer extra / bf16** | replica decode + verify | replica write (pause) |"
+)
+
+
+def quantize(state: dict[str, torch.Tensor], names: list[str], recipe: Recipe) -> dict[str, Quantized]:
+    return {n: Quantized(*recipe.quantize(state[n])) for n in names}
+
+
+def bf16_patch(old: dict, new: dict) -> tuple[bytes, float]:
+    """The codec's compact patch from `old` to `new` and the trainer's time for it (its base fingerprint is
+    tracked step to step, so not timed)."""
+    base = state_fingerprint(old)
+    (data, _), seconds = timed(
+        lambda: (patches.encode(p := patches.make_patch(old, new, 1, 0, base), old), p)
+    )
+    return data, seconds
+
+
+def run(recipe: Recipe, layers: int, lr: float, steps: int) -> None:
+    names = RECIPES["fp8_per_channel"].quantized_names(qwen3_shapes(layers))
+    q_old: dict[str, Quantized] = {}
+    base = 0
+    for step, (old, new) in enumerate(qwen3_trajectory(layers, lr, steps), 1):
+        if not q_old:
+            q_old = quantize(old, names, recipe)
+            base = fingerprint(q_old)
+        whole, bf16_s = bf16_patch(old, new)
+        rest, _ = bf16_patch(*({n: s[n] for n in s if n not in names} for s in (old, new)))
+        linears, _ = bf16_patch(*({n: s[n] for n in names} for s in (old, new)))
+        q_new, quantize_s = timed(quantize, new, names, recipe)
+
+        def publish(q_new=q_new, q_old=q_old, base=base) -> tuple[bytes, int]:
+            changes = deltas.diff(q_old, q_new)
+            target = fingerprint_after(base, q_old, changes)
+            return deltas.encode(changes, q_old, recipe.name, base, target), target
+
+        (data, target), publish_s = timed(publish)
+        (changes, _), decode_s = timed(deltas.decode, data, q_old, recipe.name, base)
+        _, write_s = timed(apply, q_old, changes)  # the replica's state, in place
+        assert all(
+            torch.equal(q_old[n].codes.view(torch.uint8), q_new[n].codes.view(torch.uint8)) for n in names
+        )
+        assert target == fingerprint(q_new), "the delta's fingerprint is not the new state's"
+        numel = sum(t.numel() for t in old.values())
+        codes = sum(q.codes.numel() for q in q_new.values())
+        rows = sum(q.scales.numel() for q in q_new.values())
+        changed = sum(c.positions.size for c in changes.values())
+        scales = sum(c.rows.size for c in changes.values())
+        density = patches.read_info(whole).changed / numel
+        linear_density = patches.read_info(linears).changed / codes
+        cells = [
+            recipe.name,
+            f"{lr:g}",
+            step,
+            f"{density:.2%}",
+            f"{len(whole) / 1e6:.2f} MB",
+            f"**{(len(rest) + len(data)) / 1e6:.2f} MB**",
+            f"{linear_density:.2%}",
+            f"{len(linears) / 1e6:.2f} MB",
+            f"**{len(data) / 1e6:.2f} MB**",
+            f"{changed / codes:.3%}",
+            f"{len(data) / max(changed, 1):.2f} B",
+            f"{scales / rows:.2%}",
+            f"{bf16_s:.2f} s",
+            f"{quantize_s:.2f} s",
+            f"{publish_s:.2f} s",
+            f"**{(quantize_s + publish_s) / bf16_s:.2f}x**",
+            f"{decode_s:.2f} s",
+            f"{write_s * 1e3:.0f} ms",
+        ]
+        print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+        base = target
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--lrs", default="1e-6,3e-6")
+    parser.add_argument("--recipes", default=",".join(RECIPES))
+    args = parser.parse_args()
+    shapes = qwen3_shapes(args.layers)
+    names = RECIPES["fp8_per_channel"].quantized_names(shapes)
+    linear = sum(shapes[n][0] * shapes[n][1] for n in names)
+    rows = sum(shapes[n][0] for n in names)
+    print(
+        f"Qwen3-0.6B shapes, {args.layers} layers: {linear / 1e6:.0f}M of "
+        f"{sum(torch.Size(s).numel() for s in shapes.values()) / 1e6:.0f}M elements in {len(names)} linear "
+        f"layers ({rows} rows): bf16 {2 * linear / 1e6:.0f} MB, "
+        f"codes + fp32 scales {(linear + 4 * rows) / 1e6:.0f} MB\n"
+    )
+    print(HEAD)
+    print("|---" * (HEAD.count("|") - 1) + "|")
+    for name in args.recipes.split(","):
+        for lr in map(float, args.lrs.split(",")):
+            run(RECIPES[name], args.layers, lr, args.steps)
+
+
+if __name__ == "__main__":
+    main()
