@@ -9,8 +9,9 @@ Adam-like fp32 master steps. Per step, side by side in one run:
   (change detection + fingerprint + encode, `make_patch` + `encode`);
 - quantized: what a quantized root would publish, the bf16 patch of the tensors the recipe leaves alone
   (embedding, norms) plus the quantized delta of the rest (deltasync.quant.delta); for the quantized (linear)
-  tensors alone, their bf16 density and patch beside their quantized delta; and the trainer's extra
-  work (quantize the new bf16 state, diff against the previous quantized state, fingerprint, encode);
+  tensors alone, their bf16 density and patch, and the share of their rows a bf16 change touches (what a
+  replica re-quantizing touched rows would need in bf16), beside their quantized delta; and the trainer's
+  extra work (quantize the new bf16 state, diff against the previous quantized state, fingerprint, encode);
 - the replica's side of the quantized delta: decode + verify (before the pause) and the write (the pause).
 
 Recipes: `fp8_per_channel` as vLLM applies it to a dense Qwen3 (every linear layer);
@@ -33,7 +34,7 @@ from deltasync.quant.state import Quantized, apply, fingerprint, fingerprint_aft
 
 HEAD = (
     "| recipe | lr | step | bf16 density | bf16 patch | **quantized step** | linears: bf16 density "
-    "| bf16 patch | **quantized delta** | changed codes | B / changed code | scales changed "
+    "| bf16 patch | rows touched | **quantized delta** | changed codes | B / changed code | scales changed "
     "| bf16: diff + encode | quantize | diff + fp + encode "
     "| **trainer extra / bf16** | replica decode + verify | replica write (pause) |"
 )
@@ -85,6 +86,7 @@ def run(recipe: Recipe, layers: int, lr: float, steps: int) -> None:
         scales = sum(c.rows.size for c in changes.values())
         density = patches.read_info(whole).changed / numel
         linear_density = patches.read_info(linears).changed / codes
+        touched = sum(int((old[n] != new[n]).any(1).sum()) for n in names)  # rows a bf16 change reaches
         cells = [
             recipe.name,
             f"{lr:g}",
@@ -94,6 +96,7 @@ def run(recipe: Recipe, layers: int, lr: float, steps: int) -> None:
             f"**{(len(rest) + len(data)) / 1e6:.2f} MB**",
             f"{linear_density:.2%}",
             f"{len(linears) / 1e6:.2f} MB",
+            f"{touched / rows:.1%}",
             f"**{len(data) / 1e6:.2f} MB**",
             f"{changed / codes:.3%}",
             f"{len(data) / max(changed, 1):.2f} B",
