@@ -16,9 +16,11 @@ import hashlib
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from huggingface_hub import constants
 
 
 @dataclass
@@ -32,6 +34,7 @@ class ModelRepos:
 
     def __init__(self) -> None:
         self.repos: dict[str, ModelRepo] = {}
+        self.fail_status: int | None = None  # when set, the model routes alone fail with it (an outage)
         self._serial = itertools.count()
 
     def commit(self, repo: str, files: dict[str, bytes], branch: str = "main") -> str:
@@ -47,7 +50,9 @@ class ModelRepos:
         del self.repos[repo].commits[sha]
 
     def tree(self, repo: str, revision: str) -> tuple[str, dict[str, bytes]] | Response:
-        """The commit `revision` names in `repo` and its files, or the Hub's 404."""
+        """The commit `revision` names in `repo` and its files, or the Hub's 404 (or `fail_status`)."""
+        if self.fail_status is not None:
+            return Response(b"injected failure", status_code=self.fail_status)
         model = self.repos.get(repo)
         if model is None:
             return _not_found("RepoNotFound", f"Repository {repo} not found")
@@ -55,6 +60,14 @@ class ModelRepos:
         if sha not in model.commits:
             return _not_found("RevisionNotFound", f"Invalid rev id: {revision}")
         return sha, model.commits[sha]
+
+
+def client_on(hub, monkeypatch, cache: Path) -> None:
+    """Point this process's huggingface_hub at the fake Hub `hub` for model files too (it builds their URLs
+    from the endpoint it found at import; the `fake_hub` fixture sets the rest), with its cache in `cache`."""
+    template = hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
 
 
 def _not_found(code: str, message: str) -> Response:

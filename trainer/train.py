@@ -348,6 +348,25 @@ def resolve_model(name: str) -> str:
     return str(ensure_tiny_model(default_model_dir()))
 
 
+def pinned_revision(model: str, args: AsyncGRPOConfig) -> str | None:
+    """For a Hub model: its commit at the revision TRL would load (`--model_init_kwargs '{"revision": ...}'`,
+    default the main branch), which TRL then loads, so that the run's step 0 can name it by reference
+    (deltasync.sync.base). None for a local folder, or (said in one line) a model that cannot be named."""
+    if model == TINY or Path(model).exists():
+        return None
+    from deltasync.errors import AnchorError, TransientStorageError
+    from deltasync.sync.base import resolve
+
+    kwargs = args.model_init_kwargs if isinstance(args.model_init_kwargs, dict) else {}
+    try:
+        commit = resolve(model, kwargs.get("revision")).revision
+    except (AnchorError, TransientStorageError) as e:
+        log.warning("the first step goes out as an anchor: %s", e)
+        return None
+    args.model_init_kwargs = {**kwargs, "revision": commit}
+    return commit
+
+
 def continue_from_head(model: torch.nn.Module, root: str, adapter: bool) -> None:
     """Load the newest published weights (with `adapter`, the adapter) into `model` if the sync root holds a
     run."""
@@ -364,19 +383,24 @@ def continue_from_head(model: torch.nn.Module, root: str, adapter: bool) -> None
     Subscriber(storage, TensorsApplier(dict(live))).sync()
 
 
-def model_without_weights(path: str) -> torch.nn.Module:
+def model_without_weights(path: str, revision: str | None = None) -> torch.nn.Module:
     """The model at `path` built on the meta device: its parameters' names and shapes, no weights loaded."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, revision=revision))
 
 
 def build_trainer(
-    ours: DeltaSyncArguments, args: AsyncGRPOConfig, stop: GracefulStop, model_path: str, model_id: str
+    ours: DeltaSyncArguments,
+    args: AsyncGRPOConfig,
+    stop: GracefulStop,
+    model_path: str,
+    model_id: str,
+    revision: str | None = None,
 ):
     """The AsyncGRPOTrainer for `args`, wired to the sync root, the inference replicas and the Wordle Space
-    (which preflight has checked)."""
+    (which preflight has checked); `revision`: the Hub model's commit (pinned_revision)."""
     from datasets import Dataset
     from transformers import AutoTokenizer, PrinterCallback, ProgressCallback
     from trl.experimental.async_grpo import AsyncGRPOTrainer
@@ -385,7 +409,7 @@ def build_trainer(
     from wordle_env.client import WordleEnv
 
     apply_cpu_shims("cpu" if args.use_cpu or not torch.cuda.is_available() else "cuda")
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, revision=revision)
     args.vllm_server_base_url = ours.inference_url[0]
     max_ahead = rollouts_ahead(args, ours.rollouts_ahead)
     transfer = BucketWeightTransfer(
@@ -400,6 +424,7 @@ def build_trainer(
         guard=stop.guard,
         lora_name=LORA_NAME if ours.lora_r else None,
         measure_merged=ours.measure_merged,
+        model_revision=revision,
     )
     trainer_ref: dict = {"trainer": None}
     trainer = AsyncGRPOTrainer(
@@ -481,11 +506,12 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.INFO)
     model_path = resolve_model(ours.model)
     model_id = ours.model if ours.model != TINY else model_path
+    revision = pinned_revision(model_path, args)
     # Preflight before the model loads or anything is written: a bad URL costs seconds and leaves no trace.
     # Only the main process checks (it alone publishes); torchrun and accelerate set RANK.
     if int(os.environ.get("RANK", "0")) == 0:
         served = ours.served_model_name or model_id
-        lora, model = ours.lora(), model_without_weights(model_path)
+        lora, model = ours.lora(), model_without_weights(model_path, revision)
         if lora is not None:  # the adapter's tensors: PEFT builds them on the meta device too
             from peft import get_peft_model
 
@@ -496,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = GracefulStop()
     stop.install()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where is it stuck?
-    trainer, transfer = build_trainer(ours, args, stop, model_path, model_id)
+    trainer, transfer = build_trainer(ours, args, stop, model_path, model_id, revision)
     # as the trainer runs it; no secrets in it: tokens come from the environment, and TRL masks its own
     log.info("config %s", json.dumps(run_config(ours, args)))
     start, error = time.perf_counter(), None

@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import httpx
 import torch
 from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.errors import (
-    EntryNotFoundError,
     HfHubHTTPError,
     LocalEntryNotFoundError,
+    RemoteEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
@@ -83,11 +83,12 @@ def _hub_errors(what: str) -> Iterator[None]:
     """Hub answers as deltasync's errors: gone for good (AnchorError), or not reachable now (transient)."""
     try:
         yield
-    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as e:
+    except (RepositoryNotFoundError, RevisionNotFoundError, RemoteEntryNotFoundError) as e:
         raise AnchorError(f"{what}: not on the Hub ({type(e).__name__})") from None
     except (HfHubHTTPError, *UNREACHABLE) as e:  # an outage, a rate limit, no network and no cached copy
-        line = (str(e).splitlines() or [type(e).__name__])[0]
-        raise TransientStorageError(f"{what}: cannot reach the model repository: {line}") from None
+        cause = e.__cause__ or e  # not in the cache: the request's own error says why
+        line = (str(cause).splitlines() or [type(cause).__name__])[0]
+        raise TransientStorageError(f"cannot reach the model repository {what}: {line}") from None
 
 
 def state_bytes(files: list[Path]) -> int:
@@ -96,17 +97,33 @@ def state_bytes(files: list[Path]) -> int:
 
 def read_state(files: list[Path], schema: Mapping[str, list[int]], where: str) -> dict[str, torch.Tensor]:
     """The tensors of `schema`, in its order, as bf16, read from a checkpoint's safetensors `files`;
-    AnchorError naming `where` if one is missing, shaped otherwise or not a float."""
+    AnchorError naming `where` if one is missing, twice there, shaped otherwise or not a float."""
     found = dict(_tensors(files, schema, where))
-    missing = [name for name in schema if name not in found]
-    if missing:
-        raise AnchorError(f"{where}: has no tensor {missing[0]!r} (and {len(missing) - 1} more missing)")
+    _check_complete(found.keys(), schema, where)
     return {name: found[name] for name in schema}
+
+
+def state_fingerprint(files: list[Path], schema: Mapping[str, list[int]], where: str) -> int:
+    """The fingerprint of what `read_state` returns, read one tensor at a time (no copy of the model)."""
+    names, fp = set(), 0
+    for name, t in _tensors(files, schema, where):
+        names.add(name)
+        fp += fingerprint.tensor_fingerprint(name, t)
+    _check_complete(names, schema, where)
+    return fp & fingerprint.MASK64
+
+
+def _check_complete(names: Iterable[str], schema: Mapping[str, list[int]], where: str) -> None:
+    missing = set(schema).difference(names)
+    if missing:
+        first = next(name for name in schema if name in missing)
+        raise AnchorError(f"{where}: has no tensor {first!r} (and {len(missing) - 1} more missing)")
 
 
 def _tensors(
     files: list[Path], schema: Mapping[str, list[int]], where: str
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    seen: set[str] = set()
     for path in files:
         try:
             with safe_open(path, "pt") as f:
@@ -114,10 +131,13 @@ def _tensors(
                     if name not in schema:
                         continue  # e.g. a tied lm_head the trainer publishes once, as the embedding
                     t = f.get_tensor(name)
-                    if not t.is_floating_point() or list(t.shape) != list(schema[name]):
+                    if name in seen or not t.is_floating_point() or list(t.shape) != list(schema[name]):
+                        twice = " a second time" if name in seen else ""
                         raise AnchorError(
-                            f"{where}: {name} is {t.dtype} {list(t.shape)}, the run has bf16 {schema[name]}"
+                            f"{where}: {name} is {t.dtype} {list(t.shape)}{twice}, the run has bf16 "
+                            f"{schema[name]}"
                         )
+                    seen.add(name)
                     yield name, t.to(torch.bfloat16)
         except SafetensorError as e:
             raise AnchorError(f"{where}: {path.name} is no safetensors file: {e}") from None
@@ -127,4 +147,4 @@ def verify(state: Mapping[str, torch.Tensor], fp: str, where: str) -> None:
     """AnchorError (one line naming `where`) unless `state`'s fingerprint is `fp`."""
     actual = fingerprint.format_fingerprint(fingerprint.state_fingerprint(state.items()))
     if actual != fp:
-        raise AnchorError(f"{where}: its weights have fingerprint {actual}, the run's step promises {fp}")
+        raise AnchorError(f"{where}: its weights have fingerprint {actual}, not {fp}")

@@ -8,6 +8,10 @@ states replace the pending one (the skipped step is folded into the next delta) 
 bound. The last published state advances only once the head naming it is written and read back.
 
 Only one publisher writes a root at a time: see `deltasync.sync.claim`.
+
+Given `model_revision`, a run's first state that is exactly the weights of the Hub model `model` at that
+revision (resolved to its commit; checked by fingerprint) goes out by reference to it, not as an anchor
+(`deltasync.sync.base`); otherwise one line says why and it goes out as an anchor.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from deltasync import telemetry
 from deltasync.codec import bf16, fingerprint
 from deltasync.codec.changes import SchemaError, name_difference
 from deltasync.codec.patch import encode, make_patch
+from deltasync.errors import AnchorError
 from deltasync.storage import (
     LocalStorage,
     Storage,
@@ -35,6 +40,7 @@ from deltasync.storage import (
     open_storage,
     retry,
 )
+from deltasync.sync import base
 from deltasync.sync.anchor import anchor_encoding, write_anchor
 from deltasync.sync.claim import WriterClaim, new_holder
 from deltasync.sync.config import PublisherConfig
@@ -42,9 +48,11 @@ from deltasync.sync.gc import collect_garbage, delete_emptied_folders
 from deltasync.sync.protocol import (
     HEAD_PATH,
     RUN_PATH,
+    STARTS,
     Entry,
     Head,
     ManifestError,
+    ModelReference,
     RunInfo,
     check_step,
     delta_path,
@@ -85,7 +93,8 @@ class _Pending:
 
 class Publisher:
     """Publishes successive states of one model to the sync root `root` (URL, path or Storage), as its only
-    writer: raises WriterConflict naming the holder if another publisher has the root."""
+    writer: raises WriterConflict naming the holder if another publisher has the root. `model_revision`: the
+    revision of the Hub model `model` training started from (see the module's docstring)."""
 
     def __init__(
         self,
@@ -93,9 +102,11 @@ class Publisher:
         model: str = "",
         config: PublisherConfig | None = None,
         lora: dict | None = None,
+        model_revision: str | None = None,
     ):
         self.storage = root if isinstance(root, Storage) else open_storage(root)
         self.model, self.lora = model, lora  # lora: run.json's mark of a LoRA root (RunInfo.lora)
+        self.model_revision = model_revision
         self.config = config or PublisherConfig()
         self._spare: dict[str, torch.Tensor] | None = None  # a buffer the worker gave back
         self._run: RunInfo | None = None
@@ -344,12 +355,14 @@ class Publisher:
         assert self._run is not None  # known before the first job
         if old is not None and any(old[n].device != t.device for n, t in job.state.items()):
             old = {n: old[n].to(t.device) for n, t in job.state.items()}  # resumed: read on the host
-        if head is None:
-            self.storage.write_bytes(RUN_PATH, self._run.to_json())
         delta, data = self._delta(job, head, old)
         fp = delta.fingerprint if delta else fingerprint.state_fingerprint(job.state)
+        reference = self._reference(job, fp) if head is None else None
+        if head is None:
+            self._run = replace(self._run, base=reference[0] if reference else None)
+            self.storage.write_bytes(RUN_PATH, self._run.to_json())
         with tempfile.TemporaryDirectory(prefix="deltasync-") as tmp:
-            anchor_files = self._anchor(job, delta, fp, Path(tmp))
+            anchor_files = [] if reference else self._anchor(job, delta, fp, Path(tmp))
             encode_s = time.perf_counter() - start + (job.stored.encode_s if job.stored else 0.0)
             current = self._upload(job.step, data, anchor_files)
             anchor_bytes = sum(local.stat().st_size for local, _ in anchor_files)
@@ -362,6 +375,8 @@ class Publisher:
         if anchor_files:
             files = tuple(path for _, path in anchor_files)
             entries.append(Entry(job.step, "anchor", files, anchor_bytes, fp_text, now))
+        if reference:  # the model repository's files: none of the root's
+            entries.append(Entry(job.step, "base", (), reference[1], fp_text, now))
         # Without a delta the step starts a new chain (the run's first step, or a head whose state could not
         # be verified on resume): its anchor needs nothing before it.
         new_head = self._retained(head if delta else None, entries, job.step, fp_text)
@@ -377,7 +392,7 @@ class Publisher:
         # What went out: a delta (its bytes are the payload), and/or an anchor of `anchor_bytes` beside it.
         record = telemetry.TrainerRecord(
             step=job.step,
-            kind="delta" if delta else "anchor",
+            kind="delta" if delta else "base" if reference else "anchor",
             published_at=now,
             numel=self._run.numel,
             changed=delta.changed if delta else self._run.numel,
@@ -391,6 +406,7 @@ class Publisher:
             info=job.info,
         )
         sent = [f"anchor {anchor_bytes / 1e3:.1f} kB"] if anchor_files else []
+        sent += [f"the base model {reference[0]} by reference: nothing uploaded"] if reference else []
         if delta:
             sent.insert(0, f"delta {delta.bytes / 1e3:.1f} kB, {100 * record.density:.2f}% changed")
         log.info("published step %d (%s)", job.step, "; ".join(sent))
@@ -413,6 +429,27 @@ class Publisher:
         data = encode(patch, old, self.config.encoding, self.config.threads)
         path = delta_path(job.step, self.claim.tag)  # only this claim writes it: a fenced writer never can
         return StoredDelta((path,), len(data), patch.changed, patch.fingerprint), data
+
+    def _reference(self, job: _Pending, fp: int) -> tuple[ModelReference, int] | None:
+        """The Hub model `model` at `model_revision`, pinned to its commit, and its weights' size, if the
+        run's first state `job` (fingerprint `fp`) is exactly those weights; else None, said in one line."""
+        if self.model_revision is None or self.lora is not None or job.stored is not None:
+            return None
+        assert self._run is not None  # known before the first job
+        wanted = f"{self.model}@{self.model_revision}"
+        try:
+            ref = base.resolve(self.model, self.model_revision)
+            files = base.download(ref)
+            held = base.state_fingerprint(files, self._run.schema, str(ref))
+            if held != fp:
+                raise AnchorError(
+                    f"{ref}: its weights have fingerprint {fingerprint.format_fingerprint(held)}, "
+                    f"the step's are {fingerprint.format_fingerprint(fp)}"
+                )
+        except AnchorError as e:  # unreachable (TransientStorageError): retried like any upload
+            log.warning("step %d goes out as an anchor, not by reference to %s: %s", job.step, wanted, e)
+            return None
+        return ref, base.state_bytes(files)
 
     def _anchor(self, job: _Pending, delta: StoredDelta | None, fp: int, tmp: Path) -> list[tuple[Path, str]]:
         """The step's anchor files in `tmp` (local file, storage path), if one is due."""
@@ -506,7 +543,7 @@ class Publisher:
     def _retained(self, head: Head | None, new: list[Entry], step: int, fp: str) -> Head:
         """The head after `new`: the newest `keep_anchors` anchors and the deltas after the oldest of them."""
         entries = [*(head.entries if head else ()), *new]
-        oldest = [e for e in entries if e.kind == "anchor"][-self.config.keep_anchors :][0]
+        oldest = [e for e in entries if e.kind in STARTS][-self.config.keep_anchors :][0]
         kept = [e for e in entries if e.step > oldest.step or e == oldest]
         return Head(step, fp, tuple(kept), self.claim.epoch, self.claim.holder)
 

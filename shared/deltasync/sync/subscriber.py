@@ -10,6 +10,11 @@ verification (or is not the size the head lists) is never retried; the subscribe
 step until a path around it (a newer anchor) appears. It trusts fingerprints, not step numbers: a target
 whose state is not the one the head names for its step is reloaded from an anchor.
 
+A chain may start at the run's base model by reference (deltasync.sync.base): its weights come from the Hub
+model repository run.json names (the local cache first), checked by fingerprint before any delta applies; a
+FileApplier's target (a vLLM server started on that repository and commit) already holds them, which its
+read-back checks. A repository that cannot be reached is planned around while another path exists.
+
 While it holds the head step, each poll also asks for the delta the same writer would publish next (one
 request beside the head's, in parallel): a delta that lands before its head is then already here when the
 head names it, which saves the delta's round trip, and it is decoded while the head is awaited. Prefetched
@@ -38,10 +43,12 @@ from deltasync import telemetry
 from deltasync.codec import fingerprint
 from deltasync.codec.changes import TensorChanges, apply_changes
 from deltasync.codec.patch import Patch, decode, decode_parts, read_info, schema_hash
-from deltasync.errors import PatchError, Refused, SyncError
+from deltasync.errors import AnchorError, PatchError, Refused, SyncError
 from deltasync.storage import RateLimited, Storage, TooLargeError, TransientStorageError, open_storage, retry
+from deltasync.sync import base
 from deltasync.sync.anchor import read_anchor
 from deltasync.sync.protocol import (
+    RUN_PATH,
     Entry,
     Head,
     ManifestError,
@@ -151,6 +158,11 @@ def _ask_again(read: Future[Ahead]) -> bool:
     """Whether a finished read found nothing yet (or failed transiently): worth asking again at the next
     poll. A refused read (an object over the limit) is not repeated."""
     return read.done() and isinstance(read.exception(), (FileNotFoundError, TransientStorageError))
+
+
+def _names(entry: Entry) -> tuple[str, ...]:
+    """What a step's files are known by (refused, missing): its files, or run.json's base model."""
+    return entry.files or (f"{RUN_PATH}#base",)
 
 
 def _bf16_flat(t: torch.Tensor) -> bool:
@@ -323,7 +335,7 @@ class Subscriber:
         # A path crosses every delta after its start: it may start no earlier than the last refused one,
         # and one that starts before the last missing one comes last (the file may yet appear).
         floor = max((d.step for d in deltas if self._refused(d)), default=-1)
-        self._missing &= {(f, e.bytes) for e in head.entries for f in e.files}  # what may still matter
+        self._missing &= {(f, e.bytes) for e in head.entries for f in _names(e)}  # what may still matter
         gap = max((d.step for d in deltas if self._absent(d)), default=-1)
         starts: list[tuple[Entry | None, int]]
         starts = [(a, a.step) for a in head.anchors if floor <= a.step <= goal and not self._refused(a)]
@@ -341,7 +353,7 @@ class Subscriber:
             crosses_gap = since < gap or (start is not None and self._absent(start))
             cost = (
                 crosses_gap,
-                (start.bytes if start else 0) + after[i],
+                (self._cost(start) if start else 0) + after[i],
                 len(deltas) - i + (start is not None),
             )
             if best is None or cost < best[0]:
@@ -354,10 +366,15 @@ class Subscriber:
         return ([start] if start else []) + deltas[i:]
 
     def _refused(self, entry: Entry) -> bool:
-        return any((f, entry.bytes) in self._bad for f in entry.files)
+        return any((f, entry.bytes) in self._bad for f in _names(entry))
 
     def _absent(self, entry: Entry) -> bool:
-        return any((f, entry.bytes) in self._missing for f in entry.files)
+        return any((f, entry.bytes) in self._missing for f in _names(entry))
+
+    def _cost(self, start: Entry) -> int:
+        """Bytes to download for the complete state `start`: none for the base model a FileApplier's target
+        holds (its read-back checks it)."""
+        return 0 if start.kind == "base" and not self.decodes else start.bytes
 
     # ------------------------------------------------------------------------------------------ applying
 
@@ -375,6 +392,8 @@ class Subscriber:
                         left = entry.bytes - size
                         parts.append(self._retry(lambda p=path, n=left: self.storage.read_bytes(p, n)))
                         size += len(parts[-1])
+                elif entry.kind == "base":
+                    local, size = self._base_files(entry)
                 else:
                     for path, dest in zip(entry.files, local, strict=True):  # each at most the entry's size
                         self._retry(lambda p=path, d=dest: self.storage.download_file(p, d, entry.bytes))
@@ -388,17 +407,20 @@ class Subscriber:
                     pause_s = self._hand(entry, local, parts if entry.kind == "delta" else [])
                 elif entry.kind == "anchor":
                     state = read_anchor(local, self.run, entry.step, entry.fingerprint, self.threads)
+                elif entry.kind == "base":
+                    state = base.read_state(local, self.run.schema, str(self.run.base))
+                    base.verify(state, entry.fingerprint, f"the base model {self.run.base}")
                 else:
                     patch = self._decode(parts, entry, decoded)
             except FileNotFoundError:  # planned around from now on, while another path exists
-                self._missing.update((f, entry.bytes) for f in entry.files)
+                self._missing.update((f, entry.bytes) for f in _names(entry))
                 raise
             except Refused as e:  # PatchError, AnchorError, TooLargeError, a size mismatch: not this file
-                self._bad.update((f, entry.bytes) for f in entry.files)
+                self._bad.update((f, entry.bytes) for f in _names(entry))
                 self._refusal = _bounded(f"{entry.kind} of step {entry.step}: {e}")
                 self._report_refused(entry, head, str(e))
                 raise SyncError(f"refused {self._refusal}") from None
-        self._missing.difference_update((f, entry.bytes) for f in entry.files)
+        self._missing.difference_update((f, entry.bytes) for f in _names(entry))
         if self.decodes:
             pause_s = self._write(entry, state, patch)
             if patch is None:
@@ -426,6 +448,21 @@ class Subscriber:
         self._report(applied)
         return applied
 
+    def _base_files(self, entry: Entry) -> tuple[list[Path], int]:
+        """The base model's files and their size (a FileApplier's target holds it: none, and the size the
+        head lists). Unreachable, it is planned around from now on while another path exists."""
+        assert self.run is not None  # read with the head
+        if self.run.base is None:
+            raise ManifestError(f"the head starts at a base model, {RUN_PATH} names none")
+        if not self.decodes:
+            return [], entry.bytes
+        try:
+            files = base.download(self.run.base)
+        except TransientStorageError as e:
+            self._missing.update((f, entry.bytes) for f in _names(entry))
+            raise SyncError(f"{e} (retried while no other path is there)") from None
+        return files, base.state_bytes(files)
+
     def _fetch_ahead(self) -> None:
         """Start reading the delta that would follow the head step, in the background, if this subscriber
         is at the head and that read is not already under way or done."""
@@ -433,6 +470,8 @@ class Subscriber:
         if not self.prefetch or head is None or run is None or self.step != head.step:
             return
         if head.deltas and len(head.deltas[-1].files) > 1:  # a sharded writer: its next step comes in parts
+            return
+        if not head.entries[-1].files:  # the base model alone: no file of the writer names its tag yet
             return
         parsed = parse_data_path(head.entries[-1].files[0])  # the head's writer names its next step alike
         path = delta_path(head.step + 1, parsed[2] if parsed else "")
@@ -537,6 +576,9 @@ class Subscriber:
         fp = int(entry.fingerprint, 16)
         if entry.kind == "delta":
             self._check(parts, entry)
+        if entry.kind == "base":
+            self._check_held_base(entry)
+            return None
         try:
             if entry.kind == "anchor":
                 return self.applier.load_files(files, entry.step, fp)
@@ -546,6 +588,18 @@ class Subscriber:
         except Exception as e:
             self.step = None  # the target may hold part of the write: only an anchor can fix it
             raise SyncError(f"applying {entry.kind} of step {entry.step} failed: {e}") from e
+
+    def _check_held_base(self, entry: Entry) -> None:
+        """That the FileApplier's target holds the base model (read back); else AnchorError, one line."""
+        assert isinstance(self.applier, FileApplier) and self.run is not None and self.run.base is not None
+        held = self.applier.fingerprint()
+        if held is None or fingerprint.format_fingerprint(held) != entry.fingerprint:
+            ref = self.run.base
+            holds = "weights it cannot read back" if held is None else fingerprint.format_fingerprint(held)
+            raise AnchorError(
+                f"the target holds {holds}, not the base model {ref} ({entry.fingerprint}) that step "
+                f"{entry.step} is: start vLLM with --model {ref.repo} --revision {ref.revision}"
+            )
 
     def _write(
         self, entry: Entry, state: dict[str, torch.Tensor] | None, patch: Patch | None
@@ -563,7 +617,7 @@ class Subscriber:
 
     def _verify_target(self, entry: Entry) -> None:
         """Read the target back at anchors and every `verify_every` deltas: catches what the shadow cannot."""
-        self._unverified_deltas = 0 if entry.kind == "anchor" else self._unverified_deltas + 1
+        self._unverified_deltas = 0 if entry.kind != "delta" else self._unverified_deltas + 1
         if self.applier is None or (entry.kind == "delta" and self._unverified_deltas < self.verify_every):
             return
         self._unverified_deltas = 0

@@ -51,6 +51,8 @@ class BucketWeightTransfer:
     guard: a context manager held around each publish, e.g. to defer Ctrl-C until the copy is whole.
     on_first_step: told the step of the cold sync, before rollouts start.
     lora_name: adapter mode's name (see the module docstring).
+    model_revision: the revision of the Hub model `model_id` training starts from: the cold sync's weights, if
+        exactly that model's, go out by reference to it instead of as an anchor (`deltasync.sync.base`).
     measure_merged: adapter mode only: also encode, at each sync, the delta TRL's merged path would publish
         (the merged weights TRL hands over, against the last sync's, as bf16) and put its size in the step's
         telemetry (`merged_payload_bytes`, `merged_changed`). Measured, never uploaded; it keeps a bf16 copy
@@ -67,8 +69,10 @@ class BucketWeightTransfer:
         on_first_step: Callable[[int], None] | None = None,
         lora_name: str | None = None,
         measure_merged: bool = False,
+        model_revision: str | None = None,
     ):
         self.root, self.model_id, self.config, self.lora_name = root, model_id, config, lora_name
+        self.model_revision = model_revision
         self.measure_merged = measure_merged
         self.merged: dict[str, torch.Tensor] | None = None  # measure_merged: the last sync's, bf16
         self.info, self.guard, self.on_first_step = info, guard, on_first_step
@@ -97,7 +101,9 @@ class BucketWeightTransfer:
 
     def init_weight_transfer(self) -> None:
         if self.publisher is None:
-            self.publisher = Publisher(self.root, model=self.model_id, config=self.config, lora=self.lora)
+            self.publisher = Publisher(
+                self.root, self.model_id, self.config, self.lora, model_revision=self.model_revision
+            )
 
     def pause(self) -> None:
         """Nothing to pause: replicas keep generating and apply the step when it lands."""

@@ -3,13 +3,23 @@
 
 import dataclasses
 import json
+import logging
 
 import pytest
+import torch
 from huggingface_hub import constants
+from safetensors.torch import load_file, save
 
-from deltasync.errors import AnchorError, TransientStorageError
+from deltasync.codec import fingerprint
+from deltasync.errors import AnchorError, SyncError, TransientStorageError
+from deltasync.storage import LocalStorage, open_storage
 from deltasync.sync import base
-from deltasync.sync.protocol import Entry, Head, ManifestError, ModelReference, RunInfo
+from deltasync.sync.gc import collect_garbage
+from deltasync.sync.protocol import Entry, Head, ManifestError, ModelReference, RunInfo, read_head, read_run
+from deltasync.sync.publisher import Publisher, PublisherConfig
+from deltasync.sync.subscriber import FileApplier, Subscriber, TensorsApplier
+from tests.fakemodels import client_on
+from tests.helpers import bf16, bitwise_equal, make_params, train_step
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 REF = ModelReference("user/tiny", SHA, ("model.safetensors",))
@@ -70,10 +80,7 @@ def test_a_head_may_start_at_the_base_model_and_only_there():
 @pytest.fixture
 def hub(fake_hub, tmp_path, monkeypatch):
     """The fake Hub, its model repositories downloaded to a cache of this test's own."""
-    # huggingface_hub builds file URLs from the endpoint it found at import (the fake's is set after)
-    template = fake_hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}"
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    client_on(fake_hub, monkeypatch, tmp_path / "hf-cache")
     return fake_hub
 
 
@@ -96,3 +103,149 @@ def test_the_fake_hub_serves_model_repositories_to_the_real_client(hub):
     fake_hub.fail_status = 503
     with pytest.raises(TransientStorageError, match="cannot reach the model repository"):
         base.resolve("user/tiny")
+
+
+ROOT = "hf://buckets/user/sync/run"
+
+
+def checkpoint(params: dict[str, torch.Tensor]) -> bytes:
+    """`params` as a model repository holds them: an fp32 checkpoint (the run publishes them as bf16)."""
+    return save({n: t.contiguous() for n, t in params.items()})
+
+
+def publish(steps: int, revision: str = "main", params=None, root=ROOT, **options) -> list[dict]:
+    """The trainer: `steps` + 1 states from `params` (the model's weights) on; returns them as bf16."""
+    params = params or make_params()
+    states = []
+    with Publisher(root, model="user/tiny", model_revision=revision, **options) as publisher:
+        for step in range(steps + 1):
+            if step:
+                train_step(params, step)
+            publisher.publish(params)
+            publisher.flush()  # every step its own delta
+            states.append(bf16(params))
+    return states
+
+
+def replica(states, applier=None) -> Subscriber:
+    target = applier or TensorsApplier({n: torch.zeros_like(t) for n, t in states[0].items()})
+    return Subscriber(ROOT, target, prefetch=False)
+
+
+def test_a_replica_follows_a_root_whose_step_0_is_the_model_repository(hub, tmp_path, monkeypatch):
+    files = {"model.safetensors": checkpoint(make_params()), "config.json": b"{}"}
+    sha = hub.models.commit("user/tiny", files)
+    states = publish(3)
+    storage = open_storage(ROOT)
+    assert storage.list("anchors") == []  # the trainer uploaded no anchor
+    assert read_run(storage).base == ModelReference("user/tiny", sha, ("model.safetensors",))
+    head = read_head(storage)
+    assert [(e.step, e.kind) for e in head.entries] == [(0, "base"), (1, "delta"), (2, "delta"), (3, "delta")]
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "replica-cache"))  # another machine's
+    follower = replica(states)
+    applied = follower.sync()
+    assert [(a.step, a.kind) for a in applied] == [(0, "base"), (1, "delta"), (2, "delta"), (3, "delta")]
+    assert bitwise_equal({n: t.to(torch.bfloat16) for n, t in follower.applier.tensors.items()}, states[3])
+    assert f"GET /user/tiny/resolve/{sha}/model.safetensors" in hub.requests  # from the repository, by commit
+    pulled = Subscriber(ROOT)  # `deltasync pull` of step 0: the base model itself
+    pulled.sync(0)
+    assert bitwise_equal(pulled.state, states[0])
+
+
+class HeldWeights(FileApplier):
+    """A vLLM server's side as the subscriber sees it: what it holds is read back, nothing else is asked."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.held = fingerprint.state_fingerprint(state)
+
+    def load_files(self, files, step, fp):
+        raise AssertionError("the base model is never loaded from files")
+
+    def patch_bytes(self, parts, step, base, fp):
+        raise AssertionError("not reached in these tests")
+
+    def fingerprint(self) -> int:
+        return self.held
+
+
+def test_a_moved_revision_is_refused_in_one_line(hub, caplog):
+    first = hub.models.commit("user/tiny", {"model.safetensors": checkpoint(make_params())})
+    states = publish(0, revision=first)
+    moved = make_params(seed=1)  # someone pushes other weights to main
+    hub.models.commit("user/tiny", {"model.safetensors": checkpoint(moved)})
+    # A vLLM server started on main holds them: its read-back says so, nothing is applied.
+    with pytest.raises(SyncError) as refused:
+        replica(states, HeldWeights(bf16(moved))).sync()
+    line = str(refused.value)
+    assert "\n" not in line and f"start vLLM with --model user/tiny --revision {first}" in line, line
+    replica(states, HeldWeights(states[0])).sync()  # started on the commit, it holds step 0: nothing to load
+    # A trainer that names a branch: resolved when publishing, the branch's weights are not its state.
+    with caplog.at_level(logging.WARNING, logger="deltasync"):
+        publish(0, revision="main", params=make_params(), root=f"{ROOT}-2")  # the old weights, a new run
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warning.startswith("step 0 goes out as an anchor, not by reference to user/tiny@main: ") and (
+        "its weights have fingerprint" in warning
+    ), warning
+    assert [e.kind for e in read_head(open_storage(f"{ROOT}-2")).entries] == ["anchor"]
+
+
+def test_a_base_model_that_does_not_verify_is_refused_in_one_line(hub, tmp_path, monkeypatch):
+    hub.models.commit("user/tiny", {"model.safetensors": checkpoint(make_params())})
+    states = publish(1)
+    cache = tmp_path / "replica-cache"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    (blob,) = [p for p in cache.rglob("*") if p.is_file() and "blobs" in p.parts] or [None]
+    assert blob is None  # nothing cached yet: the replica downloads, then its cached copy is damaged
+    replica(states).sync()
+    (blob,) = [p for p in cache.rglob("*") if p.is_file() and "blobs" in p.parts]
+    tensors = load_file(blob)
+    tensors["lm.bias"][0] += 1.0
+    blob.write_bytes(save(tensors))
+    follower = replica(states)
+    with pytest.raises(SyncError) as refused:
+        follower.sync()
+    line = str(refused.value)
+    assert "\n" not in line and "its weights have fingerprint" in line and follower.step is None, line
+
+
+def test_an_unreachable_model_repository_is_retried(hub, tmp_path, monkeypatch):
+    hub.models.commit("user/tiny", {"model.safetensors": checkpoint(make_params())})
+    states = publish(2)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "replica-cache"))
+    hub.models.fail_status = 503  # the bucket answers, the model repository does not
+    follower = replica(states)
+    with pytest.raises(SyncError) as failed:
+        follower.sync()
+    line = str(failed.value)
+    assert "\n" not in line and "cannot reach the model repository user/tiny@" in line, line
+    hub.models.fail_status = None
+    assert [a.step for a in follower.sync()] == [0, 1, 2]
+
+
+def test_gc_deletes_nothing_it_did_not_write(hub, tmp_path):
+    hub.models.commit("user/tiny", {"model.safetensors": checkpoint(make_params())})
+    root = tmp_path / "root"
+    theirs = [root / "model.safetensors", root / "anchors" / "model.safetensors"]  # named as the repo's
+    for path in theirs:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"not the publisher's")
+    states = publish(4, root=root, config=PublisherConfig(anchor_every=2, keep_anchors=1))
+    storage = LocalStorage(root)
+    head = read_head(storage)
+    assert [(e.step, e.kind) for e in head.entries] == [(4, "anchor")]  # the base model left the head
+    collect_garbage(storage, grace_s=0)
+    assert all(path.read_bytes() == b"not the publisher's" for path in theirs)
+    assert read_run(storage).base is not None  # still what step 0 was
+    reader = Subscriber(root)
+    reader.sync()
+    assert bitwise_equal(reader.state, states[4])
+
+
+def test_a_lora_root_publishes_its_adapter_as_before(hub, tmp_path):
+    hub.models.commit("user/tiny", {"model.safetensors": checkpoint(make_params())})
+    lora = {"name": "policy", "adapter_config": {"r": 8}}
+    with Publisher(tmp_path, model="user/tiny", lora=lora, model_revision="main") as publisher:
+        publisher.publish(make_params())  # an adapter that happens to hold the base's tensors
+    assert [e.kind for e in publisher.head.entries] == ["anchor"] and publisher.head.step == 0
+    assert read_run(LocalStorage(tmp_path)).base is None
+    assert not [r for r in hub.requests if "/api/models/" in r]  # the model repository is not even asked
