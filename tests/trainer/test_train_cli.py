@@ -10,7 +10,7 @@ import pytest
 
 from deltasync.trl import RolloutCounters, rollouts_ahead, step_info
 from deltasync.trl.rollout import REWARD_SQ, VERSION_KNOWN
-from trainer.train import GracefulStop, failure_line, main, parse_args
+from trainer.train import GracefulStop, failure_line, main, parse_args, pinned_revision
 
 REQUIRED = ["--sync_root", "root", "--inference_url", "http://infer", "--env_url", "http://env"]
 
@@ -120,3 +120,14 @@ def test_step_info_from_trls_metric_sink():
     assert info["staleness_steps_mean"] == 1.0 and info["staleness_steps_max"] == 2.0
     assert info["version_known"] == pytest.approx(0.875)
     assert step_info(None) == {}
+
+
+def test_a_hub_model_is_pinned_to_its_commit_and_a_local_folder_is_not(fake_hub, tmp_path, caplog):
+    commit = fake_hub.models.commit("user/tiny", {"model.safetensors": b"", "config.json": b"{}"})
+    args = SimpleNamespace(model_init_kwargs={"revision": "main", "dtype": "float32"})
+    assert pinned_revision("user/tiny", args) == commit  # what TRL then loads, and step 0 names
+    assert args.model_init_kwargs == {"revision": commit, "dtype": "float32"}
+    local = SimpleNamespace(model_init_kwargs=None)
+    assert pinned_revision(str(tmp_path), local) is None and local.model_init_kwargs is None
+    assert pinned_revision("user/gone", local) is None and local.model_init_kwargs is None
+    assert "the first step goes out as an anchor: user/gone@main: not on the Hub" in caplog.text

@@ -249,3 +249,17 @@ def test_a_lora_root_publishes_its_adapter_as_before(hub, tmp_path):
     assert [e.kind for e in publisher.head.entries] == ["anchor"] and publisher.head.step == 0
     assert read_run(LocalStorage(tmp_path)).base is None
     assert not [r for r in hub.requests if "/api/models/" in r]  # the model repository is not even asked
+
+
+def test_a_run_whose_step_0_is_the_base_model_is_continued(hub):
+    hub.models.commit("user/tiny", {"model.safetensors": checkpoint(make_params())})
+    publish(1)
+    params = make_params()
+    train_step(params, 7)
+    with Publisher(ROOT, model="user/tiny", model_revision="main") as publisher:  # a restarted trainer
+        assert publisher.last_step == 1
+        publisher.publish(params)
+    assert [e.kind for e in read_head(open_storage(ROOT)).entries] == ["base", "delta", "delta"]
+    reader = Subscriber(ROOT)
+    reader.sync()
+    assert bitwise_equal(reader.state, bf16(params))

@@ -2,17 +2,20 @@
 
 import pytest
 import torch
+from huggingface_hub import constants as hf_constants
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from deltasync import telemetry
 from deltasync.codec.fingerprint import format_fingerprint, state_fingerprint
-from deltasync.sync.protocol import HEAD_PATH
+from deltasync.storage import open_storage
+from deltasync.sync.protocol import HEAD_PATH, read_run
 from deltasync.sync.publisher import PublisherConfig
 from deltasync.sync.subscriber import Subscriber
 from deltasync.trl.preflight import schema_of
 from deltasync.trl.transfer import BucketWeightTransfer
 from tests.deltasync.sync.test_single_writer import Stalling
+from tests.fakemodels import client_on
 from trainer.tiny_model import build_tiny_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -195,3 +198,35 @@ def test_send_weights_after_destroy_raises(tmp_path):
         sync(transfer, model)
     assert transfer.last_step == 0
     assert Subscriber(str(tmp_path / "root")).sync()[-1].step == 0
+
+
+@pytest.mark.parametrize("kind", ["tied", "moe"])
+def test_the_cold_sync_of_a_hub_model_goes_out_by_reference(fake_hub, tmp_path, monkeypatch, kind):
+    # The model as the Hub holds it (its own save_pretrained), and the trainer that loaded it from there.
+    if kind == "moe":
+        folder = build_tiny_model(tmp_path / "moe", moe=True)  # experts fused in transformers, not on disk
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    else:
+        model = small_qwen3(True, torch.float32, "cpu")  # the head tied to the embedding: stored once
+        model.save_pretrained(folder := tmp_path / "saved")
+    client_on(fake_hub, monkeypatch, tmp_path / "hf-cache")
+    files = {p.name: p.read_bytes() for p in folder.iterdir() if p.suffix in (".json", ".safetensors")}
+    commit = fake_hub.models.commit("user/model", files)
+    root = "hf://buckets/user/sync/run"
+    transfer = BucketWeightTransfer(root, model_id="user/model", model_revision="main")
+    transfer.use_model(model)
+    sync(transfer, model)
+    for _ in range(2):
+        transfer.publisher.flush()
+        optimizer_step(model)
+        sync(transfer, model)
+    transfer.destroy()
+
+    head = transfer.publisher.head
+    assert [e.kind for e in head.entries] == ["base", "delta", "delta"]
+    assert read_run(open_storage(root)).base.revision == commit
+    assert not [r for r in fake_hub.requests if "/anchors/" in r]
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "replica-cache"))
+    state = published_state(root)
+    assert format_fingerprint(state_fingerprint(state)) == head.fingerprint
+    assert format_fingerprint(transfer.fingerprint_now()) == head.fingerprint
