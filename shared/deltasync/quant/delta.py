@@ -25,6 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save
 
 from deltasync.errors import PatchError
+from deltasync.quant.recipe import Recipe, row_amax
 from deltasync.quant.state import SCALE, Changes, Quantized, fingerprint_after, format_fingerprint
 
 FORMAT = "deltasync.quant-delta/1"
@@ -40,6 +41,33 @@ def diff(old: Mapping[str, Quantized], new: Mapping[str, Quantized]) -> dict[str
         rows = np.flatnonzero(old[name].scales.numpy().view(np.int32) != q.scales.numpy().view(np.int32))
         if positions.size or rows.size:
             out[name] = Changes(positions, new_bytes[positions], rows, q.scales.numpy()[rows])
+    return out
+
+
+def step_changes(
+    state: Mapping[str, Quantized],
+    old: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    recipe: Recipe,
+) -> dict[str, Changes]:
+    """The changes that take quantized `state` (the quantization of bf16 `old`) to the quantization of bf16
+    `new`: what `diff` gives against quantizing all of `new`, found in O(changes). A code moves only where its
+    bf16 value or its row's scale did, so only those codes are computed: the changed elements, and every
+    element of a row whose largest magnitude moved its scale."""
+    out = {}
+    for name, q in state.items():
+        width = q.codes.shape[1]
+        recompute = old[name].view(torch.int16) != new[name].view(torch.int16)
+        scales = recipe.scales(row_amax(new[name]))
+        rows = torch.nonzero(scales.view(torch.int32) != q.scales.view(torch.int32)).squeeze(1)
+        recompute[rows] = True
+        positions = torch.nonzero(recompute.view(-1)).squeeze(1)
+        codes = recipe.codes(new[name].view(-1)[positions], scales[positions // width])
+        code_bytes = codes.view(torch.uint8).numpy()
+        keep = np.flatnonzero(code_bytes != q.code_bytes()[positions.numpy()])
+        if keep.size or rows.numel():
+            rows_np = rows.numpy()
+            out[name] = Changes(positions.numpy()[keep], code_bytes[keep], rows_np, scales.numpy()[rows_np])
     return out
 
 

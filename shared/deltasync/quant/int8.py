@@ -9,10 +9,13 @@ CODE = torch.int8
 INT8_MAX = torch.iinfo(CODE).max  # 127
 
 
-def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 `weight` [N, K] -> (int8 codes [N, K], fp32 scales [N]): scale = max|row| / 127 rounded to bf16;
-    code = round(row / scale in bf16), clamped to +-127."""
-    # In bf16 like vLLM: the scale and the divide round to bf16 (the scale is stored as fp32, exactly).
-    scale = weight.abs().amax(dim=1) / INT8_MAX
-    codes = weight.div(scale.unsqueeze(1)).round().clamp(-INT8_MAX, INT8_MAX).to(CODE)
-    return codes, scale.to(torch.float32)
+def scales(amax: torch.Tensor) -> torch.Tensor:
+    """fp32 scales of rows whose largest magnitude is `amax` (bf16): amax / 127, rounded to bf16 as vLLM
+    computes it (stored as fp32, exactly)."""
+    return (amax / INT8_MAX).to(torch.float32)
+
+
+def codes(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 codes of bf16 `values` under `scales` (broadcast): round(value / scale), the divide in bf16 like
+    vLLM's, clamped to +-127. An element's code depends on its value and scale alone."""
+    return values.div(scales.to(torch.bfloat16)).round().clamp(-INT8_MAX, INT8_MAX).to(CODE)

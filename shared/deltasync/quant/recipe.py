@@ -25,15 +25,28 @@ def _expert(name: str) -> bool:
     return EXPERTS in name
 
 
+def row_amax(weight: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of each row of bf16 `weight` [N, K], bf16 [N] (exact, as any max is)."""
+    lo, hi = weight.aminmax(dim=-1)
+    return torch.maximum(lo.abs(), hi.abs())
+
+
 @dataclass(frozen=True)
 class Recipe:
-    """`name` as vLLM's `--quantization` takes it; `quantize`: bf16 [N, K] -> (codes [N, K], fp32 scales [N]),
-    one scale per output row; `selects`: whether a 2-D `.weight` of the checkpoint is quantized."""
+    """`name` as vLLM's `--quantization` takes it; one fp32 scale per output row, `scales` from each row's
+    largest magnitude (bf16), `codes` elementwise from values and their rows' scales; `selects`: whether a
+    2-D `.weight` of the checkpoint is quantized."""
 
     name: str
     code: torch.dtype
-    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    scales: Callable[[torch.Tensor], torch.Tensor]
+    codes: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     selects: Callable[[str], bool]
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """bf16 `weight` [N, K] -> (codes [N, K], fp32 scales [N]), as vLLM quantizes it."""
+        scales = self.scales(row_amax(weight))
+        return self.codes(weight, scales.unsqueeze(1)), scales
 
     def quantized_names(self, shapes: Mapping[str, Sequence[int]]) -> list[str]:
         """The names in a checkpoint's schema this recipe quantizes (vLLM's rule: linear layers and routed
@@ -44,9 +57,11 @@ class Recipe:
 RECIPES = {
     # vLLM: every LinearBase (attention and MLP projections, a MoE router) and the routed experts; on CPU
     # vLLM serves it for dense models only (its CPU MoE backends refuse per-channel fp8).
-    "fp8_per_channel": Recipe("fp8_per_channel", fp8.CODE, fp8.quantize, _linear_or_expert),
+    "fp8_per_channel": Recipe("fp8_per_channel", fp8.CODE, fp8.scales, fp8.codes, _linear_or_expert),
     # vLLM: the routed experts only; dense linear layers stay bf16.
-    "int8_per_channel_weight_only": Recipe("int8_per_channel_weight_only", int8.CODE, int8.quantize, _expert),
+    "int8_per_channel_weight_only": Recipe(
+        "int8_per_channel_weight_only", int8.CODE, int8.scales, int8.codes, _expert
+    ),
 }
 
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from deltasync.errors import PatchError
 from deltasync.quant import delta as deltas
 from deltasync.quant.recipe import RECIPES, recipe
-from deltasync.quant.state import Changes, Quantized, apply, fingerprint, quantize_state
+from deltasync.quant.state import Changes, Quantized, apply, fingerprint, fingerprint_after, quantize_state
 
 SHAPES = {
     "model.layers.0.mlp.experts.0.up_proj.weight": (48, 64),
@@ -53,6 +53,16 @@ def step_file(old: dict, new: dict, name: str) -> tuple[bytes, dict[str, Quantiz
     return data, q_old, base
 
 
+def assert_same_changes(a: dict[str, Changes], b: dict[str, Changes]) -> None:
+    assert a.keys() == b.keys()
+    for n in a:
+        for field in ("positions", "codes", "rows", "scales"):
+            x, y = getattr(a[n], field), getattr(b[n], field)
+            assert x.dtype.itemsize == y.dtype.itemsize and np.array_equal(
+                x.view(f"u{x.itemsize}"), y.view(f"u{y.itemsize}")
+            ), (n, field)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     name=st.sampled_from(sorted(RECIPES)),
@@ -61,18 +71,25 @@ def step_file(old: dict, new: dict, name: str) -> tuple[bytes, dict[str, Quantiz
     steps=st.integers(1, 3),
 )
 def test_applied_deltas_equal_quantizing_the_new_state(name, seed, lr, steps):
+    """The trainer's path (changes found in O(changes) from the bf16 step, applied to its quantized state)
+    and the replica's (the delta file decoded, verified, applied) both reach the new state's quantization."""
     r = recipe(name)
     states = adam_steps(seed, lr, steps)
-    replica = quantize_state(states[0], r)
-    replica_fp = fingerprint(replica)
+    trainer = quantize_state(states[0], r)
+    replica, base = copy(trainer), fingerprint(trainer)
     for old, new in zip(states, states[1:], strict=False):
-        data, _, _ = step_file(old, new, name)
-        delta, target = deltas.decode(data, replica, name, replica_fp)
-        apply(replica, delta)
-        replica_fp = target
         expected = quantize_state(new, r)
+        changes = deltas.step_changes(trainer, old, new, r)
+        assert_same_changes(changes, deltas.diff(trainer, expected))
+        target = fingerprint_after(base, trainer, changes)
+        data = deltas.encode(changes, trainer, name, base, target)
+        apply(trainer, changes)
+        delta, reached = deltas.decode(data, replica, name, base)
+        apply(replica, delta)
+        assert_same(trainer, expected)
         assert_same(replica, expected)
-        assert fingerprint(replica) == fingerprint(expected) == replica_fp
+        assert reached == target == fingerprint(expected) == fingerprint(replica)
+        base = target
 
 
 def test_a_changed_scale_travels_with_the_codes_it_moves():
@@ -82,7 +99,9 @@ def test_a_changed_scale_travels_with_the_codes_it_moves():
     new[name] = old[name].clone()
     new[name][3, int(new[name][3].abs().argmax())] *= 1.5  # row 3's largest magnitude, hence its scale
     q_old, q_new = (quantize_state(s, recipe("fp8_per_channel")) for s in (old, new))
-    d = deltas.diff(q_old, q_new)[name]
+    changes = deltas.step_changes(q_old, old, new, recipe("fp8_per_channel"))
+    assert_same_changes(changes, deltas.diff(q_old, q_new))
+    d = changes[name]
     assert d.rows.tolist() == [3]
     assert d.positions.size > 1 and set(d.positions // SHAPES[name][1]) == {3}
 

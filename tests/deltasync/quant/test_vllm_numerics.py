@@ -7,7 +7,7 @@ import tempfile
 import pytest
 import torch
 
-from deltasync.quant import fp8, int8
+from deltasync.quant.recipe import RECIPES
 from trainer.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -60,7 +60,7 @@ def test_fp8_per_channel_is_vllms(vllm_config):
         w = weights((n, k), seed)
         layer = ReplicatedLinear(k, n, bias=False, quant_config=config, params_dtype=torch.bfloat16)
         layer.weight.weight_loader(layer.weight, w)  # the last element loaded: vLLM quantizes the layer
-        codes, scales = fp8.quantize(w)
+        codes, scales = RECIPES["fp8_per_channel"].quantize(w)
         assert_bits(layer.weight.t(), codes)  # vLLM's layer holds the [K, N] view of its [N, K] codes
         assert_bits(layer.weight_scale, scales.unsqueeze(1))
 
@@ -90,8 +90,51 @@ def test_int8_per_channel_weight_only_is_vllms(vllm_config):
     method.moe = layer.moe_config
     method._quantize_weights(layer)
     for e in range(EXPERTS):
+        int8 = RECIPES["int8_per_channel_weight_only"]
         (g, gs), (u, us), (d, ds) = (int8.quantize(checkpoint[e, s]) for s in ("w1", "w3", "w2"))
         assert_bits(layer.w13_weight[e], torch.cat([g, u]))  # gate and up rows, fused
         assert_bits(layer.w13_scale[e], torch.cat([gs, us]))
         assert_bits(layer.w2_weight[e], d)
         assert_bits(layer.w2_scale[e], ds)
+
+
+def vllm_quantized_names(model_path, recipe: str) -> set[str]:
+    """The checkpoint tensors vLLM quantizes under `recipe`: its model for `model_path` built on the meta
+    device, each module asked whether the online config quantizes it, fused modules expanded to their
+    checkpoint shards."""
+    from safetensors import safe_open
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.config.quantization import resolve_quantization_config
+    from vllm.model_executor.layers.quantization.online.base import OnlineQuantizationConfig
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    with torch.device("meta"):
+        model = initialize_model(
+            VllmConfig(model_config=ModelConfig(model=str(model_path), dtype="bfloat16"))
+        )
+    config = OnlineQuantizationConfig(resolve_quantization_config(recipe, None))
+    config.packed_modules_mapping = model.packed_modules_mapping
+    prefixes = set()
+    for prefix, module in model.named_modules():
+        if config.resolve_quant_method_cls(type(module), prefix) is not None:
+            base, _, last = prefix.removesuffix(".routed_experts").rpartition(".")
+            shards = model.packed_modules_mapping.get(last, [last])
+            prefixes |= {f"{base}.{shard}." for shard in shards}
+    with safe_open(str(model_path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    return {n for n in names if n.endswith(".weight") and n.startswith(tuple(prefixes))}
+
+
+@pytest.mark.parametrize(
+    ("recipe", "moe"),
+    [("fp8_per_channel", False), ("fp8_per_channel", True), ("int8_per_channel_weight_only", True)],
+)
+def test_the_recipes_quantize_the_tensors_vllm_quantizes(vllm_config, tmp_path, recipe, moe):
+    from safetensors import safe_open
+
+    path = build_tiny_model(tmp_path / "model", tied=False, moe=moe)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        shapes = {n: f.get_slice(n).get_shape() for n in f.keys()}  # noqa: SIM118 (safe_open is no mapping)
+    ours = set(RECIPES[recipe].quantized_names(shapes))
+    assert ours == vllm_quantized_names(path, recipe)
+    assert ours and "lm_head.weight" in shapes and "lm_head.weight" not in ours
