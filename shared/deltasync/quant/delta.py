@@ -15,7 +15,6 @@ format, recipe, the fingerprints (deltasync.quant.state) of the state before and
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Mapping
 
 import numpy as np
@@ -29,7 +28,6 @@ from deltasync.quant.recipe import Recipe, row_amax
 from deltasync.quant.state import SCALE, Changes, Quantized, fingerprint_after, format_fingerprint
 
 FORMAT = "deltasync.quant-delta/1"
-MAX_HEADER_BYTES = 64 << 20
 
 
 def diff(old: Mapping[str, Quantized], new: Mapping[str, Quantized]) -> dict[str, Changes]:
@@ -103,21 +101,17 @@ def encode(
     return save(entries, metadata=meta)
 
 
-def _metadata(data: bytes) -> dict:
-    if len(data) < 8:
-        raise PatchError(f"not a safetensors file: {len(data)} bytes")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > min(MAX_HEADER_BYTES, len(data) - 8):
-        raise PatchError(f"truncated or corrupt: header claims {n} bytes, file has {len(data)}")
+def _read(data: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The metadata and entries of a delta file; PatchError if it is not one."""
     try:
-        meta = json.loads(data[8 : 8 + n]).get("__metadata__")
-    except (ValueError, RecursionError, AttributeError) as e:
-        raise PatchError(f"corrupt safetensors header: {e}") from None
+        entries = load(data)  # safetensors checks the layout, the header's size included
+        meta = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")]).get("__metadata__")
+    except (SafetensorError, ValueError, RecursionError, AttributeError) as e:
+        raise PatchError(f"not a safetensors file: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise PatchError(
-            f"not a quantized delta (format {meta.get('format') if isinstance(meta, dict) else None!r})"
-        )
-    return meta
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise PatchError(f"not a quantized delta (format {found!r:.60})")
+    return meta, entries
 
 
 def _unpack(entries: dict, key: str, count: int, dtype: type) -> np.ndarray:
@@ -152,7 +146,7 @@ def decode(
     """The delta in `data` and the fingerprint it reaches, checked against quantized `state` (fingerprint
     `base_fp`) before anything is written: PatchError in one line if the file is corrupt, made for another
     recipe or state, or does not reach the fingerprint it promises."""
-    meta = _metadata(data)
+    meta, entries = _read(data)
     if meta.get("recipe") != recipe:
         raise PatchError(
             f"a delta for quantization {meta.get('recipe')!r:.60}, this replica serves {recipe!r}"
@@ -160,8 +154,7 @@ def decode(
     try:
         base, target = int(meta["base_fingerprint"], 16), int(meta["fingerprint"], 16)
         counts = json.loads(meta["tensors"])
-        entries = load(data)
-    except (KeyError, ValueError, TypeError, RecursionError, SafetensorError) as e:
+    except (KeyError, ValueError, TypeError, RecursionError) as e:
         raise PatchError(f"bad quantized delta metadata or entries: {e!r:.200}") from None
     if base != base_fp:
         held = format_fingerprint(base_fp)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import save
 
 from deltasync.errors import PatchError
 from deltasync.quant import delta as deltas
@@ -128,7 +129,13 @@ def test_corrupt_foreign_or_stale_deltas_are_refused_and_nothing_is_written(name
         "stale base": (data, name, base ^ 1, "made for state"),
         "flipped payload bit": (bytes(flipped), name, base, r"corrupt|reaches|holds"),
         "bad metadata": (truncated_count, name, base, "bad quantized delta metadata"),
-        "not a delta": (b"\x08" + bytes(20), name, base, "corrupt"),
+        "not a delta": (b"\x08" + bytes(20), name, base, "not a safetensors file"),
+        "a bf16 patch": (
+            save({"x": torch.zeros(1)}, {"format": "deltasync.patch"}),
+            name,
+            base,
+            "not a quantized",
+        ),
     }
     for blob, recipe_name, base_fp, message in cases.values():
         target = copy(q_old)
