@@ -11,8 +11,8 @@ Adam-like fp32 master steps. Per step, side by side in one run:
   (embedding, norms) plus the quantized delta of the rest (deltasync.quant.delta); for the quantized (linear)
   tensors alone, their bf16 density and patch, and the share of their rows a bf16 change touches (what a
   replica re-quantizing touched rows would need in bf16), beside their quantized delta; and the trainer's
-  extra work (`step_changes`: the codes of changed elements and of rows whose scale moved, against the
-  quantized state it keeps; the fingerprint; the encode);
+  extra work (`Quantizer.step`: from the bf16 patch's changed positions, the codes of changed elements and
+  of rows whose scale moved, against the quantized state it keeps; the fingerprint; the encode);
 - the replica's side of the quantized delta: decode + verify (before the pause) and the write (the pause).
 
 Recipes: `fp8_per_channel` as vLLM applies it to a dense Qwen3 (every linear layer);
@@ -23,6 +23,7 @@ to the same linear layers, to show what an expert's share of a MoE would cost.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -31,7 +32,7 @@ from deltasync.codec import patch as patches
 from deltasync.codec.fingerprint import state_fingerprint
 from deltasync.quant import delta as deltas
 from deltasync.quant.recipe import RECIPES, Recipe
-from deltasync.quant.state import Quantized, apply, fingerprint, fingerprint_after
+from deltasync.quant.state import Quantized, apply, fingerprint
 
 HEAD = (
     "| recipe | lr | step | bf16 density | bf16 patch | **quantized step** | linears: bf16 density "
@@ -41,56 +42,45 @@ HEAD = (
 )
 
 
-def bf16_patch(old: dict, new: dict) -> tuple[bytes, float]:
-    """The codec's compact patch from `old` to `new` and the trainer's time for it (its base fingerprint is
-    tracked step to step, so not timed)."""
+def bf16_patch(old: dict, new: dict) -> tuple[bytes, dict[str, torch.Tensor], float]:
+    """The codec's compact patch from `old` to `new`, its changed positions and the trainer's time for it (its
+    base fingerprint is tracked step to step, so not timed)."""
     base = state_fingerprint(old)
-    (data, _), seconds = timed(
+    (data, patch), seconds = timed(
         lambda: (patches.encode(p := patches.make_patch(old, new, 1, 0, base), old), p)
     )
-    return data, seconds
-
-
-def quantize(state: dict[str, torch.Tensor], names: list[str], recipe: Recipe) -> dict[str, Quantized]:
-    return {n: Quantized(*recipe.quantize(state[n])) for n in names}
-
-
-def publish(trainer: dict, old: dict, new: dict, recipe: Recipe, base: int) -> tuple[bytes, dict, int]:
-    """The trainer's extra work for a quantized root: the step's quantized changes, fingerprint and file."""
-    changes = deltas.step_changes(trainer, old, new, recipe)
-    target = fingerprint_after(base, trainer, changes)
-    return deltas.encode(changes, trainer, recipe.name, base, target), changes, target
+    return data, {n: c.indices for n, c in patch.changes.items()}, seconds
 
 
 def run(recipe: Recipe, layers: int, lr: float, steps: int) -> None:
-    """One trajectory: the trainer keeps its quantized state current with its own changes, the replica
-    applies the files; the last step checks both against quantizing the bf16 state afresh."""
+    """One trajectory: the trainer's Quantizer follows the bf16 patches, the replica applies its files; the
+    last step checks both against quantizing the bf16 state afresh."""
     names = RECIPES["fp8_per_channel"].quantized_names(qwen3_shapes(layers))
-    trainer: dict[str, Quantized] = {}
+    trainer: deltas.Quantizer | None = None
     for step, (old, new) in enumerate(qwen3_trajectory(layers, lr, steps), 1):
-        if not trainer:
-            trainer = quantize(old, names, recipe)
-            replica = {n: Quantized(q.codes.clone(), q.scales.clone()) for n, q in trainer.items()}
-            base = fingerprint(trainer)
-        whole, bf16_s = bf16_patch(old, new)
-        rest, _ = bf16_patch(*({n: s[n] for n in s if n not in names} for s in (old, new)))
-        linears, _ = bf16_patch(*({n: s[n] for n in names} for s in (old, new)))
-        (data, changes, target), publish_s = timed(publish, trainer, old, new, recipe, base)
-        apply(trainer, changes)
+        if trainer is None:
+            # every linear layer, whatever the recipe's own rule (int8's selects experts: Qwen3-0.6B has none)
+            trainer = deltas.Quantizer({n: old[n] for n in names}, dataclasses.replace(recipe, selects=bool))
+            replica = {n: Quantized(q.codes.clone(), q.scales.clone()) for n, q in trainer.state.items()}
+        base = trainer.fingerprint
+        whole, changed, bf16_s = bf16_patch(old, new)
+        rest, _, _ = bf16_patch(*({n: s[n] for n in s if n not in names} for s in (old, new)))
+        linears, _, _ = bf16_patch(*({n: s[n] for n in names} for s in (old, new)))
+        (data, changes), publish_s = timed(trainer.step, old, new, changed)
         (delta, _), decode_s = timed(deltas.decode, data, replica, recipe.name, base)
         _, write_s = timed(apply, replica, delta)
         if step == steps:
-            fresh = quantize(new, names, recipe)
-            for state in (trainer, replica):
+            fresh = {n: Quantized(*recipe.quantize(new[n])) for n in names}
+            for state in (trainer.state, replica):
                 assert all(
                     torch.equal(state[n].codes.view(torch.uint8), fresh[n].codes.view(torch.uint8))
                     for n in names
                 )
-            assert target == fingerprint(fresh) == fingerprint(replica), "not the new state's fingerprint"
+            assert trainer.fingerprint == fingerprint(fresh) == fingerprint(replica), "not the new state's"
         numel = sum(t.numel() for t in old.values())
-        codes = sum(q.codes.numel() for q in trainer.values())
-        rows = sum(q.scales.numel() for q in trainer.values())
-        changed = sum(c.positions.size for c in changes.values())
+        codes = sum(q.codes.numel() for q in replica.values())
+        rows = sum(q.scales.numel() for q in replica.values())
+        n_changed = sum(c.positions.size for c in changes.values())
         scales = sum(c.rows.size for c in changes.values())
         touched = sum(int((old[n] != new[n]).any(1).sum()) for n in names)  # rows a bf16 change reaches
         cells = [
@@ -104,8 +94,8 @@ def run(recipe: Recipe, layers: int, lr: float, steps: int) -> None:
             f"{len(linears) / 1e6:.2f} MB",
             f"{touched / rows:.1%}",
             f"**{len(data) / 1e6:.2f} MB**",
-            f"{changed / codes:.3%}",
-            f"{len(data) / max(changed, 1):.2f} B",
+            f"{n_changed / codes:.3%}",
+            f"{len(data) / max(n_changed, 1):.2f} B",
             f"{scales / rows:.2%}",
             f"{bf16_s:.2f} s",
             f"{publish_s:.2f} s",
@@ -114,7 +104,6 @@ def run(recipe: Recipe, layers: int, lr: float, steps: int) -> None:
             f"{write_s * 1e3:.0f} ms",
         ]
         print("| " + " | ".join(map(str, cells)) + " |", flush=True)
-        base = target
 
 
 def main() -> None:

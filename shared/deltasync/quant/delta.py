@@ -25,7 +25,16 @@ from safetensors.torch import load, save
 
 from deltasync.errors import PatchError
 from deltasync.quant.recipe import Recipe, row_amax
-from deltasync.quant.state import SCALE, Changes, Quantized, fingerprint_after, format_fingerprint
+from deltasync.quant.state import (
+    SCALE,
+    Changes,
+    Quantized,
+    apply,
+    fingerprint,
+    fingerprint_after,
+    format_fingerprint,
+    quantize_state,
+)
 
 FORMAT = "deltasync.quant-delta/1"
 
@@ -42,31 +51,73 @@ def diff(old: Mapping[str, Quantized], new: Mapping[str, Quantized]) -> dict[str
     return out
 
 
-def step_changes(
-    state: Mapping[str, Quantized],
-    old: Mapping[str, torch.Tensor],
-    new: Mapping[str, torch.Tensor],
-    recipe: Recipe,
-) -> dict[str, Changes]:
-    """The changes that take quantized `state` (the quantization of bf16 `old`) to the quantization of bf16
-    `new`: what `diff` gives against quantizing all of `new`, found in O(changes). A code moves only where its
-    bf16 value or its row's scale did, so only those codes are computed: the changed elements, and every
-    element of a row whose largest magnitude moved its scale."""
-    out = {}
-    for name, q in state.items():
-        width = q.codes.shape[1]
-        recompute = old[name].view(torch.int16) != new[name].view(torch.int16)
-        scales = recipe.scales(row_amax(new[name]))
+class Quantizer:
+    """The trainer's side of a quantized root: the replicas' quantized state, exactly, kept current from each
+    step's bf16 changes alone, with each row's largest magnitude (bf16); and each step's delta file.
+
+    A code moves only where its bf16 value or its row's scale did; a scale only where the row's largest
+    magnitude did, which a changed element can raise, or lower where it held the largest (that row alone is
+    read again). So a step costs O(changed elements + rows whose scale moved x row width)."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], recipe: Recipe) -> None:
+        self.recipe = recipe
+        self.state = quantize_state(state, recipe)
+        self.amax = {n: row_amax(state[n]) for n in self.state}
+        self.fingerprint = fingerprint(self.state)
+
+    def step(
+        self,
+        old: Mapping[str, torch.Tensor],
+        new: Mapping[str, torch.Tensor],
+        changed: Mapping[str, torch.Tensor],
+    ) -> tuple[bytes, dict[str, Changes]]:
+        """The delta file (and its changes) from the quantization of bf16 `old`, which this holds, to that of
+        `new`, given each tensor's `changed` flat positions (int64, increasing: a bf16 patch's); then holds
+        `new`'s."""
+        amax, changes = {}, {}
+        for name in self.state:
+            positions = changed.get(name, torch.zeros(0, dtype=torch.int64))
+            amax[name], tensor_changes = self._tensor_step(name, old[name], new[name], positions)
+            if tensor_changes is not None:
+                changes[name] = tensor_changes
+        target = fingerprint_after(self.fingerprint, self.state, changes)
+        data = encode(changes, self.state, self.recipe.name, self.fingerprint, target)
+        apply(self.state, changes)
+        self.amax, self.fingerprint = amax, target
+        return data, changes
+
+    def _tensor_step(
+        self, name: str, old: torch.Tensor, new: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, Changes | None]:
+        q, width = self.state[name], old.shape[1]
+        rows_of = positions // width
+        was, now = old.view(-1)[positions].abs(), new.view(-1)[positions].abs()
+        amax = self.amax[name].clone().scatter_reduce_(0, rows_of, now, reduce="amax")
+        lowered = torch.unique(rows_of[was == self.amax[name][rows_of]])  # their largest element moved
+        amax[lowered] = row_amax(new[lowered])
+        scales = self.recipe.scales(amax)
         rows = torch.nonzero(scales.view(torch.int32) != q.scales.view(torch.int32)).squeeze(1)
-        recompute[rows] = True
-        positions = torch.nonzero(recompute.view(-1)).squeeze(1)
-        codes = recipe.codes(new[name].view(-1)[positions], scales[positions // width])
-        code_bytes = codes.view(torch.uint8).numpy()
-        keep = np.flatnonzero(code_bytes != q.code_bytes()[positions.numpy()])
-        if keep.size or rows.numel():
-            rows_np = rows.numpy()
-            out[name] = Changes(positions.numpy()[keep], code_bytes[keep], rows_np, scales.numpy()[rows_np])
-    return out
+        in_rows = torch.zeros(old.shape[0], dtype=torch.bool)
+        in_rows[rows] = True
+        whole_rows = (rows.unsqueeze(1) * width + torch.arange(width)).view(-1)
+        candidates = np.sort(torch.cat([positions[~in_rows[rows_of]], whole_rows]).numpy(), kind="stable")
+        index = torch.from_numpy(candidates)
+        codes = self.recipe.codes(new.view(-1)[index], scales[index // width]).view(torch.uint8).numpy()
+        keep = np.flatnonzero(codes != q.code_bytes()[candidates])
+        if not keep.size and not rows.numel():
+            return amax, None
+        rows_np = rows.numpy()
+        return amax, Changes(candidates[keep], codes[keep], rows_np, scales.numpy()[rows_np])
+
+
+def changed_positions(
+    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Each tensor's flat positions whose bf16 bits differ (for callers without a bf16 patch at hand)."""
+    return {
+        n: torch.nonzero((old[n].view(torch.int16) != new[n].view(torch.int16)).view(-1)).squeeze(1)
+        for n in old
+    }
 
 
 def _pack(a: np.ndarray) -> torch.Tensor:

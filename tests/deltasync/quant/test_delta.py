@@ -10,8 +10,8 @@ from safetensors.torch import save
 
 from deltasync.errors import PatchError
 from deltasync.quant import delta as deltas
-from deltasync.quant.recipe import RECIPES, recipe
-from deltasync.quant.state import Changes, Quantized, apply, fingerprint, fingerprint_after, quantize_state
+from deltasync.quant.recipe import RECIPES, recipe, row_amax
+from deltasync.quant.state import Changes, Quantized, apply, fingerprint, quantize_state
 
 SHAPES = {
     "model.layers.0.mlp.experts.0.up_proj.weight": (48, 64),
@@ -72,39 +72,39 @@ def assert_same_changes(a: dict[str, Changes], b: dict[str, Changes]) -> None:
     steps=st.integers(1, 3),
 )
 def test_applied_deltas_equal_quantizing_the_new_state(name, seed, lr, steps):
-    """The trainer's path (changes found in O(changes) from the bf16 step, applied to its quantized state)
+    """The trainer's path (changes found from the bf16 step's changes alone, applied to its quantized state)
     and the replica's (the delta file decoded, verified, applied) both reach the new state's quantization."""
     r = recipe(name)
     states = adam_steps(seed, lr, steps)
-    trainer = quantize_state(states[0], r)
-    replica, base = copy(trainer), fingerprint(trainer)
+    trainer = deltas.Quantizer(states[0], r)
+    replica, base = copy(trainer.state), trainer.fingerprint
     for old, new in zip(states, states[1:], strict=False):
-        expected = quantize_state(new, r)
-        changes = deltas.step_changes(trainer, old, new, r)
-        assert_same_changes(changes, deltas.diff(trainer, expected))
-        target = fingerprint_after(base, trainer, changes)
-        data = deltas.encode(changes, trainer, name, base, target)
-        apply(trainer, changes)
+        expected, before = quantize_state(new, r), copy(trainer.state)
+        data, changes = trainer.step(old, new, deltas.changed_positions(old, new))
+        assert_same_changes(changes, deltas.diff(before, expected))
         delta, reached = deltas.decode(data, replica, name, base)
         apply(replica, delta)
-        assert_same(trainer, expected)
+        assert_same(trainer.state, expected)
         assert_same(replica, expected)
-        assert reached == target == fingerprint(expected) == fingerprint(replica)
-        base = target
+        assert reached == trainer.fingerprint == fingerprint(expected) == fingerprint(replica)
+        assert all(torch.equal(trainer.amax[n], row_amax(new[n])) for n in trainer.amax)
+        base = reached
 
 
-def test_a_changed_scale_travels_with_the_codes_it_moves():
-    states = adam_steps(0, 1e-6, 1)
-    old, new = states
-    name = "model.layers.0.self_attn.q_proj.weight"
-    new[name] = old[name].clone()
-    new[name][3, int(new[name][3].abs().argmax())] *= 1.5  # row 3's largest magnitude, hence its scale
-    q_old, q_new = (quantize_state(s, recipe("fp8_per_channel")) for s in (old, new))
-    changes = deltas.step_changes(q_old, old, new, recipe("fp8_per_channel"))
-    assert_same_changes(changes, deltas.diff(q_old, q_new))
-    d = changes[name]
-    assert d.rows.tolist() == [3]
-    assert d.positions.size > 1 and set(d.positions // SHAPES[name][1]) == {3}
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_a_scale_that_moves_up_or_down_travels_with_the_codes_it_moves(name):
+    old, new = adam_steps(0, 1e-6, 1)
+    tensor = "model.layers.0.mlp.experts.0.up_proj.weight"
+    new[tensor] = old[tensor].clone()
+    for row, factor in ((3, 1.5), (5, 0.25)):  # the row's largest magnitude, hence its scale, up and down
+        new[tensor][row, int(new[tensor][row].abs().argmax())] *= factor
+    trainer = deltas.Quantizer(old, recipe(name))
+    before = copy(trainer.state)
+    _, changes = trainer.step(old, new, deltas.changed_positions(old, new))
+    assert_same_changes(changes, deltas.diff(before, quantize_state(new, recipe(name))))
+    d = changes[tensor]
+    assert d.rows.tolist() == [3, 5]
+    assert set(d.positions // SHAPES[tensor][1]) == {3, 5} and d.positions.size > 2
 
 
 def test_only_the_recipes_tensors_are_quantized():
