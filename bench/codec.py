@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import zstandard
 
-from deltasync.codec import compact, packed
+from deltasync.codec import compact, host, packed
 from deltasync.codec import patch as patches
 from deltasync.codec.bf16 import bits
 from deltasync.codec.changes import apply_changes
@@ -351,7 +351,7 @@ def history_step(old: dict, new: dict, since: dict, up: dict) -> tuple[int, int,
     data = patches.encode(patch, old)
     dense = json.loads(patches.read_info(data).metadata["dense"])
     costs, offsets = HistoryCosts(), dict.fromkeys(old, 0)
-    chunks = patches._chunks(patch.changes, old, compact.CHUNK)  # the encoder's own split
+    chunks = host.chunks(patch.changes, old, compact.CHUNK)  # the encoder's own split
     for name, (old_bits, idx, new_bits) in chunks:
         lo, hi = offsets[name], offsets[name] + old_bits.size
         offsets[name] = hi

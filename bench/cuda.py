@@ -74,7 +74,7 @@ from pathlib import Path
 import torch
 
 from bench.codec import qwen3_shapes
-from deltasync.codec import compact
+from deltasync.codec import compact, host
 from deltasync.codec import patch as patches
 from deltasync.codec.bf16 import bits
 from deltasync.codec.changes import TensorChanges, apply_changes, diff
@@ -235,7 +235,7 @@ def step_part(old: State, new: State, repeat: int) -> None:
         "make_patch: fingerprint"
     )
     data = patches.encode(patch, old, "compact")
-    on_host = patches.encode(patch, old, "compact", make_streams=patches.host_streams)
+    on_host = patches.encode(patch, old, "compact", make_streams=host.host_streams)
     assert canonical(data) == canonical(on_host), "encode: the GPU's bytes differ from the host path's"
     target = {n: t.to("cpu", copy=True) for n, t in old.items()}
     apply_changes(target, patches.decode(data, target, base_fp).changes)
@@ -290,7 +290,7 @@ def step_part(old: State, new: State, repeat: int) -> None:
         ),
         "host path's `encode` of the same patch (old weights to the host)": (
             lambda threads=None: patches.encode(
-                patch, old, "compact", threads, make_streams=patches.host_streams
+                patch, old, "compact", threads, make_streams=host.host_streams
             ),
             "the same bytes",
         ),
@@ -722,7 +722,7 @@ def coder_part(old: State, new: State, repeat: int) -> None:
     streams, tables, chunk = compact_streams(data)
     sizes = {n: [min(chunk, old[n].numel() - lo) for lo in range(0, old[n].numel(), chunk)] for n in streams}
     work = {n: list(zip(parts, sizes[n], strict=True)) for n, parts in streams.items()}
-    symbols = patches.host_symbols({n: patch.changes[n] for n in streams}, old, chunk)
+    symbols = host.host_symbols({n: patch.changes[n] for n in streams}, old, chunk)
 
     def decode(pairs: list, threads: int) -> None:
         parallel_map(lambda w: compact.ranked_changes(*w, tables), pairs, threads)

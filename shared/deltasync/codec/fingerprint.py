@@ -15,12 +15,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping
 from functools import cache
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from deltasync.codec import bf16
-from deltasync.codec.bf16 import bits
+from deltasync.codec.backend import backend, kind
+
+if TYPE_CHECKING:  # torch where tensors are passed: `deltasync follow` only formats fingerprints
+    import torch
 
 ROW = 4096
 MASK64 = (1 << 64) - 1
@@ -35,7 +37,6 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 R1 = (_splitmix64(np.arange(ROW, dtype=np.uint64)) >> np.uint64(32)) | np.uint64(1)  # 32-bit odd
-R1_TORCH = torch.from_numpy(R1.astype(np.int64))
 
 
 def seed(name: str) -> np.uint64:
@@ -55,11 +56,17 @@ def _weighted_sum(name: str, rows: np.ndarray, row_sums: np.ndarray) -> int:
 @cache
 def r1_on(device: torch.device) -> torch.Tensor:
     """R1 (int64) on `device`."""
-    return R1_TORCH.to(device)
+    import torch
+
+    return torch.from_numpy(R1.astype(np.int64)).to(device)
 
 
 def _row_sums(t: torch.Tensor) -> torch.Tensor:
     """sum(bits * R1) of each row of ROW elements of the bf16 tensor `t` (int64, on `t`'s device)."""
+    import torch
+
+    from deltasync.codec.bf16 import bits
+
     b = bits(t)
     n_rows = -(-b.numel() // ROW)
     padded = torch.nn.functional.pad(b, (0, n_rows * ROW - b.numel())) if b.numel() % ROW else b
@@ -70,6 +77,8 @@ def _row_sums(t: torch.Tensor) -> torch.Tensor:
 
 def to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
     """`tensors` (one dtype) as numpy arrays: one copy per device for all of them, not a round trip each."""
+    import torch
+
     out: list[np.ndarray] = [np.empty(0)] * len(tensors)
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -89,22 +98,23 @@ def tensor_fingerprint(name: str, t: torch.Tensor) -> int:
 
 
 def state_fingerprint(state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Fingerprint of a whole bf16 state (on CUDA: one fused kernel pass, deltasync.codec.gpu; on other
-    accelerators: one copy of row sums to the host per device)."""
-    names, sums, on_cuda = [], [], []
-    for name, t in state.items() if isinstance(state, Mapping) else state:  # keeps row sums, not tensors
-        if bf16.on_gpu(t):
-            on_cuda.append((name, t))
-            continue
+    """Fingerprint of a whole bf16 state, each tensor's pass run by its device's backend
+    (deltasync.codec.backend)."""
+    by_kind: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in state.items() if isinstance(state, Mapping) else state:
+        by_kind.setdefault(kind(t), []).append((name, t))
+    return sum(backend(k).state_fingerprint(tensors) for k, tensors in by_kind.items()) & MASK64
+
+
+def row_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Fingerprint of bf16 `tensors` through torch's ops on their devices: their row sums, then one copy of
+    them to the host per device."""
+    names, sums = [], []
+    for name, t in tensors:  # keeps row sums, not tensors
         names.append(name)
         sums.append(_row_sums(t))
     rows = to_host(sums)
-    total = sum(_weighted_sum(n, np.arange(r.size), r) for n, r in zip(names, rows, strict=True))
-    if on_cuda:
-        from deltasync.codec import gpu  # not at import time: it loads Triton
-
-        total += gpu.state_fingerprint(on_cuda)
-    return total & MASK64
+    return sum(_weighted_sum(n, np.arange(r.size), r) for n, r in zip(names, rows, strict=True)) & MASK64
 
 
 def delta(name: str, positions: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:

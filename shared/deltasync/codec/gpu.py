@@ -8,7 +8,8 @@
   coder, a program per chunk for every chunk of the patch at once; the host chooses the classes and pools
   the models from per-chunk histograms, and gets the coded bytes;
 - `PatchSymbols`: the replica's counterpart, against old weights on the GPU; `moves`: the fingerprint's
-  move of changes there.
+  move of changes there;
+- `CudaBackend`: all of them as the codec's backend for CUDA tensors (deltasync.codec.backend).
 
 The patch bytes and decoded changes are the CPU path's, which the tests check through Triton's interpreter
 on machines with no GPU.
@@ -18,7 +19,7 @@ it compiles at run time with no CUDA toolkit (numba's CUDA target needs NVVM fro
 more wheel per CUDA version); it takes torch tensors as they are; and its interpreter (TRITON_INTERPRET=1,
 set before this module is imported) runs the same kernels on host tensors, which is how CI guards them.
 
-Import this module inside the functions that use it (as deltasync.codec.kernels): it loads Triton.
+It loads Triton: deltasync.codec.backend imports it where a GPU holds the weights.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ import triton
 import triton.language as tl
 
 from deltasync.codec import compact, fingerprint
+from deltasync.codec.accelerator import indexed_write
+from deltasync.codec.backend import Backend, Decoder, Move, Pairs, TensorChanges
 from deltasync.codec.bf16 import bits
-from deltasync.codec.changes import TensorChanges
 from deltasync.codec.parallel import parallel_map
 from deltasync.codec.symbols import ANS_SCALE, MAX_CLASSES, Q_SYMBOLS, V_SYMBOLS
 
@@ -614,7 +616,7 @@ def _take_bits(data: torch.Tensor, at: torch.Tensor, n: torch.Tensor | int) -> t
     return (word >> (at & 7)) & ((torch.ones_like(at) << n) - 1)
 
 
-class PatchSymbols:
+class PatchSymbols(Decoder):
     """deltasync.codec.patch.decode's compact tensors, decoded on `device` against old values where they live.
 
     The rANS stage first, for every chunk of the patch: the headers on the host, then the coder in one program
@@ -822,3 +824,48 @@ class PatchSymbols:
                 out[name] = (positions[e0:e1], after[e0:e1])
             e0 = e1
         return out
+
+
+# ----------------------------------------------------------------------------------------------- backend
+
+
+class CudaBackend(Backend):
+    """The passes above, for tensors on CUDA (each call looks them up here, where tests may count them)."""
+
+    decodes_whole_patches = True  # the rANS stage of every chunk of a patch runs side by side
+
+    def scan(self, pairs: Pairs, threads: int | None) -> tuple[dict[str, TensorChanges], dict[str, int]]:
+        return scan(pairs)
+
+    def state_fingerprint(self, tensors: list[tuple[str, torch.Tensor]]) -> int:
+        return state_fingerprint(tensors)
+
+    def compact_streams(
+        self,
+        changes: Mapping[str, TensorChanges],
+        old: Mapping[str, torch.Tensor],
+        chunk: int,
+        threads: int | None,
+    ) -> tuple[dict[str, bytes], compact.Models]:
+        return compact_streams(changes, old, chunk, threads)
+
+    def decoder(
+        self,
+        streams: Mapping[str, list[bytes]],
+        windows: Mapping[str, tuple[int, int]],
+        chunk: int,
+        tables: compact.Tables,
+        device: torch.device,
+        old_values: Callable[[str], torch.Tensor],
+        threads: int | None,
+    ) -> Decoder:
+        numels = {name: length for name, (_, length) in windows.items()}
+        return PatchSymbols(streams, numels, chunk, tables, device, old_values)
+
+    def moves(self, changes: list[Move]) -> int:
+        return total_move([moves(*change) for change in changes])
+
+    def write(
+        self, state: Mapping[str, torch.Tensor], changes: Mapping[str, TensorChanges], threads: int | None
+    ) -> None:
+        indexed_write(state, changes)

@@ -3,8 +3,10 @@ checked without its base and without decoding any tensor. Needs no torch: `delta
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +17,16 @@ VERSION = "2"
 ENCODINGS = ("compact", "raw")
 DTYPE = "bf16"  # the weight dtype run.json and every patch record; readers refuse any other
 MAX_HEADER_BYTES = 64 << 20
+
+
+def schema_hash(shapes: Mapping[str, Sequence[int]]) -> str:
+    """Hash of the model's tensor names and shapes: flat positions only mean something within one schema.
+
+    >>> schema_hash({"w": [2, 3]})
+    '137e2a413b77794a'
+    """
+    listing = json.dumps(sorted((name, list(shape)) for name, shape in shapes.items()))
+    return hashlib.blake2b(listing.encode(), digest_size=8).hexdigest()
 
 
 @dataclass

@@ -27,12 +27,10 @@ The entries say which tensors changed and how; nothing else repeats their names.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -40,27 +38,25 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from deltasync.codec import bf16, compact, fingerprint
+from deltasync.codec import compact, fingerprint
+from deltasync.codec.backend import Decoder, TensorChanges, backend_for, backend_on
 from deltasync.codec.bf16 import bits
-from deltasync.codec.changes import TensorChanges, diff, diff_and_moves
-from deltasync.codec.header import DTYPE, ENCODINGS, FORMAT, VERSION, PatchInfo, metadata_json, read_info
+from deltasync.codec.changes import diff, diff_and_moves
+from deltasync.codec.header import (
+    DTYPE,
+    ENCODINGS,
+    FORMAT,
+    VERSION,
+    PatchInfo,
+    metadata_json,
+    read_info,
+    schema_hash,
+)
+from deltasync.codec.host import decode_chunk, host_streams
 from deltasync.codec.parallel import parallel_map, spans
 from deltasync.errors import PatchError
 
-if TYPE_CHECKING:
-    from deltasync.codec import gpu  # Triton: imported where a GPU holds the weights
-
 FINGERPRINT_SPAN = 1 << 20  # changed elements per unit of fingerprint work
-
-
-def schema_hash(shapes: Mapping[str, Sequence[int]]) -> str:
-    """Hash of the model's tensor names and shapes: flat positions only mean something within one schema.
-
-    >>> schema_hash({"w": [2, 3]})
-    '137e2a413b77794a'
-    """
-    listing = json.dumps(sorted((name, list(shape)) for name, shape in shapes.items()))
-    return hashlib.blake2b(listing.encode(), digest_size=8).hexdigest()
 
 
 @dataclass
@@ -167,8 +163,8 @@ def encode(
 ) -> bytes:
     """Serialize `patch`, made against bf16 state `old`, as safetensors bytes. The compact encoding codes
     chunks of `chunk` elements on `threads` threads; the bytes do not depend on `threads`. `make_streams`
-    codes them (by default deltasync.codec.gpu.compact_streams where the changed tensors are on CUDA, else
-    host_streams: the same bytes).
+    codes them (by default the backend of the changed tensors' device, deltasync.codec.backend: the same
+    bytes on every one).
 
     With `windows` ({name: (start, length)}), `old[name]` holds only those elements of the tensor and the
     patch's positions in it count from `start`; `shapes` (every tensor's whole shape) then gives the schema.
@@ -258,70 +254,11 @@ def _compact_encoding(
     return entries, extra
 
 
-Chunk = tuple[str, tuple]  # (tensor name, (old bits, positions, new bits) of one chunk as numpy arrays)
-
-
-def _chunks(changes: Mapping[str, TensorChanges], old: Mapping[str, torch.Tensor], chunk: int) -> list[Chunk]:
-    """Every changed tensor's chunks, in order, with positions relative to the chunk."""
-    out = []
-    for name, ch in changes.items():
-        old_bits, idx, new_bits = bits(old[name]).cpu().numpy(), ch.indices.cpu().numpy(), bits(ch.values)
-        cuts = np.searchsorted(idx, np.arange(0, old_bits.size + chunk, chunk)).tolist()
-        for i, (lo, hi) in enumerate(spans(old_bits.size, chunk)):
-            part = slice(cuts[i], cuts[i + 1])
-            out.append((name, (old_bits[lo:hi], idx[part] - lo, new_bits[part].cpu().numpy())))
-    return out
-
-
-def _chunk_symbols(work: Chunk) -> compact.Symbols:
-    return compact.to_symbols(*work[1])
-
-
-def host_symbols(
-    changes: Mapping[str, TensorChanges],
-    old: Mapping[str, torch.Tensor],
-    chunk: int,
-    threads: int | None = None,
-) -> dict[str, list[compact.Symbols]]:
-    """The compact symbols of every chunk of every changed tensor, in order, on `threads` host threads."""
-    symbols: dict[str, list[compact.Symbols]] = {}
-    chunks = _chunks(changes, old, chunk)
-    for (name, _), s in zip(chunks, parallel_map(_chunk_symbols, chunks, threads), strict=True):
-        symbols.setdefault(name, []).append(s)
-    return symbols
-
-
-def host_streams(
-    changes: Mapping[str, TensorChanges],
-    old: Mapping[str, torch.Tensor],
-    chunk: int,
-    threads: int | None = None,
-) -> tuple[dict[str, bytes], compact.Models]:
-    """The compact streams of the changed tensors worth coding so (compact.worth_coding; the others are
-    left out, to be stored dense) and the models pooled over them, on `threads` host threads."""
-    models = compact.Models()
-    symbols = host_symbols(changes, old, chunk, threads)
-    for name, parts in list(symbols.items()):
-        if compact.worth_coding([s.estimated_bits for s in parts], old[name].numel()):
-            for s in parts:
-                compact.tally(models, s)
-        else:
-            del symbols[name]
-    tables = models.tables()
-    work = [s for parts in symbols.values() for s in parts]
-    coded = iter(parallel_map(lambda s: compact.encode_chunk(s, tables), work, threads))
-    streams = {name: compact.join_chunks([next(coded) for _ in parts]) for name, parts in symbols.items()}
-    return streams, models
-
-
 def _streams_maker(changes: Mapping[str, TensorChanges], old: Mapping[str, torch.Tensor]) -> StreamsMaker:
-    """Triton's kernels where every changed tensor is on one CUDA device, else the host's loops (the same
-    bytes)."""
+    """The backend of the device that holds every changed tensor, else the host's (the same bytes)."""
     devices = {old[name].device for name in changes}
-    if len(devices) == 1 and all(bf16.on_gpu(old[name]) for name in changes):
-        from deltasync.codec import gpu  # not at import time: it loads Triton
-
-        return gpu.compact_streams
+    if len(devices) == 1:
+        return backend_for(old[next(iter(changes))]).compact_streams
     return host_streams
 
 
@@ -459,7 +396,7 @@ def _changes(
     if info.encoding == "compact":
         chunks = _compact_chunks(info, entries, local)
         tables = read_tables(info)
-        decoded = parallel_map(lambda work: _decode_chunk(*work, tables), chunks, threads)
+        decoded = parallel_map(lambda work: decode_chunk(*work, tables), chunks, threads)
     changes = {}
     for name, t in info.tensors.items():
         start = info.windows.get(name, (0, 0))[0]
@@ -587,23 +524,22 @@ def chunk_streams(name: str, entries: dict, numel: int, chunk: int) -> list[byte
     return streams
 
 
-def compact_symbols(
+def compact_decoder(
     info: PatchInfo,
     entries: dict,
-    numels: Mapping[str, int],
+    windows: Mapping[str, tuple[int, int]],
     tables: compact.Tables,
     device: torch.device,
     old_values: Callable[[str], torch.Tensor],
-) -> gpu.PatchSymbols:
-    """The compact entries named in `numels` (each covering that many elements), to be decoded on the GPU
-    `device` against `old_values(name)` (deltasync.codec.gpu.PatchSymbols: their rANS stage runs here, for
-    all of them at once), for decode_entry. Raises PatchError."""
-    from deltasync.codec import gpu  # Triton: only where a GPU holds the weights
-
+    threads: int | None = None,
+) -> Decoder:
+    """The compact entries named in `windows` (each covering elements start.. start + length of its tensor),
+    to be decoded against `old_values(name)` by the backend of `device` (deltasync.codec.backend; on a GPU
+    their rANS stage runs here, for all of them at once), for decode_entry. Raises PatchError."""
     chunk = chunk_size(info)
-    streams = {name: chunk_streams(name, entries, numel, chunk) for name, numel in numels.items()}
+    streams = {name: chunk_streams(name, entries, length, chunk) for name, (_, length) in windows.items()}
     try:
-        return gpu.PatchSymbols(streams, numels, chunk, tables, device, old_values)
+        return backend_on(device).decoder(streams, windows, chunk, tables, device, old_values, threads)
     except compact.CompactDecodeError as e:
         raise PatchError(f"{e.tensor}: corrupt compact data: {e}") from None
 
@@ -615,13 +551,13 @@ def decode_entry(
     old: torch.Tensor,
     tables: compact.Tables | None,
     threads: int | None = None,
-    symbols: gpu.PatchSymbols | None = None,
+    symbols: Decoder | None = None,
 ) -> TensorChanges:
     """The changes of `name`'s entry (positions in the whole tensor, on `old`'s device) decoded against
     `old`, the old values of what the entry covers (the tensor, or its window), wherever they live: one
     tensor at a time, so that a caller holding the weights in place (a vLLM worker) needs no copy of the
-    model. Compact entries decode with the numba kernels on CPU, with deltasync.codec.gpu on a GPU (through
-    `symbols`, where compact_symbols made them for the whole patch). Raises PatchError."""
+    model. Compact entries decode by the backend of `old`'s device (through `symbols`, where
+    compact_decoder made them for the whole patch). Raises PatchError."""
     t = info.tensors[name]
     start = info.windows.get(name, (0, 0))[0]
     if t["mode"] != "compact":
@@ -633,38 +569,16 @@ def decode_entry(
             raise PatchError(f"{name}: corrupt {t['mode']} data: {e}") from None
         return TensorChanges(ch.indices + start, ch.values) if start else ch
     assert tables is not None  # a compact patch's
-    chunk = chunk_size(info)
-    if old.is_cuda and symbols is None:
-        symbols = compact_symbols(info, entries, {name: old.numel()}, tables, old.device, lambda _: old)
+    if symbols is None:
+        windows = {name: (start, old.numel())}
+        symbols = compact_decoder(info, entries, windows, tables, old.device, lambda _: old, threads)
     try:
-        if symbols is not None:
-            idx, new_bits = symbols.changes(name)
-            idx = idx + start
-        else:
-            streams = chunk_streams(name, entries, old.numel(), chunk)
-            old_bits = bits(old).reshape(-1).numpy()
-            pieces = spans(old_bits.size, chunk)
-            work = [
-                (name, s, old_bits[lo:hi], start + lo) for s, (lo, hi) in zip(streams, pieces, strict=True)
-            ]
-            parts = parallel_map(lambda w: _decode_chunk(*w, tables), work, threads)
-            idx = torch.from_numpy(np.concatenate([p[0] for p in parts]))
-            new_bits = torch.from_numpy(np.concatenate([p[1] for p in parts]).view(np.int16))
-        return _checked(name, t, old, idx, new_bits.view(torch.bfloat16), start)
+        idx, new_bits = symbols.changes(name)
+        return _checked(name, t, old, idx + start if start else idx, new_bits.view(torch.bfloat16), start)
     except PatchError:
         raise
     except (compact.CompactDecodeError, ValueError, RuntimeError, OverflowError) as e:
         raise PatchError(f"{name}: corrupt compact data: {e}") from None
-
-
-def _decode_chunk(
-    name: str, stream: bytes, old_bits: np.ndarray, offset: int, tables: compact.Tables
-) -> tuple[np.ndarray, np.ndarray, int]:
-    try:
-        idx, new, moved = compact.decode_chunk(stream, old_bits, tables, int(fingerprint.seed(name)), offset)
-    except compact.CompactDecodeError as e:
-        raise PatchError(f"{name}: corrupt compact data at element {offset}: {e}") from None
-    return idx + offset, new, moved
 
 
 def _checked(

@@ -10,8 +10,8 @@ own step, as downloaded (by `deltasync follow` or the inference Space, which dec
 weights: each worker decodes against the weights it holds, on their device):
 
 - `kind="delta"`: the step's patch files (`paths`: one, or one part per rank of a sharded publisher), in
-  any encoding (compact: decoded against this rank's own parameters, tensor by tensor, by the numba kernels
-  on CPU and `deltasync.codec.gpu` on a GPU). `base` is the fingerprint it applies to, `fingerprint` the one
+  any encoding (compact: decoded against this rank's own parameters, tensor by tensor, by the codec's backend
+  for their device, `deltasync.codec.backend`). `base` is the fingerprint it applies to, `fingerprint` the one
   it leads to. Before writing anything, every worker decodes and reads the old values at its changed
   elements; the ranks' shares of how the fingerprint moves must sum to `fingerprint - base`, else the update
   is refused.
@@ -72,10 +72,10 @@ from vllm.model_executor.model_loader.checkpoint_weight_patch import (
 )
 
 from deltasync.codec import fingerprint
-from deltasync.codec.changes import TensorChanges
+from deltasync.codec.backend import TensorChanges, backend_on
 from deltasync.codec.fingerprint import format_fingerprint
 from deltasync.codec.patch import (
-    compact_symbols,
+    compact_decoder,
     decode_entry,
     merge_changes,
     read_entries,
@@ -151,6 +151,7 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
         self.step: int | None = None
         self.write = "direct"
         self.staged: _Plan | None = None  # the last staged delta, written by the delta update after it
+        self.backend = backend_on(device)  # the codec's, for the weights' device
 
     def init_transfer_engine(self, init_info: DeltasyncInitInfo) -> None:
         if self.layout is None:
@@ -334,14 +335,11 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
                 return layout.old_values(name).reshape(-1)[lo : lo + n]
 
             symbols = None
-            if tables is not None and self.device.type == "cuda":  # the rANS stage of every chunk at once
-                whole = {
-                    k: windows[k][1]
-                    for k, t in patch.tensors.items()
-                    if t["mode"] == "compact" and k not in layout.split
-                }
+            if tables is not None and self.backend.decodes_whole_patches:  # every chunk's rANS stage at once
+                compact = [k for k, t in patch.tensors.items() if t["mode"] == "compact"]
+                whole = {k: windows[k] for k in compact if k not in layout.split}
                 if whole:
-                    symbols = compact_symbols(patch, entries, whole, tables, self.device, old_values)
+                    symbols = compact_decoder(patch, entries, whole, tables, self.device, old_values)
             changes = {}
             for name in patch.tensors:  # in the patch's order on every rank: collectives run per tensor
                 if name in layout.split:  # only this rank's part of it: its changes there

@@ -24,9 +24,9 @@ from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
-from deltasync.codec import bf16, fingerprint
+from deltasync.codec import fingerprint
+from deltasync.codec.backend import Move, TensorChanges, backend, kind
 from deltasync.codec.bf16 import bits
-from deltasync.codec.changes import TensorChanges
 from deltasync.vllm import compat
 from deltasync.vllm.experts import Packing
 
@@ -351,9 +351,10 @@ class Layout:
 
     def plan_patch(self, changes: dict[str, TensorChanges]) -> tuple[list, int]:
         """The writes a patch makes on this rank (tensor, index, values) and this rank's share of how it moves
-        the fingerprint. Reads only; writes nothing. Planned where the weights are: on a GPU only the move's
-        sum comes to the host, once for the patch (deltasync.codec.gpu.moves)."""
-        writes, moved, halves = [], 0, []
+        the fingerprint. Reads only; writes nothing. Planned where the weights are, the move by the backend
+        of their device (deltasync.codec.backend: on a GPU only its sum comes to the host, once)."""
+        writes: list = []
+        moves: dict[str, list[Move]] = {}  # by the kind of device that holds the weights
         for name, ch in changes.items():
             blocks = self.blocks.get(name, [])
             if not blocks:
@@ -372,16 +373,8 @@ class Layout:
                 old, new_bits = bits(dst[index]), bits(new)
                 if counted is not None:
                     positions, old, new_bits = positions[counted], old[counted], new_bits[counted]
-                if bf16.on_gpu(dst):
-                    from deltasync.codec import gpu  # Triton: only where a GPU holds the weights
-
-                    halves.append(gpu.moves(name, positions, old, new_bits))
-                else:
-                    moved += fingerprint.delta(name, positions.numpy(), old.numpy(), new_bits.numpy())
-        if halves:
-            from deltasync.codec import gpu
-
-            moved += gpu.total_move(halves)
+                moves.setdefault(kind(dst), []).append((name, positions, old, new_bits))
+        moved = sum(backend(k).moves(m) for k, m in moves.items())
         return writes, moved & fingerprint.MASK64
 
 

@@ -64,9 +64,9 @@ def test_any_single_element_change_moves_the_fingerprint():
 
 
 def test_apply_changes_splits_a_tensor_across_threads_exactly(monkeypatch):
-    from deltasync.codec import changes as module
+    from deltasync.codec import host
 
-    monkeypatch.setattr(module, "SCATTER_SPAN", 7)  # many spans per tensor, finishing in any order
+    monkeypatch.setattr(host, "SCATTER_SPAN", 7)  # many spans per tensor, finishing in any order
     rng = np.random.default_rng(0)
     old = {
         n: torch.from_numpy(rng.integers(-(1 << 15), 1 << 15, k, dtype=np.int16)).view(torch.bfloat16)

@@ -53,7 +53,7 @@ def test_diff_spans_a_tensor_in_pieces(monkeypatch):
     old, new = states()
     whole = diff(old, new, threads=1)
     monkeypatch.setattr(
-        "deltasync.codec.changes.spans", lambda n: [(lo, min(lo + 999, n)) for lo in range(0, n, 999)]
+        "deltasync.codec.host.spans", lambda n: [(lo, min(lo + 999, n)) for lo in range(0, n, 999)]
     )
     pieces = diff(old, new, threads=2)
     assert whole.keys() == pieces.keys()
