@@ -248,7 +248,7 @@ EXAMPLES = {
     "gc": "deltasync gc hf://buckets/alice/run-1",
     "follow": "deltasync follow hf://buckets/alice/run-1 --vllm-url http://127.0.0.1:8000",
 }
-COMPILES = ("diff", "apply", "push", "pull", "follow")  # the commands that run the codec's kernels
+COMPILES = ("diff", "apply", "push", "pull")  # the commands that run the codec's kernels (follow: vLLM does)
 
 
 STOP_GRACE_S = 2.0  # after SIGINT or SIGTERM, a call to the server still in flight is abandoned after this

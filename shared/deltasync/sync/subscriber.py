@@ -36,17 +36,13 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from deltasync import telemetry
 from deltasync.codec import fingerprint
-from deltasync.codec.changes import TensorChanges, apply_changes
-from deltasync.codec.patch import Patch, decode, decode_parts, read_info, schema_hash
+from deltasync.codec.header import read_info, schema_hash
 from deltasync.errors import AnchorError, PatchError, Refused, SyncError
 from deltasync.storage import RateLimited, Storage, TooLargeError, TransientStorageError, open_storage, retry
-from deltasync.sync import base
-from deltasync.sync.anchor import read_anchor
 from deltasync.sync.protocol import (
     RUN_PATH,
     Entry,
@@ -58,6 +54,12 @@ from deltasync.sync.protocol import (
     read_head_bytes,
     read_run,
 )
+
+if TYPE_CHECKING:  # the code that decodes imports torch where it runs: `deltasync follow` decodes nothing
+    import torch
+
+    from deltasync.codec.changes import TensorChanges
+    from deltasync.codec.patch import Patch
 
 log = logging.getLogger(__name__)
 MAX_ERROR_CHARS = 500  # last_error and telemetry errors: one readable line, however long the cause
@@ -116,31 +118,40 @@ class TensorsApplier(Applier):
         self.tensors = tensors
         self.names: list[str] = []
 
-    @torch.no_grad()
     def load(self, state: Mapping[str, torch.Tensor], step: int, fingerprint: int) -> None:
+        import torch
+
         missing = [name for name in state if name not in self.tensors]
         if missing:
             raise KeyError(f"target has no tensor {missing[0]!r}")
-        for name, t in state.items():
-            self.tensors[name].copy_(t)
+        with torch.no_grad():
+            for name, t in state.items():
+                self.tensors[name].copy_(t)
         self.names = list(state)
 
-    @torch.no_grad()
     def patch(self, changes: Mapping[str, TensorChanges], step: int, base: int, fingerprint: int) -> None:
+        import torch
+
+        from deltasync.codec.changes import apply_changes
+
         # Contiguous bf16 tensors take the codec's scatter (torch's index_put_ costs ~50 ns an element).
-        flat = {n for n in changes if _bf16_flat(self.tensors[n])}
-        apply_changes({n: self.tensors[n] for n in flat}, {n: changes[n] for n in flat})
-        for name, ch in changes.items():
-            if name in flat:
-                continue
-            t = self.tensors[name]
-            indices, values = ch.indices.to(t.device), ch.values.to(t.device, t.dtype)
-            if t.is_contiguous():
-                t.view(-1)[indices] = values
-            else:  # e.g. a transposed parameter: flat indices count in the HF shape's row-major order
-                t[torch.unravel_index(indices, t.shape)] = values
+        bf16 = torch.bfloat16
+        flat = {n for n in changes if self.tensors[n].dtype == bf16 and self.tensors[n].is_contiguous()}
+        with torch.no_grad():
+            apply_changes({n: self.tensors[n] for n in flat}, {n: changes[n] for n in flat})
+            for name, ch in changes.items():
+                if name in flat:
+                    continue
+                t = self.tensors[name]
+                indices, values = ch.indices.to(t.device), ch.values.to(t.device, t.dtype)
+                if t.is_contiguous():
+                    t.view(-1)[indices] = values
+                else:  # e.g. a transposed parameter: flat indices count in the HF shape's row-major order
+                    t[torch.unravel_index(indices, t.shape)] = values
 
     def fingerprint(self) -> int:
+        import torch
+
         return fingerprint.state_fingerprint((n, self.tensors[n].to(torch.bfloat16)) for n in self.names)
 
 
@@ -163,10 +174,6 @@ def _ask_again(read: Future[Ahead]) -> bool:
 def _names(entry: Entry) -> tuple[str, ...]:
     """What a step's files are known by (refused, missing): its files, or run.json's base model."""
     return entry.files or (f"{RUN_PATH}#base",)
-
-
-def _bf16_flat(t: torch.Tensor) -> bool:
-    return t.dtype == torch.bfloat16 and t.is_contiguous()
 
 
 @dataclass
@@ -406,8 +413,12 @@ class Subscriber:
                 if not self.decodes:
                     pause_s = self._hand(entry, local, parts if entry.kind == "delta" else [])
                 elif entry.kind == "anchor":
+                    from deltasync.sync.anchor import read_anchor
+
                     state = read_anchor(local, self.run, entry.step, entry.fingerprint, self.threads)
                 elif entry.kind == "base":
+                    from deltasync.sync import base
+
                     state = base.read_state(local, self.run.schema, str(self.run.base))
                     base.verify(state, entry.fingerprint, f"the base model {self.run.base}")
                 else:
@@ -427,6 +438,8 @@ class Subscriber:
                 self.state = state
             else:
                 assert self.state is not None  # a delta applies to the state held
+                from deltasync.codec.changes import apply_changes
+
                 apply_changes(self.state, patch.changes, self.threads)
         fp = int(entry.fingerprint, 16)  # verified above: by the anchor's content or the patch's promise
         self.last_error = None  # before the step moves: a status read must not pair the new step with it
@@ -456,6 +469,8 @@ class Subscriber:
             raise ManifestError(f"the head starts at a base model, {RUN_PATH} names none")
         if not self.decodes:
             return [], entry.bytes
+        from deltasync.sync import base
+
         try:
             files = base.download(self.run.base)
         except TransientStorageError as e:
@@ -503,6 +518,8 @@ class Subscriber:
         """`data` and, where it can be, its decoding against `state` before any head names it. Bytes that
         are no patch are not kept (a head naming them gets them read again, and refused); a patch that does
         not decode is left to the decoding once a head names it."""
+        from deltasync.codec.patch import decode
+
         try:
             changed = read_info(data).changed
         except PatchError:
@@ -532,6 +549,8 @@ class Subscriber:
         """One patch, or a step stored in parts (one per rank of a sharded publisher): decoded (unless
         `decoded` already holds `parts` decoded from the state held), verified and merged into one set of
         changes before anything is written."""
+        from deltasync.codec.patch import decode, decode_parts
+
         claimed = sum(read_info(d).changed for d in parts)  # headers alone: decoding allocates per change
         if claimed != entry.changed:
             raise PatchError(f"patch claims {claimed} changes, the head lists {entry.changed}")

@@ -35,8 +35,12 @@ unchanged there, but for the OpenAI server's argument parser, which 0.33 moved t
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-import torch
+if (
+    TYPE_CHECKING
+):  # torch where it runs, in vLLM's processes: `deltasync follow` imports this module without it
+    import torch
 
 BACKEND = "deltasync"
 
@@ -66,11 +70,15 @@ def model_group():
 
 
 def rank(group) -> int:
+    import torch
+
     return 0 if group is None else torch.distributed.get_rank(group)
 
 
 def reports_errors(group) -> bool:
     """Whether this rank raises a refusal that every rank reached (the last rank: see above)."""
+    import torch
+
     return group is None or rank(group) == torch.distributed.get_world_size(group) - 1
 
 
@@ -109,6 +117,7 @@ def prepack_experts(weight: torch.Tensor, isa: str) -> torch.Tensor:
 def keep_live_cpu_weights() -> None:
     """Installed by the plugin in every vLLM process on CPU, before models load; inert unless the server's
     `--weight-transfer-config` selects deltasync."""
+    import torch
     from vllm.config import get_current_vllm_config_or_none
     from vllm.model_executor.layers import utils as layer_utils
 

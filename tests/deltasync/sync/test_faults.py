@@ -321,7 +321,7 @@ def test_patch_claiming_more_changes_than_the_head_lists_is_refused_before_decod
     def never(*args, **kwargs):
         raise AssertionError("decoded a patch whose claim does not match its head entry")
 
-    monkeypatch.setattr("deltasync.sync.subscriber.decode", never)
+    monkeypatch.setattr("deltasync.codec.patch.decode", never)
     with pytest.raises(SyncError, match="refused delta of step 2: patch claims .* changes, the head lists 1"):
         replica.sync()
     assert replica.step == 1 and bitwise_equal(replica.state, states[1])

@@ -273,7 +273,7 @@ def test_a_delta_stored_before_its_head_is_decoded_while_the_head_is_awaited(tmp
         decoded_on.append(threading.current_thread().name)
         return decode(*args)
 
-    monkeypatch.setattr(subscriber_module, "decode", recording_decode)
+    monkeypatch.setattr("deltasync.codec.patch.decode", recording_decode)
     storage = Recording(tmp_path)
     target = {n: torch.zeros(s) for n, s in SHAPES.items()}
     subscriber = Subscriber(storage, TensorsApplier(target))
@@ -609,7 +609,7 @@ def test_a_bug_while_decoding_is_a_bug_not_a_bad_file(tmp_path, monkeypatch, cap
     def broken(*args):
         raise ValueError("operands could not be broadcast together")
 
-    monkeypatch.setattr(subscriber_module, "decode", broken)
+    monkeypatch.setattr("deltasync.codec.patch.decode", broken)
     with pytest.raises(SyncError, match="bug: ValueError: operands could not be broadcast"):
         subscriber.sync()
     assert subscriber.bugs == 1

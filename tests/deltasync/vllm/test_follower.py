@@ -389,3 +389,27 @@ def test_follow_stops_on_sigterm_while_the_server_starts_or_stalls(tmp_path, ser
             proc.kill()
             proc.wait()
     assert proc.returncode == 0
+
+
+def test_follow_imports_neither_torch_nor_numba(tmp_path):
+    """`deltasync follow` hands the files to vLLM's workers, which decode them: its process imports neither
+    torch nor numba (hundreds of MB it would hold for nothing). `python -X importtime` lists every module it
+    imports, up to where it waits for the server."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    argv = [sys.executable, "-X", "importtime", "-m", "deltasync.cli", "follow", str(tmp_path)]
+    proc = subprocess.Popen([*argv, "--vllm-url", url], stderr=subprocess.PIPE, text=True)
+    imported = set()
+    try:
+        while "cannot reach the vLLM server" not in (line := proc.stderr.readline()):
+            assert line, "the follower ended before waiting for the server"
+            if line.startswith("import time:"):
+                imported.add(line.rsplit("|", 1)[1].strip())
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert {"deltasync.vllm.follower", "deltasync.sync.subscriber"} <= imported
+    assert not {"torch", "numba"} & imported
