@@ -11,7 +11,8 @@ Only one publisher writes a root at a time: see `deltasync.sync.claim`.
 
 Given `model_revision`, a run's first state that is exactly the weights of the Hub model `model` at that
 revision (resolved to its commit; checked by fingerprint) goes out by reference to it, not as an anchor
-(`deltasync.sync.base`); otherwise one line says why and it goes out as an anchor.
+(`deltasync.sync.base`); otherwise (other weights, or a repository that cannot be reached) one line says why
+and it goes out as an anchor.
 """
 
 from __future__ import annotations
@@ -446,7 +447,7 @@ class Publisher:
                     f"{ref}: its weights have fingerprint {fingerprint.format_fingerprint(held)}, "
                     f"the step's are {fingerprint.format_fingerprint(fp)}"
                 )
-        except AnchorError as e:  # unreachable (TransientStorageError): retried like any upload
+        except (AnchorError, TransientStorageError) as e:  # unreachable too: training must not wait on it
             log.warning("step %d goes out as an anchor, not by reference to %s: %s", job.step, wanted, e)
             return None
         return ref, base.state_bytes(files)

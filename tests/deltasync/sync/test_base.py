@@ -189,6 +189,17 @@ def test_a_moved_revision_is_refused_in_one_line(hub, caplog):
     assert [e.kind for e in read_head(open_storage(f"{ROOT}-2")).entries] == ["anchor"]
 
 
+def test_a_model_repository_the_trainer_cannot_reach_is_not_waited_for(hub, caplog):
+    hub.models.commit("user/tiny", {"model.safetensors": checkpoint(make_params())})
+    hub.models.fail_status = 503
+    with caplog.at_level(logging.WARNING, logger="deltasync"):
+        states = publish(1)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "step 0 goes out as an anchor" in warning and "cannot reach the model repository" in warning
+    assert [e.kind for e in read_head(open_storage(ROOT)).entries] == ["anchor", "delta"]
+    assert replica(states).sync()[-1].step == 1
+
+
 def test_a_base_model_that_does_not_verify_is_refused_in_one_line(hub, tmp_path, monkeypatch):
     hub.models.commit("user/tiny", {"model.safetensors": checkpoint(make_params())})
     states = publish(1)

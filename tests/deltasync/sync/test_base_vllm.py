@@ -11,6 +11,7 @@ from deltasync.storage import LocalStorage
 from deltasync.sync.protocol import read_head
 from deltasync.sync.publisher import Publisher
 from tests.deltasync.vllm.test_follow import following, stock_server
+from tests.fakemodels import client_on
 from tests.helpers import assert_bitwise_equal, perturb, wait_for
 from trainer.tiny_model import build_tiny_model
 
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.slow  # starts vLLM
 REPLICA = "replica-a"
 
 
-def test_a_vllm_replica_started_on_the_base_model_follows_it_by_reference(fake_hub, tmp_path):
+def test_a_vllm_replica_started_on_the_base_model_follows_it_by_reference(fake_hub, tmp_path, monkeypatch):
+    client_on(fake_hub, monkeypatch, tmp_path / "hf-cache")
     folder = build_tiny_model(tmp_path / "tiny-qwen3")
     files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
     commit = fake_hub.models.commit("user/tiny", files)
