@@ -37,6 +37,7 @@ from deltasync.quant.state import (
 )
 
 FORMAT = "deltasync.quant-delta/1"
+MAGNITUDE = np.int16(0x7FFF)  # a bf16 pattern without its sign bit
 
 
 def diff(old: Mapping[str, Quantized], new: Mapping[str, Quantized]) -> dict[str, Changes]:
@@ -89,25 +90,50 @@ class Quantizer:
     def _tensor_step(
         self, name: str, old: torch.Tensor, new: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, Changes | None]:
-        q, width = self.state[name], old.shape[1]
-        rows_of = positions // width
-        was, now = old.view(-1)[positions].abs(), new.view(-1)[positions].abs()
-        amax = self.amax[name].clone().scatter_reduce_(0, rows_of, now, reduce="amax")
-        lowered = torch.unique(rows_of[was == self.amax[name][rows_of]])  # their largest element moved
-        amax[lowered] = row_amax(new[lowered])
-        scales = self.recipe.scales(amax)
-        rows = torch.nonzero(scales.view(torch.int32) != q.scales.view(torch.int32)).squeeze(1)
-        in_rows = torch.zeros(old.shape[0], dtype=torch.bool)
+        # On bf16 bit patterns in numpy (gathers there are fast): a magnitude is the pattern without its sign,
+        # and magnitudes order as their patterns do.
+        q, (height, width) = self.state[name], old.shape
+        pos, old_bits, new_bits = positions.numpy(), _bits(old), _bits(new)
+        rows_of = pos // width
+        largest = self.amax[name].view(torch.int16).numpy()
+        amax = largest.copy()
+        np.maximum.at(amax, rows_of, new_bits[pos] & MAGNITUDE)
+        lowered = np.zeros(height, dtype=bool)
+        lowered[rows_of[(old_bits[pos] & MAGNITUDE) == largest[rows_of]]] = True
+        lowered_rows = np.flatnonzero(lowered)
+        amax[lowered_rows] = (new_bits.reshape(height, width)[lowered_rows] & MAGNITUDE).max(1, initial=0)
+        scales = self.recipe.scales(torch.from_numpy(amax).view(torch.bfloat16)).numpy()
+        rows = np.flatnonzero(scales.view(np.int32) != q.scales.numpy().view(np.int32))
+        in_rows = np.zeros(height, dtype=bool)
         in_rows[rows] = True
-        whole_rows = (rows.unsqueeze(1) * width + torch.arange(width)).view(-1)
-        candidates = np.sort(torch.cat([positions[~in_rows[rows_of]], whole_rows]).numpy(), kind="stable")
-        index = torch.from_numpy(candidates)
-        codes = self.recipe.codes(new.view(-1)[index], scales[index // width]).view(torch.uint8).numpy()
-        keep = np.flatnonzero(codes != q.code_bytes()[candidates])
-        if not keep.size and not rows.numel():
-            return amax, None
-        rows_np = rows.numpy()
-        return amax, Changes(candidates[keep], codes[keep], rows_np, scales.numpy()[rows_np])
+        alone = ~in_rows[rows_of]
+        whole_rows = (rows[:, None] * width + np.arange(width)).reshape(-1)
+        parts = [
+            self._moved_codes(q, new_bits, scales, p, r)
+            for p, r in ((pos[alone], rows_of[alone]), (whole_rows, whole_rows // width))
+        ]
+        changed = np.concatenate([p for p, _ in parts])
+        order = np.argsort(changed, kind="stable")  # two increasing runs: a merge
+        amax_bf16 = torch.from_numpy(amax).view(torch.bfloat16)
+        if not changed.size and not rows.size:
+            return amax_bf16, None
+        return amax_bf16, Changes(
+            changed[order], np.concatenate([c for _, c in parts])[order], rows, scales[rows]
+        )
+
+    def _moved_codes(
+        self, q: Quantized, new_bits: np.ndarray, scales: np.ndarray, positions: np.ndarray, rows: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Of `positions` (in `rows`), those whose code the new values move, and their new code bytes."""
+        values = torch.from_numpy(new_bits[positions]).view(torch.bfloat16)
+        codes = self.recipe.codes(values, torch.from_numpy(scales[rows])).view(torch.uint8).numpy()
+        moved = np.flatnonzero(codes != q.code_bytes()[positions])
+        return positions[moved], codes[moved]
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """The bf16 tensor `t`'s bit patterns, flat int16, sharing its memory."""
+    return t.view(torch.int16).view(-1).numpy()
 
 
 def changed_positions(
