@@ -19,7 +19,7 @@ bytes cost nothing and vLLM's loader could read the shards directly. Set "plain"
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -30,7 +30,25 @@ from deltasync.codec import fingerprint, packed
 from deltasync.codec.parallel import parallel_map
 from deltasync.errors import AnchorError
 from deltasync.sync.config import ANCHOR_ENCODINGS
-from deltasync.sync.protocol import ANCHOR_FORMAT, FORMAT_VERSION, RunInfo, anchor_paths
+from deltasync.sync.protocol import ANCHOR_FORMAT, FORMAT_VERSION, STARTS, Entry, Head, RunInfo, anchor_paths
+
+
+def anchor_due(head: Head | None, step: int, delta_bytes: int | None, anchor_every: int) -> bool:
+    """Whether `step` also goes out as an anchor, beside a delta of `delta_bytes` (None: no delta), after
+    `head`: `anchor_every` steps after the newest complete state, or sooner once the deltas since it outweigh
+    it (a replica that starts then downloads less)."""
+    if head is None or delta_bytes is None:
+        return True
+    last = head.anchors[-1]
+    chain = sum(e.bytes for e in head.deltas if e.step > last.step) + delta_bytes
+    return step - last.step >= anchor_every or chain > last.bytes
+
+
+def retained(entries: Sequence[Entry], keep_anchors: int) -> tuple[Entry, ...]:
+    """What a head keeps of `entries` (a chain, ascending): the newest `keep_anchors` complete states
+    (anchors, the base model) and every delta after the oldest of them."""
+    oldest = [e for e in entries if e.kind in STARTS][-keep_anchors:][0]
+    return tuple(e for e in entries if e.step > oldest.step or e == oldest)
 
 
 def anchor_encoding(setting: str, local: bool) -> str:

@@ -68,6 +68,21 @@ def _indexed(index: Path, where: str) -> tuple[str, ...]:
     raise AnchorError(f"{where}: {WEIGHTS_INDEX} has no weight map of file names")
 
 
+def reference_to(
+    repo: str, revision: str | None, schema: Mapping[str, list[int]], fp: int
+) -> tuple[ModelReference, int]:
+    """`repo` at `revision` pinned to its commit, and its weights' size, if those weights are the state of
+    `schema` with fingerprint `fp`; else AnchorError (other weights, no safetensors) or TransientStorageError
+    (the repository cannot be reached). Read one tensor at a time, from the cache where they are."""
+    ref = resolve(repo, revision)
+    files = download(ref)
+    held = state_fingerprint(files, schema, str(ref))
+    if held != fp:
+        have, want = (fingerprint.format_fingerprint(f) for f in (held, fp))
+        raise AnchorError(f"{ref}: its weights have fingerprint {have}, the state's is {want}")
+    return ref, state_bytes(files)
+
+
 def download(ref: ModelReference, endpoint: str | None = None) -> list[Path]:
     """The local copies of `ref`'s files, from huggingface_hub's cache where they are (no request)."""
     with _hub_errors(str(ref)):

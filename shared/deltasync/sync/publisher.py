@@ -42,14 +42,13 @@ from deltasync.storage import (
     retry,
 )
 from deltasync.sync import base
-from deltasync.sync.anchor import anchor_encoding, write_anchor
+from deltasync.sync.anchor import anchor_due, anchor_encoding, retained, write_anchor
 from deltasync.sync.claim import WriterClaim, new_holder
 from deltasync.sync.config import PublisherConfig
 from deltasync.sync.gc import collect_garbage, delete_emptied_folders
 from deltasync.sync.protocol import (
     HEAD_PATH,
     RUN_PATH,
-    STARTS,
     Entry,
     Head,
     ManifestError,
@@ -182,12 +181,7 @@ class Publisher:
     def anchor_due(self, step: int, delta_bytes: int | None) -> bool:
         """Whether `step` also goes out as an anchor, beside a delta of `delta_bytes` (None: no delta), given
         the head as last written (see `flush`)."""
-        head = self._head
-        if head is None or delta_bytes is None:
-            return True
-        last = head.anchors[-1]
-        chain = sum(e.bytes for e in head.deltas if e.step > last.step) + delta_bytes
-        return step - last.step >= self.config.anchor_every or chain > last.bytes
+        return anchor_due(self._head, step, delta_bytes, self.config.anchor_every)
 
     def _hand_over(
         self,
@@ -380,7 +374,8 @@ class Publisher:
             entries.append(Entry(job.step, "base", (), reference[1], fp_text, now))
         # Without a delta the step starts a new chain (the run's first step, or a head whose state could not
         # be verified on resume): its anchor needs nothing before it.
-        new_head = self._retained(head if delta else None, entries, job.step, fp_text)
+        kept = retained([*(head.entries if head and delta else ()), *entries], self.config.keep_anchors)
+        new_head = Head(job.step, fp_text, kept, self.claim.epoch, self.claim.holder)
         self._write_head(new_head, current)  # the step is acknowledged from here on
         upload_s = time.perf_counter() - start - encode_s
         with self._worker.lock:
@@ -437,20 +432,12 @@ class Publisher:
         if self.model_revision is None or self.lora is not None or job.stored is not None:
             return None
         assert self._run is not None  # known before the first job
-        wanted = f"{self.model}@{self.model_revision}"
         try:
-            ref = base.resolve(self.model, self.model_revision)
-            files = base.download(ref)
-            held = base.state_fingerprint(files, self._run.schema, str(ref))
-            if held != fp:
-                raise AnchorError(
-                    f"{ref}: its weights have fingerprint {fingerprint.format_fingerprint(held)}, "
-                    f"the step's are {fingerprint.format_fingerprint(fp)}"
-                )
+            return base.reference_to(self.model, self.model_revision, self._run.schema, fp)
         except (AnchorError, TransientStorageError) as e:  # unreachable too: training must not wait on it
+            wanted = f"{self.model}@{self.model_revision}"
             log.warning("step %d goes out as an anchor, not by reference to %s: %s", job.step, wanted, e)
             return None
-        return ref, base.state_bytes(files)
 
     def _anchor(self, job: _Pending, delta: StoredDelta | None, fp: int, tmp: Path) -> list[tuple[Path, str]]:
         """The step's anchor files in `tmp` (local file, storage path), if one is due."""
@@ -540,13 +527,6 @@ class Publisher:
             return read_manifest(self.storage, HEAD_PATH)
         except FileNotFoundError:
             return None
-
-    def _retained(self, head: Head | None, new: list[Entry], step: int, fp: str) -> Head:
-        """The head after `new`: the newest `keep_anchors` anchors and the deltas after the oldest of them."""
-        entries = [*(head.entries if head else ()), *new]
-        oldest = [e for e in entries if e.kind in STARTS][-self.config.keep_anchors :][0]
-        kept = [e for e in entries if e.step > oldest.step or e == oldest]
-        return Head(step, fp, tuple(kept), self.claim.epoch, self.claim.holder)
 
     def _resume(self) -> None:
         """Continue a run already in the sync root: its schema, head and last published state (when it does
