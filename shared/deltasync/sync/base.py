@@ -32,7 +32,7 @@ from safetensors import SafetensorError, safe_open
 
 from deltasync.codec import fingerprint
 from deltasync.errors import AnchorError, TransientStorageError
-from deltasync.sync.protocol import ModelReference
+from deltasync.sync.protocol import RUN_PATH, ModelReference
 
 WEIGHTS = "model.safetensors"  # a checkpoint in one file, or the index of its shards:
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -54,7 +54,11 @@ def resolve(repo: str, revision: str | None = None, endpoint: str | None = None)
             files = (WEIGHTS,)
         else:
             raise AnchorError(f"{repo}@{revision or 'main'} holds no {WEIGHTS} (nor its index)")
-    return ModelReference(repo, ref.revision, files)
+    ref = ModelReference(repo, ref.revision, files)
+    problem = ref.problem()  # what a reader of run.json would refuse is never written
+    if problem:
+        raise AnchorError(f"{repo}@{revision or 'main'} cannot be named in {RUN_PATH}: {problem}")
+    return ref
 
 
 def _indexed(index: Path, where: str) -> tuple[str, ...]:

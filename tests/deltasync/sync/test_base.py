@@ -100,6 +100,10 @@ def test_the_fake_hub_serves_model_repositories_to_the_real_client(hub):
         base.download(ModelReference("user/tiny", second, ("model.safetensors",)))
     with pytest.raises(AnchorError, match="user/gone@main: not on the Hub"):
         base.resolve("user/gone")
+    index = {"weight_map": {"w": "../elsewhere.safetensors"}}
+    fake_hub.models.commit("user/odd", {"model.safetensors.index.json": json.dumps(index).encode()})
+    with pytest.raises(AnchorError, match="user/odd@main cannot be named in run.json: .*elsewhere"):
+        base.resolve("user/odd")
     fake_hub.fail_status = 503
     with pytest.raises(TransientStorageError, match="cannot reach the model repository"):
         base.resolve("user/tiny")
