@@ -518,14 +518,16 @@ class Subscriber:
         """`data` and, where it can be, its decoding against `state` before any head names it. Bytes that
         are no patch are not kept (a head naming them gets them read again, and refused); a patch that does
         not decode is left to the decoding once a head names it."""
-        from deltasync.codec.patch import decode
-
         try:
             changed = read_info(data).changed
         except PatchError:
             return Ahead(b"", None, state, base)
+        if not (state and 0 < changed <= most):  # (a FileApplier's subscriber: it never decodes)
+            return Ahead(data, None, state, base)
+        from deltasync.codec.patch import decode
+
         try:
-            patch = decode(data, state, base, self.threads) if state and 0 < changed <= most else None
+            patch = decode(data, state, base, self.threads)
         except PatchError:
             patch = None
         return Ahead(data, patch, state, base)
