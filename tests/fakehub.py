@@ -17,11 +17,13 @@ Space repos (for the deploy command): create, README metadata validation, commit
 the file tree, variables, secrets and hardware requests. Files are kept in memory.
 
 The Hub's terms, as huggingface_hub 2.4 meets them:
-- quotas: per token, per fixed window (`window_s`, 300 s) and per class (`api`: every `/api/` route;
-  `resolvers`: `/buckets/.../resolve/`), `quotas` defaulting to the free tier (1,000 / 5,000). Every answer
-  carries the `RateLimit` / `RateLimit-Policy` headers; over quota the answer is a 429 with `r=0` and the
-  seconds to the window's end (the client's `parse_ratelimit_headers`). `counts` holds every window's
-  requests per class (and `limited` its 429s), so tests and benchmarks can hold budgets;
+- quotas: per user (each token a user of its own, unless `user_of` maps it to one: then its requests are
+  counted apart and spend that user's quota), per fixed window (`window_s`, 300 s) and per class (`api`: every
+  `/api/` route; `resolvers`: `/buckets/.../resolve/`), `quotas` defaulting to the free tier (1,000 / 5,000).
+  Every answer carries the `RateLimit` / `RateLimit-Policy` headers (what the user has left); over quota the
+  answer is a 429 with `r=0` and the seconds to the window's end (the client's `parse_ratelimit_headers`).
+  `counts` holds every window's requests per token and class (and `limited` its 429s), so tests and
+  benchmarks can hold budgets;
 - tree listings come in pages of `page_size` entries linked by the `Link: <...>; rel="next"` header;
 - the bucket change feed `GET /api/buckets/{id}/events` (`feed = False`: 404, not served), in the wire format
   of huggingface_hub's `_bucket_live_follow`: replayed `changes` (from `?cursor=` or `?since=`), then `ready`
@@ -82,7 +84,9 @@ def _iso(t: float) -> str:
 def request_class(path: str) -> str | None:
     """The quota a request counts against: `api`, `resolvers`, `cas` (no quota), or None (not counted)."""
     if path.startswith("/cas/"):
-        return None if path.startswith("/cas/v1/fetch_term") else "cas"  # a fetch: a presigned storage URL
+        # A fetch is a presigned storage URL; a v2 route answers 404 here and the client asks v1 instead,
+        # where the Hub's CAS would answer the v2 call alone: one call either way.
+        return "cas" if path.startswith("/cas/v1/") and not path.startswith("/cas/v1/fetch_term") else None
     if path.startswith("/api/"):
         return "api"
     if "/resolve/" in path:
@@ -130,6 +134,8 @@ class FakeHub:
     def __init__(self, cas_dir: Path, token: str = "hf_fake_token"):
         self.token = token
         self.tokens = {token}  # accepted: each has its own windows (one per component, to count them apart)
+        # token -> the user it belongs to, whose quota it spends (default: a user of its own)
+        self.user_of: dict[str, str] = {}
         self.endpoint = ""
         self._serving = contextlib.ExitStack()
         self._lock = threading.Lock()  # the server's threads and the test's share the state below
@@ -158,6 +164,7 @@ class FakeHub:
         self.quotas: dict[str, int] = dict(FREE_TIER)
         self.window_s = 300.0
         self.windows: dict[tuple[str, int], Window] = {}  # (token, window index) -> its requests
+        self._user_windows: dict[tuple[str, int], collections.Counter[str]] = {}  # what each user's spent
         self.page_size = 1000
         self.feed = True
         self.feed_buffer = 10_000
@@ -195,12 +202,16 @@ class FakeHub:
         return sum(w.counts[cls] for w in self.windows.values())
 
     def _count(self, token: str, cls: str) -> tuple[int, float, Window]:
-        """Count a request; returns (requests left in the window, seconds to its end, the window)."""
+        """Count a request of `token` ("Bearer ..."); returns (requests its user has left in the window,
+        seconds to the window's end, the token's window)."""
         now = self.clock()
         index = math.floor(now / self.window_s)
         window = self.windows.setdefault((token, index), Window(index * self.window_s))
         window.counts[cls] += 1
-        left = self.quotas.get(cls, 2**62) - window.counts[cls]  # `cas`: no quota
+        user = self.user_of.get(token.removeprefix("Bearer "), token)
+        spent = self._user_windows.setdefault((user, index), collections.Counter())
+        spent[cls] += 1
+        left = self.quotas.get(cls, 2**62) - spent[cls]  # `cas`: no quota
         return int(max(left, 0)) if left >= 0 else -1, (index + 1) * self.window_s - now, window
 
     @property
@@ -280,13 +291,13 @@ class FakeHub:
         @app.middleware("http")
         async def auth_quota_and_faults(request: Request, call_next):
             if request.url.path.startswith("/cas/"):  # the CAS service: a Xet token, no Hub quota
-                if request_class(request.url.path) is None:  # a presigned fetch
+                if request.url.path.startswith("/cas/v1/fetch_term"):  # a presigned URL: no token
                     return await call_next(request)
                 xet_token = (request.headers.get("authorization") or "").removeprefix("Bearer ")
                 user, valid_until = self.xet_tokens.get(xet_token, ("", 0.0))
                 if valid_until <= self.clock():
                     return JSONResponse({"error": "bad or expired Xet token"}, status_code=401)
-                if user:
+                if user and request_class(request.url.path):
                     with self._lock:
                         self._count(user, "cas")
                 return await call_next(request)

@@ -2,32 +2,40 @@
 
 The Hub counts requests per token in fixed 5-minute windows, per class: API calls (`/api/...`: paths-info,
 listings, writes, Xet tokens) and resolver calls (`/buckets/.../resolve/...`: file reads), the latter with a
-quota five times larger. So this backend:
-- reads small files (`read_bytes`: heads, deltas, telemetry) with one resolver GET, bounded by the caller's
-  limit from the size the answer announces, and no paths-info;
+quota five times larger; Xet's CAS, which holds the bytes, counts against neither. So this backend:
 - follows the bucket's change feed (`GET /api/buckets/{id}/events`, through huggingface_hub's own client)
   once a reader waits for changes (`wait_for_change`): every change names its path, size and Xet hash, so
-  stats are answered from what the feed said, a read fetches exactly the content the feed announced (an
-  answer with another hash is a stale read: retried, never returned), an unchanged file read again costs
-  nothing, and a waiting reader wakes on the change itself, with no request while nothing changes;
-- without the feed (not served, refused, or down) polls no faster than its request budget allows;
-- on a 429 raises `RateLimited` with the time the quota's window ends (from the `RateLimit` header) and
-  reports it in `rate_limited_until` instead of sleeping inside the call.
+  stats are answered from what the feed said, a read fetches exactly the content the feed announced, by its
+  hash, from the CAS (hf_xet, with a read token kept until it expires: one API call per token, no resolver
+  call per file), an unchanged file read again costs nothing, and a waiting reader wakes on the change
+  itself, with no request while nothing changes;
+- without the feed (not served, refused, or down) reads small files (`read_bytes`: heads, deltas,
+  telemetry) with one resolver GET, bounded by the caller's limit from the size the answer announces, and
+  polls no faster than its `poll_budget` allows;
+- writes through the CAS with a write token kept likewise, then one batch call (one API call a write);
+- counts what it sends per window and class against its `budget` (its share of the token's quota:
+  deltasync.storage.budget), and backs off (`RateLimited`, with no request) before it would go over, or when
+  the Hub's `RateLimit` header says the user's window has less than its reserve left; on a 429 it raises
+  `RateLimited` with the time the quota's window ends and reports it in `rate_limited_until` instead of
+  sleeping inside the call.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import math
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import hf_xet
 import httpx2
-from huggingface_hub import BucketFile, HfApi, get_session
-from huggingface_hub.errors import BucketBatchError, BucketNotFoundError, EntryNotFoundError
+from huggingface_hub import HfApi, get_session
+from huggingface_hub.errors import BucketNotFoundError, EntryNotFoundError
 from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, parse_ratelimit_headers
 
 from deltasync.storage.base import (
@@ -39,6 +47,7 @@ from deltasync.storage.base import (
     check_path,
     rate_limited_line,
 )
+from deltasync.storage.budget import RESERVE, Budget
 from deltasync.storage.compat import BucketFileChange, Follower
 
 _HUB_MISSING = (BucketNotFoundError, EntryNotFoundError)
@@ -51,12 +60,62 @@ LOG_ENTRIES = 100_000  # changes kept for readers that have not looked yet
 FEED_PATHS = 10_000  # paths whose stat and last change are remembered (each root: its head's chain, records)
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 60.0  # between bytes of an answer: a stalled Hub or half-open connection fails the call
+XET_TOKEN_MARGIN_S = 60.0  # a Xet token is asked again this long before it expires (as huggingface_hub does)
+_xet_session: hf_xet.XetSession | None = (
+    None  # the process's Xet runtime and connection pool, made on first use
+)
+_xet_lock = threading.Lock()
+
+
+def _xet() -> hf_xet.XetSession:
+    global _xet_session
+    with _xet_lock:
+        if _xet_session is None:
+            _xet_session = hf_xet.XetSession()
+        return _xet_session
+
+
+def _class(url: str) -> str:
+    """The quota a request of ours counts against."""
+    return "api" if "/api/" in url else "resolvers"
 
 
 @dataclass(frozen=True)
 class _Stat:
     size: int
     xet_hash: str
+
+
+@dataclass(frozen=True)
+class _XetToken:
+    """A Xet access token for the bucket's CAS, as the Hub's token route answers it."""
+
+    cas_url: str
+    access: str
+    expires: float  # unix seconds
+
+
+class _Spend:
+    """What one client sent in the current quota window, per class, against its budget."""
+
+    def __init__(self, budget: Budget | None, clock: Callable[[], float]):
+        self.budget, self.clock = budget, clock
+        self.window = -1
+        self.sent: collections.Counter[str] = collections.Counter()
+        self.lock = threading.Lock()
+
+    def take(self, cls: str) -> float | None:
+        """Count one request of `cls`; or, if the budget has none left, the unix time (on `clock`) its
+        window ends, counting nothing."""
+        now = self.clock()
+        with self.lock:
+            window = math.floor(now / WINDOW_S)
+            if window != self.window:
+                self.window, self.sent = window, collections.Counter()
+            if self.budget is not None and self.sent[cls] >= self.budget.of(cls):
+                return (window + 1) * WINDOW_S
+            self.sent[cls] += 1
+            return None
 
 
 class _Feed:
@@ -155,7 +214,9 @@ class HubBucketStorage(Storage):
     A write uploads through Xet, then one batch call points the path at the new content, so readers see the
     old or the new file. The bucket is created (private) on the first write. `token` goes to HfApi and the
     requests made here, nowhere else; None means HF_TOKEN or the login cache. `follow=False` never opens the
-    change feed; `poll_budget` is the resolver calls per 5-minute window that polling may spend without it.
+    change feed; `poll_budget` is the resolver calls per 5-minute window that polling may spend without it;
+    `budget` caps everything this client sends (None: only the Hub's own headers hold it back). `clock` tells
+    the quota windows and token expiries (a test clock in tests and benchmarks).
     """
 
     def __init__(
@@ -165,6 +226,8 @@ class HubBucketStorage(Storage):
         token: str | None = None,
         follow: bool = True,
         poll_budget: int = POLL_BUDGET,
+        budget: Budget | None = None,
+        clock: Callable[[], float] = time.time,
     ):
         if poll_budget < 1:
             raise ValueError(f"poll budget must be at least 1 request per window, got {poll_budget}")
@@ -173,12 +236,16 @@ class HubBucketStorage(Storage):
         self.url = f"hf://buckets/{bucket_id}" + (f"/{prefix}" if prefix else "")
         self.api = HfApi(token=token)
         self._token = token
-        self._bucket_exists = False
         self.follow, self.poll_budget = follow, poll_budget
         self._feed = _Feed()
         self._memo: collections.OrderedDict[str, bytes] = collections.OrderedDict()  # xet hash -> content
-        self._limited_until = 0.0
+        self._limited_until = (0.0, 0.0)  # on `clock`, and on the real clock (what callers are told)
         self._lock = threading.Lock()
+        self.budget, self.clock = budget, clock
+        self._spend = _Spend(budget, clock)
+        self._tokens: dict[str, _XetToken] = {}  # "read" / "write" -> the token in use
+        self._token_lock = threading.Lock()
+        self._group: tuple[_XetToken, hf_xet.XetDownloadStreamGroup] | None = None
 
     def _key(self, path: str) -> str:
         return self.prefix + path
@@ -197,7 +264,9 @@ class HubBucketStorage(Storage):
 
     @property
     def rate_limited_until(self) -> float | None:
-        return self._limited_until if self._limited_until > time.time() else None
+        """Unix time (on the real clock, whatever `clock` tells windows by) until which nothing is sent."""
+        until, until_real = self._limited_until
+        return until_real if until > self.clock() else None
 
     def wait_for_change(self, stop: threading.Event, poll_s: float, under: tuple[str, ...] = ("",)) -> None:
         self._start_feed()
@@ -260,20 +329,37 @@ class HubBucketStorage(Storage):
         if until is not None:
             raise RateLimited(f"{self.url}: {rate_limited_line(until)}", until)
 
-    def _request(self, method: str, url: str, **kwargs) -> httpx2.Response:
+    def _request(
+        self, method: str, url: str, headers: dict[str, str] | None = None, **kwargs
+    ) -> httpx2.Response:
         """One request of ours (not the client's, which sleeps through a 429 by itself)."""
-        self._refuse_while_limited()
-        headers = build_hf_headers(token=self._token)
+        self._take(_class(url))
+        headers = {**build_hf_headers(token=self._token), **(headers or {})}
         response = get_session().request(method, url, headers=headers, timeout=_timeout(), **kwargs)
         self._check(response)
         return response
 
-    def _check(self, response: httpx2.Response) -> None:
-        if response.status_code == 429:
-            limit = parse_ratelimit_headers(response.headers)
-            wait = limit.reset_in_seconds if limit is not None else 60
-            self._limited_until = max(self._limited_until, time.time() + wait)
+    def _take(self, cls: str) -> None:
+        """Count a request about to be sent, or refuse it (RateLimited) while a limit lasts or the budget's
+        window is spent."""
+        self._refuse_while_limited()
+        window_end = self._spend.take(cls)
+        if window_end is not None:
+            self._limit_for(window_end - self.clock())
             self._refuse_while_limited()
+
+    def _limit_for(self, seconds: float) -> None:
+        until = self.clock() + seconds
+        if until > self._limited_until[0]:
+            self._limited_until = (until, time.time() + seconds)
+
+    def _check(self, response: httpx2.Response) -> None:
+        limit = parse_ratelimit_headers(response.headers)
+        if response.status_code == 429:
+            self._limit_for(limit.reset_in_seconds if limit is not None else 60)
+            self._refuse_while_limited()
+        if limit is not None and limit.limit and limit.remaining <= limit.limit * RESERVE:
+            self._limit_for(limit.reset_in_seconds)  # the user's window is nearly spent: before a 429
         if response.status_code >= 400:
             response.read()
             hf_raise_for_status(response)
@@ -315,19 +401,28 @@ class HubBucketStorage(Storage):
     # ------------------------------------------------------------------------------------------- reads
 
     def _read_bytes(self, path: str, limit: int | None) -> bytes:
-        expected = self._stats([path])[path] if self.live else None
-        if self.live:
-            if expected is None:
+        live, key = self.live, self._key(path)
+        with self._feed.cond:
+            stat, expires = self._feed.stats.get(key, (None, 0.0))
+            known, asked_at = live and expires > time.time(), self._feed.generation
+        if known:
+            if stat is None:
                 raise FileNotFoundError(path)
             if limit is not None:
-                self._refuse_over(path, expected.size, limit)
+                self._refuse_over(path, stat.size, limit)
             with self._lock:
-                if expected.xet_hash in self._memo:
-                    self._memo.move_to_end(expected.xet_hash)
-                    return self._memo[expected.xet_hash]
-        data, xet_hash = self._get(path, limit)
-        if expected is not None and xet_hash != expected.xet_hash:  # the Hub served an older version
-            raise TransientStorageError(f"{self.url}: {path} is not yet readable as the feed announced it")
+                if stat.xet_hash in self._memo:
+                    self._memo.move_to_end(stat.xet_hash)
+                    return self._memo[stat.xet_hash]
+            data, xet_hash = self._cas_read(path, stat), stat.xet_hash  # by content: never stale
+        else:  # a path the feed has not announced (or no feed): one resolver GET, whose answer it keeps
+            try:
+                data, xet_hash = self._get(path, limit)
+            except FileNotFoundError:
+                self._remember_read(key, None, live, asked_at)
+                raise
+            if xet_hash and (limit is None or len(data) <= limit):  # the whole file
+                self._remember_read(key, _Stat(len(data), xet_hash), live, asked_at)
         if xet_hash and len(data) <= MEMO_BYTES:
             with self._lock:
                 self._memo[xet_hash] = data
@@ -335,11 +430,19 @@ class HubBucketStorage(Storage):
                     self._memo.popitem(last=False)
         return data
 
+    def _remember_read(self, key: str, stat: _Stat | None, live: bool, asked_at: int) -> None:
+        """What a resolver read found (None: absent), kept as a stat asked for (STAT_TTL_S), unless the feed
+        said otherwise since."""
+        if live:
+            with self._feed.cond:
+                if not self._feed.changed_since(key, asked_at):
+                    self._feed.remember(key, stat, time.time() + STAT_TTL_S)
+
     def _get(self, path: str, limit: int | None) -> tuple[bytes, str]:
         """The content (at most `limit` + 1 bytes) and Xet hash, with one resolver GET."""
         url = f"{self.api.endpoint}/buckets/{self.bucket_id}/resolve/{self._key(path)}"
         headers = build_hf_headers(token=self._token)
-        self._refuse_while_limited()
+        self._take("resolvers")
         stream = get_session().stream("GET", url, headers=headers, follow_redirects=True, timeout=_timeout())
         with stream as response:
             if response.status_code == 404:
@@ -361,13 +464,59 @@ class HubBucketStorage(Storage):
         stat = self._stats([path])[path]
         if stat is None:
             raise FileNotFoundError(f"{self.url}/{path}")
-        remote = BucketFile(type="file", path=self._key(path), size=stat.size, xetHash=stat.xet_hash)
-        self._refuse_while_limited()
-        try:
-            with atomic_file(local) as tmp:
-                self.api.download_bucket_files(self.bucket_id, [(remote, tmp)], raise_on_missing_files=True)
-        except _HUB_MISSING as e:
-            raise FileNotFoundError(f"{self.url}/{path}") from e
+        with atomic_file(local) as tmp, open(tmp, "wb") as f:
+            self._cas_read(path, stat, f.write)
+
+    # --------------------------------------------------------------------------------------- Xet's CAS
+
+    def _xet_token(self, kind: str, stale: _XetToken | None = None) -> _XetToken:
+        """The bucket's Xet `kind` ("read" or "write") token: asked (one API call) only when none is kept,
+        the kept one expires within XET_TOKEN_MARGIN_S, or it is `stale` (the CAS refused it)."""
+        with self._token_lock:
+            token = self._tokens.get(kind)
+            if token is None or token == stale or token.expires - XET_TOKEN_MARGIN_S <= self.clock():
+                url = f"{self.api.endpoint}/api/buckets/{self.bucket_id}/xet-{kind}-token"
+                body = self._request("GET", url).json()
+                token = _XetToken(body["casUrl"], body["accessToken"], float(body["exp"]))
+                self._tokens[kind] = token
+            return token
+
+    def _download_group(self, token: _XetToken) -> hf_xet.XetDownloadStreamGroup:
+        """hf_xet's connection to the CAS with `token`: made once per token."""
+        with self._token_lock:
+            if self._group is None or self._group[0] != token:
+                group = _xet().new_download_stream_group(
+                    endpoint=token.cas_url, token=token.access, token_expiry_unix_secs=int(token.expires)
+                )
+                self._group = (token, group)
+            return self._group[1]
+
+    def _cas_read(self, path: str, stat: _Stat, sink: Callable[[bytes], object] | None = None) -> bytes:
+        """The file `stat` names, by its Xet hash, from the CAS: returned, or handed to `sink` chunk by chunk.
+        A read that comes short (hf_xet ends a stream early on a refused token) is tried once with a new
+        token; no Hub quota is spent but on the token."""
+        if stat.size == 0:
+            return b""
+        token = None
+        for attempt in range(2):
+            token = self._xet_token("read", stale=token)
+            chunks, read = [], 0
+            try:
+                group = self._download_group(token)
+                for chunk in group.download_stream(hf_xet.XetFileInfo(stat.xet_hash, stat.size)):
+                    read += len(chunk)
+                    if read > stat.size:
+                        break
+                    chunks.append(chunk) if sink is None else sink(chunk)
+            except Exception as e:  # hf_xet's errors name no class of ours: the CAS failed or refused
+                if attempt:
+                    raise TransientStorageError(f"{self.url}: reading {path} from Xet failed: {e}") from None
+                continue
+            if read == stat.size:
+                return b"".join(chunks)
+            if sink is not None:
+                break  # the caller's file holds part of it: the caller starts over
+        raise TransientStorageError(f"{self.url}: {path} came {read} bytes long from Xet, not {stat.size}")
 
     def _list(self, prefix: str) -> list[str]:
         # The server may match the prefix as a plain string ("run1" also matches "run10/..."): filter here.
@@ -388,29 +537,58 @@ class HubBucketStorage(Storage):
         except Exception as e:
             raise TransientStorageError(f"{self.url}: cannot reach {self.api.endpoint}: {e}") from None
 
-    def _create_bucket(self) -> None:
-        if not self._bucket_exists:
-            self.api.create_bucket(self.bucket_id, private=True, exist_ok=True)
-            self._bucket_exists = True
+    def _upload(self, sources: list[bytes | Path]) -> list[_Stat]:
+        """Each source's bytes into the CAS (no Hub quota but the write token's); tried once more with a new
+        token if the CAS refuses (or fails)."""
+        token = None
+        for attempt in range(2):
+            self._refuse_while_limited()
+            token = self._xet_token("write", stale=token)
+            try:
+                with _xet().new_upload_commit(
+                    endpoint=token.cas_url, token=token.access, token_expiry_unix_secs=int(token.expires)
+                ) as commit:
+                    handles = [
+                        commit.start_upload_bytes(s, sha256=hf_xet.SKIP_SHA256)
+                        if isinstance(s, bytes)
+                        else commit.start_upload_file(str(s), sha256=hf_xet.SKIP_SHA256)
+                        for s in sources
+                    ]
+                return [_Stat(info.file_size, info.hash) for info in (h.result().xet_info for h in handles)]
+            except Exception as e:  # hf_xet's errors name no class of ours: the CAS failed or refused
+                if attempt:
+                    raise TransientStorageError(f"{self.url}: uploading to Xet failed: {e}") from None
+        raise AssertionError("unreachable")
 
     def _batch(self, add: list[tuple[bytes | Path, str]], delete: list[str]) -> None:
-        """One batch call (deleting what is already gone is no failure). What this process wrote is news to
-        its own readers at once; what the feed said of those paths before the call is old, what it said
-        since (its event may beat the call's answer) is kept."""
-        self._refuse_while_limited()  # else the client would sleep inside the call until the window ends
-        self._create_bucket()
+        """One batch call (deleting what is already gone is no failure), after uploading the adds' bytes.
+        What this process wrote is news to its own readers at once; what the feed said of those paths before
+        the call is old, what it said since (its event may beat the call's answer) is kept."""
+        self._refuse_while_limited()
         keys = [self._key(p) for _, p in add] + [self._key(p) for p in delete]
+        try:
+            stats = self._upload([source for source, _ in add]) if add else []
+        except BucketNotFoundError:  # created on the first write that needs it (a replica's never does)
+            self.api.create_bucket(self.bucket_id, private=True, exist_ok=True)
+            stats = self._upload([source for source, _ in add])
+        mtime = int(time.time() * 1000)
+        ops = [
+            {"type": "addFile", "path": key, "xetHash": stat.xet_hash, "mtime": mtime}
+            for key, stat in zip(keys, stats, strict=False)  # keys: the adds', then the deletes'
+        ]
+        ops += [{"type": "deleteFile", "path": k} for k in keys[len(add) :]]
         with self._feed.cond:
             issued = self._feed.generation
         try:
-            self.api.batch_bucket_files(
-                self.bucket_id,
-                add=[(data, self._key(p)) for data, p in add] or None,
-                delete=keys[len(add) :] or None,
-            )
-        except BucketBatchError as e:
-            if {f.get("path") for f in e.failures} - set(keys[len(add) :]):  # an add failed
-                raise
+            answer = self._request(
+                "POST",
+                f"{self.api.endpoint}/api/buckets/{self.bucket_id}/batch",
+                headers={"Content-Type": "application/x-ndjson"},
+                content=b"".join(json.dumps(op).encode() + b"\n" for op in ops),
+            ).json()
+            failed = [f for f in answer.get("failed", []) if f.get("path") not in keys[len(add) :]]
+            if failed:  # an add failed
+                raise TransientStorageError(f"{self.url}: the Hub refused {failed[0].get('path')}: {failed}")
         finally:  # also after an error: the write may have landed
             with self._feed.cond:
                 for key in keys:

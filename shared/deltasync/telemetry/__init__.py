@@ -164,4 +164,15 @@ _ADAPTERS: dict[type, TypeAdapter] = {cls: TypeAdapter(cls) for cls in (TrainerR
 
 
 def write(storage: Storage, record: Record) -> None:
+    """Write `record`; a replica's go through its storage's sink (deltasync.telemetry.sink): batched where the
+    storage has a request budget."""
+    if isinstance(record, ReplicaRecord):
+        from deltasync.telemetry.sink import sink_for
+
+        sink_for(storage).add(record)
+    else:
+        write_now(storage, record)
+
+
+def write_now(storage: Storage, record: Record) -> None:
     storage.write_bytes(record.path(), to_json(record))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import json
 import math
 import os
 import re
@@ -41,6 +42,7 @@ from deltasync.telemetry import (
     TrainerRecord,
     from_json,
 )
+from deltasync.telemetry.sink import parse_batch
 
 TELEMETRY_DIR = "telemetry"
 TRAINER_KINDS = {"anchor", "delta", "skipped"}
@@ -53,11 +55,12 @@ SERIES_REPLICAS = 64  # replicas in series(): those with the newest steps (a run
 CADENCE_STEPS = 20  # the trainer's step cadence is the median interval of its last this many records
 FINISHED_AFTER_STEPS = 10  # a run with no new record for this many step intervals (and a minute) has stopped
 FINISHED_AFTER_MIN_S = 60.0
-STEP_NAME = re.compile(r"step-(\d+)\.json$")
+STEP_NAME = re.compile(r"(?:step-|steps-(\d+)-)(\d+)\.json$")  # a record, or a batch: steps-<first>-<last>
 
 
-# What reading one file gave: the record and its size, a bad record, a failure to retry, or nothing (removed).
-Read = tuple[TrainerRecord | ReplicaRecord, int] | RecordError | TransientStorageError | None
+# What reading one file gave: its records (a batch holds several) and its size, a bad record, a failure to
+# retry, or nothing (removed).
+Read = tuple[list[TrainerRecord | ReplicaRecord], int] | RecordError | TransientStorageError | None
 
 
 @dataclass
@@ -140,10 +143,12 @@ class TelemetryReader:
             if isinstance(result, RecordError):
                 poll.problems[path] = str(result)
             elif result is not None:
-                record, size = result
-                self._add(record)
-                poll.records.append(record)
-                if isinstance(record, ReplicaRecord) and not record.verified:
+                records, size = result
+                for record in records:
+                    self._add(record)
+                poll.records += records
+                single = records[0] if len(records) == 1 and "/step-" in path else None
+                if isinstance(single, ReplicaRecord) and not single.verified:
                     self._refused_sizes[path] = size
         self.problems.update(poll.problems)
         return poll
@@ -170,8 +175,14 @@ class TelemetryReader:
             if isinstance(self.storage, LocalStorage):
                 _check_local_file(self.storage.root / path, path)
             data = self.storage.read_bytes(path, limit=MAX_RECORD_BYTES)
-            record = from_json(cls, data, path)
-            _check(record, path)
+            batch = STEP_NAME.search(path)
+            if cls is ReplicaRecord and batch is not None and batch[1] is not None:
+                records = [from_json(cls, json.dumps(item).encode(), path) for item in parse_batch(data)]
+                for record in records:
+                    _check(record, path, batch_of=(int(batch[1]), int(batch[2])))
+            else:
+                records = [from_json(cls, data, path)]
+                _check(records[0], path)
         except FileNotFoundError:
             return None  # removed since the listing
         except (RecordError, TransientStorageError) as e:
@@ -180,7 +191,7 @@ class TelemetryReader:
             return RecordError(str(e))
         except Exception as e:  # the file is untrusted: whatever it makes reading raise skips it alone
             return RecordError(f"{path}: unreadable: {type(e).__name__}: {e}")
-        return record, len(data)
+        return records, len(data)
 
     def _add(self, record: TrainerRecord | ReplicaRecord) -> None:
         if isinstance(record, TrainerRecord):
@@ -326,9 +337,13 @@ def _check_local_file(file: os.PathLike, path: str) -> None:
         raise RecordError(f"{path}: {st.st_size} bytes, more than {MAX_RECORD_BYTES}")
 
 
-def _check(record: TrainerRecord | ReplicaRecord, path: str) -> None:
-    """What from_json leaves to the reader: the record belongs at `path`, and its numbers make sense."""
-    if record.path() != path:
+def _check(record: TrainerRecord | ReplicaRecord, path: str, batch_of: tuple[int, int] | None = None) -> None:
+    """What from_json leaves to the reader: the record belongs at `path` (in a batch of steps `batch_of`: in
+    its writer's folder, a step within the name's), and its numbers make sense."""
+    if batch_of is None and record.path() != path:
+        raise RecordError(f"{path}: holds the record of {record.path()}")
+    in_folder = record.path().rsplit("/", 1)[0] == path.rsplit("/", 1)[0]
+    if batch_of is not None and not (in_folder and batch_of[0] <= record.step <= batch_of[1]):
         raise RecordError(f"{path}: holds the record of {record.path()}")
     kinds = TRAINER_KINDS if isinstance(record, TrainerRecord) else REPLICA_KINDS
     if record.kind not in kinds:
@@ -342,7 +357,7 @@ def _check(record: TrainerRecord | ReplicaRecord, path: str) -> None:
 def _step_of_name(path: str) -> int:
     """The step a record's file name gives (-1 for any other name): newest first."""
     match = STEP_NAME.search(path)
-    return int(match[1]) if match else -1
+    return int(match[2]) if match else -1
 
 
 def _finite(value: float | None) -> float | None:
