@@ -1,51 +1,62 @@
-"""Hub requests per 5-minute window, per component and class: what a run costs against the Hub's quotas.
+"""A fleet on one token: Hub requests per 5-minute window, per component and class, at 10 to 1,000 replicas.
 
-    python -m bench.hub [--replicas 1 4 8] [--step-s 10] [--refresh-s 2]
+    python -m bench.hub [--replicas 10 100 1000] [--step-s 10] [--refresh-s 2]
 
-A trainer publishing one step every `--step-s` seconds, 1, 4 and 8 replicas and the dashboard's telemetry
-reader, all through huggingface_hub's real client against the fake Hub (tests/fakehub.py), each component
-with a token of its own so the fake counts them apart (on the Hub they share the user's quota: the total
-column). Time is simulated: the fake Hub's windows follow a clock the benchmark moves, so a window takes
-seconds, not five minutes. Two setups: replicas and dashboard following the bucket's change feed, and polling
-without it (replicas at the interval their request budget allows, `HubBucketStorage.poll_s`; the dashboard
-every `--refresh-s`). A tiny model (the bytes do not matter, the requests do). One window is measured after a
-warm-up of a few steps. Also: an idle replica on the feed over a whole window, and how long a replica on the
-feed takes from the head's write to its verified apply.
+A trainer publishing one step every `--step-s` seconds, the dashboard's telemetry reader and N replicas, all
+through huggingface_hub's and hf_xet's real clients against the fake Hub (tests/fakehub.py), on the Hub's
+terms: one user's quota per fixed window (the free tier up to 100 replicas, PRO above), shared by every
+component, each with a token of its own so the fake counts them apart (`user_of` maps them all to one user),
+and each with its share of the quota (deltasync.storage.budget.fleet_shares). Every replica is a Subscriber
+with its own HubBucketStorage, change feed session, Xet tokens and telemetry sink, as a replica in a process
+of its own would have (its own HTTP connection pool too: the client's default caps a process at 100).
 
-Not simulated: the lease renewal runs on the real clock (every 30 s of it), and it now rides the step's data
-request (no request of its own while steps come faster than that); feed sessions end after 600 s of the
-simulated clock (the Hub ends them when it rotates servers: how often is not documented).
+Time is simulated: the fake Hub's windows, token expiries and feed sessions follow a clock the benchmark
+moves, and so do the storages' budgets and the telemetry's delays. Replicas are driven in rounds on that
+clock rather than each by a thread of its own (2 cores): after each step every replica syncs, and one whose
+feed has not yet brought the head's event finds its old head (no request) and is asked again in the next
+round, as its `follow()` would wake on the event. Its sink writes what has waited long enough at each round.
+Measured: the first window (replicas start: run.json, anchor) and the second (steady), per component and
+class, the 429s, that every replica applied every step (each verified against its fingerprint, the target
+read back) and holds the trainer's bf16 weights bit for bit at the end; then two idle windows with no step
+(the fleet's requests: only feed sessions the server ended, each one reconnect). A tiny model: the requests
+matter, not the bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
-import statistics
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx2
 import torch
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
+from huggingface_hub import set_client_factory
+
+from deltasync.errors import SyncError
 from deltasync.storage import HubBucketStorage
+from deltasync.storage.budget import FREE_TIER, PRO_TIER, WINDOW_S, Budget, fleet_shares
 from deltasync.sync.publisher import Publisher, PublisherConfig
 from deltasync.sync.subscriber import Subscriber, TensorsApplier
 from deltasync.telemetry.reader import TelemetryReader
-from tests.fakehub import FREE_TIER, PRO_TIER, FakeHub
+from deltasync.telemetry.sink import sink_for
+from tests.fakehub import FakeHub
 
-WINDOW_S = 300.0
-WARMUP_STEPS = 3
-SHAPES = {"embed.weight": (512, 64), "mlp.weight": (256, 64)}
-CLASSES = ("api", "resolvers")
+SHAPES = {"embed.weight": (256, 32), "mlp.weight": (128, 32)}
+CLASSES = ("api", "resolvers", "cas")
+SYNC_THREADS = 4
 
 
 class Clock:
     def __init__(self) -> None:
-        self.t = 1_800_000_000.0
+        self.t = 1_800_000_000.0  # a window boundary
 
     def __call__(self) -> float:
         return self.t
@@ -62,139 +73,191 @@ def train(p: dict[str, torch.Tensor], step: int) -> None:
         t += (torch.rand(t.shape, generator=g) < 0.01) * 0.05 * t.abs().clamp_min(1e-3)
 
 
-def wait(condition, what: str, timeout_s: float = 60.0) -> None:
+def wait(condition, what: str, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
             raise TimeoutError(what)
-        time.sleep(0.002)
+        time.sleep(0.005)
 
 
-class Run:
-    """One setup on a fresh fake Hub: trainer, `replicas` replicas, the dashboard's reader."""
+class Fleet:
+    """One run on a fresh fake Hub: the trainer, `replicas` replicas and the dashboard's reader."""
 
-    def __init__(self, hub: FakeHub, replicas: int, feed: bool, root: str):
-        self.hub, self.feed, self.clock = hub, feed, Clock()
+    def __init__(self, hub: FakeHub, replicas: int, tier: dict[str, int]):
+        self.hub, self.clock = hub, Clock()
         hub.reset()
-        hub.clock = self.clock
-        hub.quotas = {"api": 10**9, "resolvers": 10**9}  # measure the demand: nothing refused
-        self.tokens = ["trainer", *(f"replica-{i}" for i in range(replicas)), "dashboard"]
-        hub.tokens |= {f"hf_{name}" for name in self.tokens}
-
-        def storage(name: str) -> HubBucketStorage:
-            return HubBucketStorage("user/sync", root, token=f"hf_{name}", follow=feed)
-
+        hub.clock, hub.quotas, hub.feed_check_s = self.clock, dict(tier), 2.0
+        self.shares = fleet_shares(tier, replicas)
+        self.names = ["trainer", "dashboard", *(f"replica-{i}" for i in range(replicas))]
+        hub.tokens |= {f"hf_{name}" for name in self.names}
+        hub.user_of = {f"hf_{name}": "user" for name in self.names}
         self.params = params()
         self.publisher = Publisher(
-            storage("trainer"), model="tiny", config=PublisherConfig(anchor_every=1000)
+            self.storage("trainer"), model="tiny", config=PublisherConfig(anchor_every=10**6)
         )
         self.publisher.publish(self.params, step=0)
         self.publisher.flush()
         self.step = 0
-        self.stop = threading.Event()
-        self.subscribers = []
+        self.subscribers: list[Subscriber] = []
+        self.targets: list[dict[str, torch.Tensor]] = []
         for i in range(replicas):
             target = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in SHAPES.items()}
-            sub = Subscriber(storage(f"replica-{i}"), TensorsApplier(target), replica=f"replica-{i}")
+            sub = Subscriber(self.storage(f"replica-{i}"), TensorsApplier(target), f"replica-{i}", threads=1)
             self.subscribers.append(sub)
-            if feed:
-                threading.Thread(target=sub.follow, args=(self.stop, 1.0), daemon=True).start()
-        self.reader = TelemetryReader(storage("dashboard"))
-        self.poll_s = self.subscribers[0].storage.poll_s if self.subscribers else 1.0  # type: ignore[attr-defined]
-        self.latencies: list[float] = []
+            self.targets.append(target)
+        self.applied: dict[str, list[int]] = collections.defaultdict(list)
+        self.failures: list[str] = []
+        self.reader = TelemetryReader(self.storage("dashboard"))
+        self.stop = threading.Event()
+        for sub in self.subscribers:  # each opens its feed session, as follow() does before it waits
+            sub.storage.wait_for_change(self.stop, 0.0)
+        wait(lambda: all(s.storage.live for s in self.subscribers), "every replica's feed")  # type: ignore[attr-defined]
+        self.settle()
 
-    def run(self, seconds: float, step_s: float, refresh_s: float) -> None:
-        """Move the clock `seconds` forward, with each component acting when it is due."""
+    def storage(self, name: str) -> HubBucketStorage:
+        share = self.shares["replica" if name.startswith("replica") else name]
+        return HubBucketStorage("user/sync", token=f"hf_{name}", budget=share, clock=self.clock)
+
+    def settle(self) -> None:
+        """Sync every replica, round after round, until each holds the trainer's step."""
+        behind = self.subscribers
+        with ThreadPoolExecutor(SYNC_THREADS) as pool:
+            while behind:
+                list(pool.map(self.sync, behind))
+                behind = [s for s in behind if s.step != self.step]
+                if behind:
+                    time.sleep(0.01)  # their feeds' events are on the way
+
+    def sync(self, sub: Subscriber) -> None:
+        try:
+            for a in sub.sync():
+                self.applied[sub.replica or ""].append(a.step)
+        except SyncError as e:
+            self.failures.append(f"{sub.replica}: {e}")
+        sink_for(sub.storage).flush_due()
+
+    def run(self, seconds: float, step_s: float | None, refresh_s: float) -> None:
+        """Move the clock `seconds` forward: a step every `step_s` (None: none), the dashboard every
+        `refresh_s`, the replicas' sinks at each."""
         end = self.clock.t + seconds
-        next_step = self.clock.t + step_s
-        next_poll = self.clock.t + (self.poll_s if not self.feed else float("inf"))
+        next_step = self.clock.t + step_s if step_s else float("inf")
         next_refresh = self.clock.t + refresh_s
         while True:
-            due = min(next_step, next_poll, next_refresh)
-            if due > end:
+            due = min(next_step, next_refresh)
+            if due >= end:
                 self.clock.t = end
                 return
             self.clock.t = due
             if due == next_step:
                 self.publish()
-                next_step += step_s
-            if due == next_poll:
-                for sub in self.subscribers:
-                    sub.sync()
-                next_poll += self.poll_s
+                next_step += step_s or 0
             if due == next_refresh:
                 self.reader.poll()
+                for sub in self.subscribers:
+                    sink_for(sub.storage).flush_due()
                 next_refresh += refresh_s
 
     def publish(self) -> None:
         self.step += 1
         train(self.params, self.step)
         self.publisher.publish(self.params, step=self.step)
-        # No flush(): it would send the step's telemetry on its own, which rides the next step's data.
         wait(lambda: (head := self.publisher.head) is not None and head.step == self.step, "the publisher")
-        if self.feed:  # the replicas act on the head's event: wait until they have, on the same clock time
-            wait(lambda: all(s.step == self.step for s in self.subscribers), "the replicas")
-            head = max(c.wall for c in self.hub.changes if c.change["path"].endswith("heads/latest.json"))
-            self.latencies += [s.history[-1].applied_at - head for s in self.subscribers]
+        self.settle()
 
-    def counts(self) -> dict[str, dict[str, int]]:
-        return {name: {c: sum(self.hub.counts(c, f"hf_{name}")) for c in CLASSES} for name in self.tokens}
+    def counts(self, window: int) -> dict[str, dict[str, int]]:
+        index = int(self.clock.t // WINDOW_S) if window < 0 else window
+        out = {}
+        for name in self.names:
+            w = self.hub.windows.get((f"Bearer hf_{name}", index))
+            out[name] = {c: (w.counts[c] if w else 0) for c in CLASSES}
+        return out
+
+    def window_index(self) -> int:
+        return int(self.clock.t // WINDOW_S)
+
+    def check(self) -> list[str]:
+        """What is wrong: a replica that missed a step or holds other weights than the trainer's."""
+        problems = []
+        want = {n: t.to(torch.bfloat16) for n, t in self.params.items()}
+        for sub, target in zip(self.subscribers, self.targets, strict=True):
+            if self.applied[sub.replica or ""] != list(range(0, self.step + 1)):
+                problems.append(f"{sub.replica} applied {len(self.applied[sub.replica or ''])} steps")
+            if any(not torch.equal(target[n].view(torch.int16), want[n].view(torch.int16)) for n in want):
+                problems.append(f"{sub.replica} holds other weights")
+        return problems
 
     def close(self) -> None:
         self.stop.set()
         self.publisher.close()
 
 
-def measure(hub: FakeHub, replicas: int, feed: bool, step_s: float, refresh_s: float) -> dict:
-    run = Run(hub, replicas, feed, f"bench-{replicas}-{int(feed)}")
-    try:
-        run.run(WARMUP_STEPS * step_s, step_s, refresh_s)
-        hub.windows.clear()
-        run.latencies.clear()
-        run.run(WINDOW_S, step_s, refresh_s)
-        counts = run.counts()
-    finally:
-        run.close()
-    replica_counts = [counts[f"replica-{i}"] for i in range(replicas)]
+def summarize(fleet: Fleet, window: int) -> dict:
+    counts = fleet.counts(window)
+    replicas = [counts[n] for n in fleet.names[2:]]
+    total = {c: sum(v[c] for v in counts.values()) for c in CLASSES}
     return {
-        "replicas": replicas,
-        "feed": feed,
-        "poll_s": None if feed else run.poll_s,
         "trainer": counts["trainer"],
-        "replica": {c: statistics.fmean(r[c] for r in replica_counts) for c in CLASSES},
         "dashboard": counts["dashboard"],
-        "total": {c: sum(v[c] for v in counts.values()) for c in CLASSES},
-        "latency_s": statistics.median(run.latencies) if run.latencies else None,
-        "latency_max_s": max(run.latencies, default=None),
+        "replicas": {c: sum(r[c] for r in replicas) for c in CLASSES},
+        "replica_max": {c: max((r[c] for r in replicas), default=0) for c in CLASSES},
+        "total": total,
     }
 
 
-def idle_replica(hub: FakeHub) -> list[str]:
-    """The requests of one replica following the feed for a whole window while nothing changes."""
-    run = Run(hub, 1, True, "bench-idle")
+def measure(hub: FakeHub, replicas: int, step_s: float, refresh_s: float) -> dict:
+    tier = FREE_TIER if replicas <= 100 else PRO_TIER
+    started = time.monotonic()
+    fleet = Fleet(hub, replicas, tier)
     try:
-        wait(lambda: run.subscribers[0].step == 0, "the replica")
-        time.sleep(0.5)
-        hub.requests.clear()
-        for _ in range(30):
-            run.clock.t += WINDOW_S / 30
-            time.sleep(0.05)
-        time.sleep(1.5)  # a reconnect the server asked for at the window's end
-        return list(hub.requests)
+        first = fleet.window_index()
+        fleet.run(WINDOW_S - (fleet.clock.t % WINDOW_S), step_s, refresh_s)  # the start's window
+        fleet.run(WINDOW_S, step_s, refresh_s)  # a steady one
+        delays = [sink_for(s.storage).max_delay_s for s in fleet.subscribers[:1]]
+        fleet.run(2 * WINDOW_S, None, refresh_s)  # idle: what waits is written, then nothing but reconnects
+        idle_from = len(hub.requests)
+        for _ in range(60):  # slowly enough for the feed's sessions to see the clock (they check every 2 s)
+            fleet.run(2 * WINDOW_S / 60, None, refresh_s)
+            time.sleep(0.1)
+        idle = collections.Counter(r.rsplit("/", 1)[-1] for r in hub.requests[idle_from:])
+        problems = fleet.check()
+        limited = hub.limited()
+        fleet.reader.poll()
+        shown = sum(len(steps) for steps in fleet.reader.replicas.values())
     finally:
-        run.close()
+        fleet.close()
+    return {
+        "replicas": replicas,
+        "tier": "free" if tier is FREE_TIER else "PRO",
+        "quota": tier,
+        "start": summarize(fleet, first),
+        "steady": summarize(fleet, first + 1),
+        "limited": limited,
+        "failures": fleet.failures,
+        "problems": problems,
+        "steps": fleet.step,
+        "delay_s": delays[0] if delays else None,
+        "idle": dict(idle),
+        "shown": shown,
+        "share": fleet.shares["replica"],
+        "wall_s": time.monotonic() - started,
+    }
 
 
-def fits(total: dict[str, float], tier: dict[str, int]) -> str:
-    return "yes" if all(total[c] <= tier[c] for c in CLASSES) else "no"
+def cell(v: dict[str, float]) -> str:
+    return f"{v['api']:,.0f} / {v['resolvers']:,.0f} / {v['cas']:,.0f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--replicas", type=int, nargs="+", default=[10, 100, 1000])
     parser.add_argument("--step-s", type=float, default=10.0)
     parser.add_argument("--refresh-s", type=float, default=2.0)
     args = parser.parse_args()
+    # Every replica would be a process with its own connection pool: here they share one, without a cap.
+    set_client_factory(
+        lambda: httpx2.Client(follow_redirects=True, timeout=None, limits=httpx2.Limits(max_connections=None))
+    )
     hub = FakeHub(Path(tempfile.mkdtemp(prefix="bench-hub-cas-")))
     hub.start()
     os.environ["HF_ENDPOINT"] = hub.endpoint
@@ -202,40 +265,52 @@ def main() -> None:
     from huggingface_hub import constants
 
     constants.ENDPOINT = hub.endpoint  # read at import: point the imported client at the fake
-    started = time.monotonic()
+    rows = []
     try:
-        rows = [
-            measure(hub, n, feed, args.step_s, args.refresh_s)
-            for feed in (True, False)
-            for n in args.replicas
-        ]
-        idle = idle_replica(hub)
+        for n in args.replicas:
+            rows.append(measure(hub, n, args.step_s, args.refresh_s))
+            r = rows[-1]
+            print(f"{n} replicas: {r['wall_s']:.0f} s of wall time, {r['steps']} steps", flush=True)
     finally:
         hub.stop()
     print(
-        f"Requests per 5-minute window (API / resolver), trainer one step per {args.step_s:g} s, dashboard "
-        f"every {args.refresh_s:g} s, simulated clock; {time.monotonic() - started:.0f} s of wall time.\n"
+        f"\nRequests per 5-minute window (API / resolver / CAS), trainer one step per {args.step_s:g} s, "
+        f"dashboard every {args.refresh_s:g} s, simulated clock, everyone on one user's quota.\n"
     )
-    print("| setup | replicas | trainer | each replica | dashboard | total | free tier | PRO |")
-    print("|---|---|---|---|---|---|---|---|")
+    columns = [
+        "replicas",
+        "tier",
+        "window",
+        "trainer",
+        "dashboard",
+        "all replicas",
+        "busiest replica",
+        "total",
+    ]
+    print("| " + " | ".join([*columns, "fits", "429s"]) + " |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        setup = "change feed" if r["feed"] else f"polling every {r['poll_s']:.2f} s"
-
-        def cell(v: dict[str, float]) -> str:
-            return f"{v['api']:.0f} / {v['resolvers']:.0f}"
-
-        print(
-            f"| {setup} | {r['replicas']} | {cell(r['trainer'])} | {cell(r['replica'])} | "
-            f"{cell(r['dashboard'])} | {cell(r['total'])} | {fits(r['total'], FREE_TIER)} | "
-            f"{fits(r['total'], PRO_TIER)} |"
+        quota = f"{r['tier']} ({r['quota']['api']:,} / {r['quota']['resolvers']:,})"
+        for name in ("start", "steady"):
+            s = r[name]
+            fits = "yes" if all(s["total"][c] <= r["quota"][c] for c in ("api", "resolvers")) else "NO"
+            cells = [s[k] for k in ("trainer", "dashboard", "replicas", "replica_max", "total")]
+            row = [f"{r['replicas']:,}", quota, name, *map(cell, cells), fits, str(r["limited"])]
+            print("| " + " | ".join(row) + " |")
+    for r in rows:
+        share: Budget = r["share"]
+        held = (
+            "every replica applied every step, verified, bit for bit"
+            if not r["problems"]
+            else r["problems"][:3]
         )
-    for r in rows:
-        if r["latency_s"] is not None:
-            print(
-                f"\nOn the feed, {r['replicas']} replicas: head written -> a replica verified it, "
-                f"median {r['latency_s']:.3f} s, at most {r['latency_max_s']:.3f} s (wall clock)."
-            )
-    print(f"An idle replica on the feed, one whole window: {len(idle)} requests {sorted(set(idle))}.")
+        print(
+            f"\n{r['replicas']:,} replicas: a replica's share {share.api} API / {share.resolvers} resolver "
+            f"calls a window, its telemetry written at most every {r['delay_s']:.0f} s; {r['steps']} steps: "
+            f"{held}; sync failures {len(r['failures'])} {r['failures'][:2]}; the dashboard holds "
+            f"{r['shown']:,} replica records of {r['replicas'] * (r['steps'] + 1):,} steps applied; two idle "
+            f"windows: {sum(r['idle'].values())} requests {r['idle']}."
+        )
 
 
 if __name__ == "__main__":
