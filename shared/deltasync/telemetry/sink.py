@@ -111,7 +111,7 @@ class ReplicaSink:
                 storage.write_many([(batch_path(c[0].replica, c), batch_json(c)) for c in chunks])
             return True
         except TransientStorageError as e:
-            log.warning("telemetry of steps %d-%d not written yet: %s", records[0].step, records[-1].step, e)
+            log.warning("telemetry of steps %d-%d: write failed: %s", records[0].step, records[-1].step, e)
             return False
 
     def _arm(self) -> None:
