@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -52,6 +53,17 @@ def diff(old: Mapping[str, Quantized], new: Mapping[str, Quantized]) -> dict[str
     return out
 
 
+@dataclass(frozen=True)
+class QuantStep:
+    """A quantized delta computed by `Quantizer.delta`: its file, changes, and the state it leads to (each
+    row's largest magnitude and the fingerprint)."""
+
+    data: bytes
+    changes: dict[str, Changes]
+    amax: dict[str, torch.Tensor]
+    fingerprint: int
+
+
 class Quantizer:
     """The trainer's side of a quantized root: the replicas' quantized state, exactly, kept current from each
     step's bf16 changes alone, with each row's largest magnitude (bf16); and each step's delta file.
@@ -72,9 +84,20 @@ class Quantizer:
         new: Mapping[str, torch.Tensor],
         changed: Mapping[str, torch.Tensor],
     ) -> tuple[bytes, dict[str, Changes]]:
-        """The delta file (and its changes) from the quantization of bf16 `old`, which this holds, to that of
-        `new`, given each tensor's `changed` flat positions (int64, increasing: a bf16 patch's); then holds
-        `new`'s."""
+        """`delta`, then `advance` to it: returns its file and changes."""
+        step = self.delta(old, new, changed)
+        self.advance(step)
+        return step.data, step.changes
+
+    def delta(
+        self,
+        old: Mapping[str, torch.Tensor],
+        new: Mapping[str, torch.Tensor],
+        changed: Mapping[str, torch.Tensor],
+    ) -> QuantStep:
+        """The delta (file and changes) from the quantization of bf16 `old`, which this holds, to that of
+        `new`, given each tensor's `changed` flat positions (int64, increasing: a bf16 patch's). Changes
+        nothing here: a publisher advances once the step is published (an upload may fail and be retried)."""
         amax, changes = {}, {}
         for name in self.state:
             positions = changed.get(name, torch.zeros(0, dtype=torch.int64))
@@ -83,9 +106,12 @@ class Quantizer:
                 changes[name] = tensor_changes
         target = fingerprint_after(self.fingerprint, self.state, changes)
         data = encode(changes, self.state, self.recipe.name, self.fingerprint, target)
-        apply(self.state, changes)
-        self.amax, self.fingerprint = amax, target
-        return data, changes
+        return QuantStep(data, changes, amax, target)
+
+    def advance(self, step: QuantStep) -> None:
+        """Hold the state `step` (a `delta` of the state held) leads to."""
+        apply(self.state, step.changes)
+        self.amax, self.fingerprint = step.amax, step.fingerprint
 
     def _tensor_step(
         self, name: str, old: torch.Tensor, new: torch.Tensor, positions: torch.Tensor

@@ -25,6 +25,10 @@ class PublisherConfig:
     # blocks for the device-to-host copy, the host codec diffs), "auto" device where the weights are on
     # CUDA. A ShardedPublisher keeps each rank's own shards there.
     previous_copy: str = "auto"
+    # A quantized root (docs/protocol.md, "Quantized replicas"): the recipe its replicas serve, as vLLM's
+    # --quantization names it (deltasync.quant.recipe); each delta then carries the bf16 patch of the tensors
+    # it leaves alone and the quantized delta; anchors stay bf16. None: a bf16 root.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.previous_copy not in PREVIOUS_COPIES:

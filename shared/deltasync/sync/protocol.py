@@ -5,6 +5,8 @@
     anchors/step-00000000-e1-1a2b3c4d/model*.safetensors  complete bf16 states (HF names; sharded)
     deltas/step-00000001-e1-1a2b3c4d.safetensors      patches (codec.patch) from the previous published step
     deltas/step-00000002-e1-1a2b3c4d/part-00001-of-00002.safetensors  a step in parts, one per rank (sharded)
+    deltas/step-00000003-e1-1a2b3c4d.quant.safetensors  a quantized root's quantized delta (deltasync.quant),
+                                                      beside the bf16 patch of the tensors it leaves alone
     heads/latest.json                                 the newest step and every file a reader may use
     heads/epoch-00000001.json                         the same head, under its writer's epoch (fencing)
     telemetry/...                                     deltasync.telemetry
@@ -54,7 +56,7 @@ Count = Annotated[int, Field(ge=0, le=MAX_INT)]  # a step, size, count or dim a 
 # Untrusted JSON: no coercion (a bool is no int, "3" no number), no NaN or infinity where a number is meant.
 STRICT = ConfigDict(strict=True, allow_inf_nan=False)
 _DATA_FILE = re.compile(
-    rf"deltas/step-(\d{{8,}}){_TAG}(?:\.safetensors|/part-(\d{{5}})-of-(\d{{5}})\.safetensors)"
+    rf"deltas/step-(\d{{8,}}){_TAG}(\.quant)?(?:\.safetensors|/part-(\d{{5}})-of-(\d{{5}})\.safetensors)"
     rf"|anchors/step-(\d{{8,}}){_TAG}/model(?:-\d{{5}}-of-(\d{{5}}))?\.safetensors"
 )
 
@@ -66,6 +68,16 @@ def _stem(step: int, tag: str) -> str:
 def delta_path(step: int, tag: str = "") -> str:
     """Where the writer tagged `tag` puts its delta of `step` ("" : an untagged, older name)."""
     return f"deltas/{_stem(step, tag)}.safetensors"
+
+
+def quant_delta_path(step: int, tag: str = "") -> str:
+    """Where the writer tagged `tag` puts the quantized delta of `step` of a quantized root."""
+    return f"deltas/{_stem(step, tag)}.quant.safetensors"
+
+
+def delta_files(step: int, tag: str = "", quantized: bool = False) -> tuple[str, ...]:
+    """A one-part delta's files: the bf16 patch, and on a quantized root the quantized delta after it."""
+    return (delta_path(step, tag), quant_delta_path(step, tag)) if quantized else (delta_path(step, tag),)
 
 
 def delta_paths(step: int, parts: int, tag: str = "") -> list[str]:
@@ -98,14 +110,16 @@ def parse_data_path(path: str) -> tuple[str, int, str, int] | None:
     if match is None:
         return None
     if match[1] is not None:
-        kind, step, tag, shards = "delta", int(match[1]), match[2] or "", int(match[4] or 1)
-        part = int(match[3] or 1)
-        if match[3] is None:
+        kind, step, tag, shards = "delta", int(match[1]), match[2] or "", int(match[5] or 1)
+        part = int(match[4] or 1)
+        if match[3] is not None:  # a quantized delta: one file, beside the step's bf16 patch
+            canonical = quant_delta_path(step, tag) if match[4] is None else ""
+        elif match[4] is None:
             canonical = delta_path(step, tag)
         else:  # part i of n > 1 (one part is the single file)
             canonical = _part_path(step, tag, part, shards) if 1 <= part <= shards > 1 else ""
     else:
-        kind, step, tag, shards = "anchor", int(match[5]), match[6] or "", int(match[7] or 1)
+        kind, step, tag, shards = "anchor", int(match[6]), match[7] or "", int(match[8] or 1)
         canonical = f"{anchor_dir(step, tag)}/{path.rsplit('/', 1)[1]}"
     return (kind, step, tag, shards) if path == canonical and step <= MAX_INT else None
 
@@ -255,6 +269,7 @@ def _load(adapter: TypeAdapter[T], data: bytes, what: str) -> T:
 _VERSIONED = TypeAdapter(_Versioned)
 
 
+_RECIPE_NAME = re.compile(r"[a-z0-9_]{1,64}")  # deltasync.quant.recipe knows which ones a replica serves
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(?:/[A-Za-z0-9][\w.-]{0,95})?")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
@@ -314,16 +329,25 @@ class RunInfo:
     # The Hub model whose weights the head's "base" entry is (the run's first state, by reference); None:
     # every chain starts at an anchor in the root (older runs: none).
     base: ModelReference | None = None
+    # A quantized root (deltasync.quant): the recipe, as vLLM's --quantization names it, its replicas serve;
+    # its deltas are the bf16 patch of the tensors the recipe leaves alone plus a quantized delta. None: bf16.
+    quantization: str | None = None
 
     @classmethod
-    def of(cls, model: str, state: Mapping[str, torch.Tensor], lora: dict | None = None) -> RunInfo:
+    def of(
+        cls,
+        model: str,
+        state: Mapping[str, torch.Tensor],
+        lora: dict | None = None,
+        quantization: str | None = None,
+    ) -> RunInfo:
         """The run of `state`; ValueError naming the tensor if a reader would refuse its schema."""
         schema = {name: list(t.shape) for name, t in state.items()}
         for name, shape in schema.items():
             problem = schema_problem(name, shape)
             if problem:
                 raise ValueError(f"tensor {name!r}: {problem}")
-        return cls(model, schema, lora)
+        return cls(model, schema, lora, quantization=quantization)
 
     @property
     def numel(self) -> int:
@@ -331,7 +355,7 @@ class RunInfo:
 
     def to_json(self) -> bytes:
         raw = {"version": FORMAT_VERSION, **asdict(self)}
-        for optional in ("lora", "base"):  # a run without them has the run.json it always had
+        for optional in ("lora", "base", "quantization"):  # without them: the run.json it always had
             if raw[optional] is None:
                 del raw[optional]
         return json.dumps(raw, indent=1).encode()
@@ -350,6 +374,10 @@ class RunInfo:
         problem = run.base.problem() if run.base else None
         if problem:
             raise ManifestError(f"{RUN_PATH}: bad base model: {problem}")
+        if run.quantization is not None and not _RECIPE_NAME.fullmatch(run.quantization):
+            raise ManifestError(f"{RUN_PATH}: quantization {run.quantization!r:.60} is not a recipe name")
+        if run.quantization is not None and run.lora is not None:
+            raise ManifestError(f"{RUN_PATH}: a LoRA root cannot be quantized")
         return run
 
 
@@ -367,6 +395,10 @@ class Entry:
     published_at: float
     changed: Count = 0  # deltas: elements changed since base_step
     base_step: Count | None = None  # deltas only
+    # A quantized root's: the fingerprint of a quantized replica's state at `step` (deltasync.quant.state:
+    # the bf16 tensors the recipe leaves alone plus the codes and scales); its deltas are two files (the bf16
+    # patch of those tensors, then the quantized delta, protocol.delta_files).
+    quantized: str | None = None
 
 
 @with_config(STRICT)
@@ -464,7 +496,9 @@ def _check_entry(entry: Entry, index: int) -> None:
     # sharded publisher wrote it), or every shard of one anchor.
     first = parse_data_path(files[0]) if files else None
     expected_ok = first is not None and first[:2] == (kind, step) and len(files) < 100_000
-    if expected_ok and first is not None:
+    if expected_ok and first is not None and kind == "delta" and entry.quantized is not None:
+        expected_ok = files == delta_files(step, first[2], quantized=True)
+    elif expected_ok and first is not None:
         where = delta_paths if kind == "delta" else anchor_paths
         expected_ok = files == tuple(where(step, len(files), first[2]))
     if not expected_ok:

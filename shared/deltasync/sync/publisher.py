@@ -33,6 +33,7 @@ from deltasync.codec import bf16, fingerprint
 from deltasync.codec.changes import SchemaError, name_difference
 from deltasync.codec.patch import encode, make_patch
 from deltasync.errors import AnchorError
+from deltasync.quant.root import Held, QuantizedRoot
 from deltasync.storage import (
     LocalStorage,
     Storage,
@@ -55,7 +56,7 @@ from deltasync.sync.protocol import (
     ModelReference,
     RunInfo,
     check_step,
-    delta_path,
+    delta_files,
     delta_paths,
     epoch_head_path,
     read_head_bytes,
@@ -114,6 +115,9 @@ class Publisher:
         self._published: dict[str, torch.Tensor] | None = None  # the state the head names (bf16)
         self._published_fp = 0
         self._stored = False  # publish_stored() was called: the ranks, not this publisher, hold the state
+        self._quant: QuantizedRoot | None = (
+            None  # a quantized root's (config.quantization), once the schema is known
+        )
         self._head_bytes: set[bytes | None] = {None}  # what the head may be now: what we wrote (or none)
         # Telemetry of published steps and files no head names any more: sent with the next step's data (one
         # request on the Hub), or by flush(), close() and the idle loop.
@@ -166,6 +170,8 @@ class Publisher:
         Waits for the previous step's head first (a stored delta applies to exactly that step: never folded
         into another), then blocks only for the anchor's copy. After it, `publish()` is refused."""
         check_step(step, "publish_stored()")
+        if self.config.quantization is not None:
+            raise ValueError("publish_stored(): a quantized root's deltas are encoded by its publisher alone")
         if delta.files != tuple(delta_paths(step, len(delta.files), self.claim.tag)):  # as readers check it
             raise ValueError(
                 f"publish_stored(): {list(delta.files)!r:.200} are not where this writer's delta of step "
@@ -275,7 +281,8 @@ class Publisher:
 
     def _allocate(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self._run is None:
-            self._run = RunInfo.of(self.model, params, self.lora)
+            self._run = RunInfo.of(self.model, params, self.lora, self.config.quantization)
+            self._quantize(self._run)
         on_device = keeps_on_device(self.config, params.values())
         pin = not on_device and any(t.is_cuda for t in params.values())  # D2H copies into it do not stall
         device = {n: t.device for n, t in params.items()} if on_device else {}  # (else: the host)
@@ -350,8 +357,11 @@ class Publisher:
         assert self._run is not None  # known before the first job
         if old is not None and any(old[n].device != t.device for n, t in job.state.items()):
             old = {n: old[n].to(t.device) for n, t in job.state.items()}  # resumed: read on the host
-        delta, data = self._delta(job, head, old)
+        delta, data, held = self._delta(job, head, old)
         fp = delta.fingerprint if delta else fingerprint.state_fingerprint(job.state)
+        if self._quant is not None and held is None:  # a chain starts: its replicas quantize it at load
+            held = self._quant.start(job.state)
+        quantized = fingerprint.format_fingerprint(held.fingerprint) if held else None
         reference = self._reference(job, fp) if head is None else None
         if head is None:
             self._run = replace(self._run, base=reference[0] if reference else None)
@@ -359,19 +369,29 @@ class Publisher:
         with tempfile.TemporaryDirectory(prefix="deltasync-") as tmp:
             anchor_files = [] if reference else self._anchor(job, delta, fp, Path(tmp))
             encode_s = time.perf_counter() - start + (job.stored.encode_s if job.stored else 0.0)
-            current = self._upload(job.step, data, anchor_files)
+            current = self._upload(delta.files if delta and data else (), data, anchor_files)
             anchor_bytes = sum(local.stat().st_size for local, _ in anchor_files)
         now, fp_text = time.time(), fingerprint.format_fingerprint(fp)
         entries = []
         if delta is not None and head is not None:
             entries.append(
-                Entry(job.step, "delta", delta.files, delta.bytes, fp_text, now, delta.changed, head.step)
+                Entry(
+                    job.step,
+                    "delta",
+                    delta.files,
+                    delta.bytes,
+                    fp_text,
+                    now,
+                    delta.changed,
+                    head.step,
+                    quantized,
+                )
             )
         if anchor_files:
             files = tuple(path for _, path in anchor_files)
-            entries.append(Entry(job.step, "anchor", files, anchor_bytes, fp_text, now))
+            entries.append(Entry(job.step, "anchor", files, anchor_bytes, fp_text, now, quantized=quantized))
         if reference:  # the model repository's files: none of the root's
-            entries.append(Entry(job.step, "base", (), reference[1], fp_text, now))
+            entries.append(Entry(job.step, "base", (), reference[1], fp_text, now, quantized=quantized))
         # Without a delta the step starts a new chain (the run's first step, or a head whose state could not
         # be verified on resume): its anchor needs nothing before it.
         kept = retained([*(head.entries if head and delta else ()), *entries], self.config.keep_anchors)
@@ -380,6 +400,8 @@ class Publisher:
         upload_s = time.perf_counter() - start - encode_s
         with self._worker.lock:
             self._head, self._published_fp = new_head, fp
+            if self._quant is not None and held is not None:
+                self._quant.commit(held)
             if job.stored is None:
                 self._spare = self._spare or old
                 self._published = job.state
@@ -415,16 +437,23 @@ class Publisher:
 
     def _delta(
         self, job: _Pending, head: Head | None, old: dict[str, torch.Tensor] | None
-    ) -> tuple[StoredDelta | None, bytes | None]:
+    ) -> tuple[StoredDelta | None, list[bytes], Held | None]:
         """The step's delta (a stored one, or one encoded here from the published state `old`, with its
-        bytes), or none: the run's first state, which goes out as an anchor only."""
+        files' bytes; on a quantized root, the quantized state it leads to), or none: the run's first state,
+        which goes out as an anchor only."""
         if job.stored is not None or old is None:
-            return job.stored, None
+            return job.stored, [], None
         assert head is not None  # the published state is the one the head names
-        patch = make_patch(old, job.state, job.step, head.step, self._published_fp, self.config.threads)
-        data = encode(patch, old, self.config.encoding, self.config.threads)
-        path = delta_path(job.step, self.claim.tag)  # only this claim writes it: a fenced writer never can
-        return StoredDelta((path,), len(data), patch.changed, patch.fingerprint), data
+        threads = self.config.threads
+        patch = make_patch(old, job.state, job.step, head.step, self._published_fp, threads)
+        held = None
+        if self._quant is None:
+            data = [encode(patch, old, self.config.encoding, threads)]
+        else:  # the bf16 patch of the tensors the recipe leaves alone, then the quantized delta
+            *data, held = self._quant.delta(patch, old, job.state, self.config.encoding, threads)
+        # Only this claim writes them: a fenced writer never can.
+        files = delta_files(job.step, self.claim.tag, quantized=held is not None)
+        return StoredDelta(files, sum(map(len, data)), patch.changed, patch.fingerprint), data, held
 
     def _reference(self, job: _Pending, fp: int) -> tuple[ModelReference, int] | None:
         """The Hub model `model` at `model_revision`, pinned to its commit, and its weights' size, if the
@@ -456,15 +485,16 @@ class Publisher:
             self.claim.tag,
         )
 
-    def _upload(self, step: int, data: bytes | None, anchor_files: list[tuple[Path, str]]) -> bytes | None:
-        """Upload the delta this publisher encoded (`data`) and the anchor's files, in one request with the
-        lease's renewal and earlier steps' telemetry and garbage; returns the head as read meanwhile (the
-        check before the head write travels beside the data)."""
+    def _upload(
+        self, files: tuple[str, ...], data: list[bytes], anchor_files: list[tuple[Path, str]]
+    ) -> bytes | None:
+        """Upload the delta files this publisher encoded (`data` to `files`) and the anchor's files, in one
+        request with the lease's renewal and earlier steps' telemetry and garbage; returns the head as read
+        meanwhile (the check before the head write travels beside the data)."""
         lease = self.claim.renewal()  # written with the data: no request of its own
         current = self._background.submit(self._current_head)
-        upload: list[tuple[str, bytes | Path]] = [(path, local) for local, path in anchor_files]
-        if data is not None:
-            upload.insert(0, (delta_path(step, self.claim.tag), data))
+        upload: list[tuple[str, bytes | Path]] = list(zip(files, data, strict=True))
+        upload += [(path, local) for local, path in anchor_files]
         owed, garbage = self._take_due()
         try:
             self._write_many(upload + owed + ([lease[:2]] if lease else []), garbage)
@@ -522,6 +552,17 @@ class Publisher:
             self.claim.epoch,
         )
 
+    def _quantize(self, run: RunInfo) -> None:
+        """The quantized root's side for `run` if this publisher's config asks for one (run.json says the
+        same, or the root is refused in one line)."""
+        if run.quantization != self.config.quantization:
+            raise ValueError(
+                f"{self.storage.url}: the run is quantized {run.quantization}, this publisher's config says "
+                f"{self.config.quantization}"
+            )
+        if run.quantization is not None:
+            self._quant = QuantizedRoot(run.quantization, run.schema)
+
     def _current_head(self) -> bytes | None:
         try:
             return read_manifest(self.storage, HEAD_PATH)
@@ -543,8 +584,11 @@ class Publisher:
             return
         head = Head.from_json(data)
         self._run = read_run(self.storage)
+        self._quantize(self._run)
         reader = Subscriber(self.storage)
         try:
+            if self._run.quantization is not None:  # no bf16 chain past its anchors: one starts here
+                raise SyncError(f"a root quantized {self._run.quantization} holds no bf16 deltas")
             reader.sync(head.step)
         except SyncError as e:  # a bad delta must not lock the root: a complete state needs no previous one
             log.warning(

@@ -95,6 +95,10 @@ class FileApplier(ABC):
     decodes and verifies them against the weights it holds, so the subscriber keeps no copy of them. Raises
     `Refused` (before writing anything) when the files themselves are bad: never asked for again."""
 
+    # The recipe the target serves (vLLM's --quantization, deltasync.quant): it follows a root quantized
+    # so; its fingerprints are the entries' `quantized` ones, and a delta's parts are its two files.
+    quantization: str | None = None
+
     @abstractmethod
     def load_files(self, files: list[Path], step: int, fingerprint: int) -> float | None:
         """Replace the whole state with the anchor of `step` in `files` (its shards, unchecked), whose
@@ -298,7 +302,7 @@ class Subscriber:
             head = self._read_head()
             goal = head.step if target is None else target
             here = fingerprint.format_fingerprint(self.fingerprint)
-            if self.step == goal and any(e.step == goal and e.fingerprint == here for e in head.entries):
+            if self.step == goal and any(e.step == goal and self._held(e) == here for e in head.entries):
                 return  # the very state the head names (a step number alone could be another writer's)
             path = self._plan(head, goal)
             try:
@@ -321,6 +325,14 @@ class Subscriber:
             raise SyncError(f"no run in {self.storage.url} yet") from None
         except ManifestError as e:
             raise SyncError(f"refused the head of {self.storage.url}: {e}") from None
+        served = self.applier.quantization if isinstance(self.applier, FileApplier) else None
+        if self.run is not None and self.run.quantization != served:
+            raise SyncError(
+                f"{self.storage.url} is a root quantized {self.run.quantization}, this target serves "
+                f"{served or 'bf16'}: start it with --quantization {self.run.quantization}"
+                if self.run.quantization
+                else f"{self.storage.url} is a bf16 root, this target serves {served}: start it without it"
+            )
         if self.head is not None and (head.epoch, head.step) < (self.head.epoch, self.head.step):
             return self.head  # older than one seen: a stale read, or a fenced writer's late write
         self.head, self._head_data = head, data
@@ -441,7 +453,7 @@ class Subscriber:
                 from deltasync.codec.changes import apply_changes
 
                 apply_changes(self.state, patch.changes, self.threads)
-        fp = int(entry.fingerprint, 16)  # verified above: by the anchor's content or the patch's promise
+        fp = int(self._held(entry), 16)  # verified above: by the anchor's content or the patch's promise
         self.last_error = None  # before the step moves: a status read must not pair the new step with it
         self.step, self.fingerprint = entry.step, fp
         self._verify_target(entry)
@@ -591,11 +603,19 @@ class Subscriber:
             reached = fingerprint.format_fingerprint(base)
             raise PatchError(f"patch leads to state {reached}, the head names {entry.fingerprint}")
 
+    def _held(self, entry: Entry) -> str:
+        """The fingerprint the target holds at `entry`'s step: a quantized one on a quantized root."""
+        if self.run is None or self.run.quantization is None:
+            return entry.fingerprint
+        if entry.quantized is None:
+            raise SyncError(f"step {entry.step} of a quantized root has no quantized fingerprint")
+        return entry.quantized
+
     def _hand(self, entry: Entry, files: list[Path], parts: list[bytes]) -> float | None:
         """Hand a step's files to the FileApplier, which decodes them; Refused if it finds them bad."""
         assert isinstance(self.applier, FileApplier)
-        fp = int(entry.fingerprint, 16)
-        if entry.kind == "delta":
+        fp = int(self._held(entry), 16)
+        if entry.kind == "delta" and self.applier.quantization is None:  # else the target checks both files
             self._check(parts, entry)
         if entry.kind == "base":
             self._check_held_base(entry)
@@ -614,7 +634,7 @@ class Subscriber:
         """That the FileApplier's target holds the base model (read back); else AnchorError, one line."""
         assert isinstance(self.applier, FileApplier) and self.run is not None and self.run.base is not None
         held = self.applier.fingerprint()
-        if held is None or fingerprint.format_fingerprint(held) != entry.fingerprint:
+        if held is None or fingerprint.format_fingerprint(held) != self._held(entry):
             ref = self.run.base
             holds = "weights it cannot read back" if held is None else fingerprint.format_fingerprint(held)
             raise AnchorError(
@@ -647,7 +667,7 @@ class Subscriber:
             self.step = None
             raise SyncError(
                 f"target holds {fingerprint.format_fingerprint(actual)} after step {entry.step}, "
-                f"expected {entry.fingerprint}: reloading from an anchor"
+                f"expected {self._held(entry)}: reloading from an anchor"
             )
 
     def _retry(self, call):
