@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -68,8 +68,9 @@ class Backend(ABC):
         only, and how they move the fingerprint of the old state (every tensor with changes, or none)."""
 
     @abstractmethod
-    def state_fingerprint(self, tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """The fingerprint of bf16 `tensors` (deltasync.codec.fingerprint), mod 2^64."""
+    def state_fingerprint(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """The fingerprint of bf16 `tensors` (deltasync.codec.fingerprint), mod 2^64, taken one at a time: a
+        tensor is not held after its pass (only what is summed, O(its rows))."""
 
     @abstractmethod
     def compact_streams(

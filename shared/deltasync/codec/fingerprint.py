@@ -13,7 +13,7 @@ A single wrong element always changes F (odd weights, |difference| < 2^16).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from functools import cache
 from typing import TYPE_CHECKING
 
@@ -99,11 +99,22 @@ def tensor_fingerprint(name: str, t: torch.Tensor) -> int:
 
 def state_fingerprint(state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
     """Fingerprint of a whole bf16 state, each tensor's pass run by its device's backend
-    (deltasync.codec.backend)."""
-    by_kind: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    for name, t in state.items() if isinstance(state, Mapping) else state:
-        by_kind.setdefault(kind(t), []).append((name, t))
-    return sum(backend(k).state_fingerprint(tensors) for k, tensors in by_kind.items()) & MASK64
+    (deltasync.codec.backend), one tensor at a time: tensors made as they are asked for (a generator of
+    converted copies) are freed after their pass, so the peak does not grow with the model."""
+    items = iter(state.items() if isinstance(state, Mapping) else state)
+    pending = next(items, None)
+
+    def run(of_kind: str) -> Iterator[tuple[str, torch.Tensor]]:  # the tensors up to one of another kind
+        nonlocal pending
+        while pending is not None and kind(pending[1]) == of_kind:
+            yield pending
+            pending = next(items, None)
+
+    total = 0
+    while pending is not None:
+        of_kind = kind(pending[1])
+        total += backend(of_kind).state_fingerprint(run(of_kind))
+    return total & MASK64
 
 
 def row_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]]) -> int:

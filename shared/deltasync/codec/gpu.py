@@ -837,7 +837,7 @@ class CudaBackend(Backend):
     def scan(self, pairs: Pairs, threads: int | None) -> tuple[dict[str, TensorChanges], dict[str, int]]:
         return scan(pairs)
 
-    def state_fingerprint(self, tensors: list[tuple[str, torch.Tensor]]) -> int:
+    def state_fingerprint(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         return state_fingerprint(tensors)
 
     def compact_streams(

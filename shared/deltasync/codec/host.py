@@ -6,12 +6,12 @@ loops (see deltasync.codec.kernels)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
 
-from deltasync.codec import compact, fingerprint
+from deltasync.codec import compact, fingerprint, packed
 from deltasync.codec.backend import Backend, Decoder, Move, Pairs, TensorChanges
 from deltasync.codec.bf16 import bits
 from deltasync.codec.parallel import parallel_map, spans
@@ -46,7 +46,7 @@ class HostBackend(Backend):
             moves[name] = sum(p[2] for p in parts) & fingerprint.MASK64
         return found, moves
 
-    def state_fingerprint(self, tensors: list[tuple[str, torch.Tensor]]) -> int:
+    def state_fingerprint(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         return fingerprint.row_fingerprint(tensors)
 
     def compact_streams(
@@ -195,3 +195,16 @@ def host_streams(
     coded = iter(parallel_map(lambda s: compact.encode_chunk(s, tables), work, threads))
     streams = {name: compact.join_chunks([next(coded) for _ in parts]) for name, parts in symbols.items()}
     return streams, models
+
+
+def warm_up() -> None:
+    """Run this backend's loops of a publisher's steps once on a tiny state (change detection, the compact
+    coder, a packed anchor), so that numba loads (or compiles) them now, not on a run's first steps: a
+    publisher does it at start, beside training."""
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(1 << 14, generator=g).bfloat16()
+    new = old.clone()
+    new[::64] += 1e-2  # sparse enough to be coded compact, as a training step's changes are
+    changes, _ = HostBackend().scan({"warm-up": (bits(old), bits(new))}, threads=1)
+    host_streams(changes, {"warm-up": old}, 1 << 12, threads=1)
+    packed.pack(new, threads=1)

@@ -31,6 +31,7 @@ import torch
 from deltasync import telemetry
 from deltasync.codec import bf16, fingerprint
 from deltasync.codec.changes import SchemaError, name_difference
+from deltasync.codec.host import warm_up
 from deltasync.codec.patch import encode, make_patch
 from deltasync.errors import AnchorError
 from deltasync.quant.root import Held, QuantizedRoot
@@ -143,6 +144,7 @@ class Publisher:
             self._publish_with_retries,
             idle=self._idle,  # on the worker: publish() never waits for it
             idle_s=self.config.lease_s / 8,
+            start=warm_up,  # the codec's loops load now, not on the first steps
         )
 
     # ------------------------------------------------------------------------------------ caller's thread
@@ -403,7 +405,7 @@ class Publisher:
             if self._quant is not None and held is not None:
                 self._quant.commit(held)
             if job.stored is None:
-                self._spare = self._spare or old
+                self._spare = self._spare or old or _touched_like(job.state)  # (first touch: not in publish)
                 self._published = job.state
             else:  # the ranks hold the state: keep no copy of it
                 self._published = self._spare = None
@@ -647,6 +649,15 @@ def _writer_of(head: bytes | None) -> str:
     except ManifestError:
         return "the head is not readable"
     return f"now step {parsed.step}, written by {parsed.writer or 'an older publisher'}"
+
+
+def _touched_like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A buffer like `state` (pinned where it is), its pages already touched: the run's second publish() then
+    costs the caller a copy, as every later one does, and no page faults."""
+    return {
+        n: torch.zeros(t.shape, dtype=t.dtype, device=t.device, pin_memory=t.is_pinned())
+        for n, t in state.items()
+    }
 
 
 def _copy_into(buffer: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> None:

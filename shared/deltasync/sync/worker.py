@@ -8,6 +8,7 @@ raises too. No call waits for a thread that is gone.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -20,8 +21,8 @@ J = TypeVar("J")
 
 
 class Worker(Generic[J]):
-    """Runs `run(job)` for each job handed over, on a thread named `name`; while idle, `idle()` every
-    `idle_s` seconds (None: never). `what` names the worker in its errors."""
+    """Runs `run(job)` for each job handed over, on a thread named `name`, after `start()` if given; while
+    idle, `idle()` every `idle_s` seconds (None: never). `what` names the worker in its errors."""
 
     def __init__(
         self,
@@ -30,11 +31,12 @@ class Worker(Generic[J]):
         run: Callable[[J], None],
         idle: Callable[[], None] | None = None,
         idle_s: float | None = None,
+        start: Callable[[], None] | None = None,
     ):
-        self.what, self._run, self._idle, self._idle_s = what, run, idle, idle_s
+        self.what, self._run, self._idle, self._idle_s, self._start = what, run, idle, idle_s, start
         self.lock = threading.Condition()  # also guards what the caller and the jobs share
         self._pending: J | None = None
-        self._busy = False
+        self._busy = start is not None  # flush() waits for start() too
         self._closed = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -89,6 +91,8 @@ class Worker(Generic[J]):
             raise Stopped(f"{self.what} failed: {self.error}") from self.error
 
     def _loop(self) -> None:
+        if self._start is not None:
+            self._guarded(self._start)
         while self.error is None:
             with self.lock:
                 self.lock.wait_for(lambda: self._pending is not None or self._closed, self._idle_s)
@@ -96,16 +100,19 @@ class Worker(Generic[J]):
                     return
                 job, self._pending = self._pending, None
                 self._busy = job is not None
-            try:
-                if job is not None:
-                    self._run(job)
-                elif self._idle is not None:
-                    self._idle()
-            except BaseException as e:  # kept for the caller: submit() and flush() raise it
-                log.exception("%s failed", self.what)
-                with self.lock:
-                    self.error = e
-            finally:
-                with self.lock:
-                    self._busy = False
-                    self.lock.notify_all()
+            if job is not None:
+                self._guarded(functools.partial(self._run, job))
+            elif self._idle is not None:
+                self._guarded(self._idle)
+
+    def _guarded(self, call: Callable[[], None]) -> None:
+        try:
+            call()
+        except BaseException as e:  # kept for the caller: submit() and flush() raise it
+            log.exception("%s failed", self.what)
+            with self.lock:
+                self.error = e
+        finally:
+            with self.lock:
+                self._busy = False
+                self.lock.notify_all()
