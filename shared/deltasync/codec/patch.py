@@ -56,6 +56,7 @@ from deltasync.codec.host import decode_chunk, host_streams
 from deltasync.codec.parallel import parallel_map, spans
 from deltasync.errors import PatchError
 
+Tables = compact.Tables  # a compact patch's rANS tables (read_tables), for decoders' signatures
 FINGERPRINT_SPAN = 1 << 20  # changed elements per unit of fingerprint work
 
 
@@ -605,3 +606,69 @@ def _decode_tensor(name: str, t: dict, entries: dict, old: torch.Tensor) -> Tens
         idx = torch.nonzero(dense != old_bits).squeeze(1)
         values = dense[idx].view(torch.bfloat16)
     return _checked(name, t, old, idx, values)
+
+
+@dataclass(frozen=True)
+class RankedEntry:
+    """A compact entry's changes by place, for decoders that hold the old values elsewhere (tensor-parallel
+    ranks, deltasync.vllm.split): each chunk's class limits (int16 magnitudes, [chunks, classes - 1]) and per
+    change its chunk, class, rank among the chunk's elements of that class, value step and escaped raw
+    pattern (see deltasync.codec.compact)."""
+
+    chunk: int  # elements per chunk
+    limits: np.ndarray
+    chunk_of: np.ndarray
+    cls: np.ndarray
+    rank: np.ndarray
+    steps: np.ndarray
+    raws: np.ndarray
+
+    @property
+    def classes(self) -> int:
+        return self.limits.shape[1] + 1
+
+    def new_patterns(self, old: np.ndarray, which: np.ndarray) -> tuple[np.ndarray, bool]:
+        """The new patterns (int16) of changes `which` (a mask) from their `old` patterns, and whether every
+        one stays in the bf16 range."""
+        from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
+
+        new, in_range = kernels.new_patterns(old, self.steps[which], self.raws[which])
+        return new, bool(in_range)
+
+
+def held_entry(
+    info: PatchInfo,
+    entries: dict,
+    name: str,
+    n: int,
+    tables: compact.Tables | None,
+    threads: int | None = None,
+) -> TensorChanges | torch.Tensor | RankedEntry:
+    """`name`'s entry (of `n` elements) as a decoder that holds only parts of its old values needs it: a raw
+    entry's changes (positions in the entry), a dense entry's new values (bf16, flat), or a compact entry's
+    changes by place. Raises PatchError."""
+    t = info.tensors[name]
+    if t["mode"] == "raw":
+        parts = {f"{name}/{p}": entries[f"{name}/{p}"] for p in ("indices", "values")}
+        return raw_changes(parts, {name: (n,)})[name]
+    if t["mode"] == "dense":
+        dense = entries[name]
+        if dense.dtype != torch.bfloat16 or dense.numel() != n:
+            raise PatchError(f"{name}: dense entry must be bf16 of {n} elements")
+        return dense.reshape(-1)
+    assert tables is not None  # a compact patch's
+    chunk = chunk_size(info)
+    streams = chunk_streams(name, entries, n, chunk)
+    sizes = [min(chunk, n - s) for s in range(0, n, chunk)]
+    try:
+        decoded = parallel_map(
+            lambda w: compact.ranked_changes(*w, tables), list(zip(streams, sizes, strict=True)), threads
+        )
+    except compact.CompactDecodeError as e:
+        raise PatchError(f"{name}: corrupt compact data: {e}") from None
+    return RankedEntry(
+        chunk,
+        np.stack([d[0] for d in decoded]),
+        np.repeat(np.arange(len(decoded)), [d[1].size for d in decoded]),
+        *(np.concatenate([d[i] for d in decoded]).astype(np.int64) for i in range(1, 5)),
+    )

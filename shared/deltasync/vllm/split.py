@@ -21,17 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deltasync.codec import compact
-from deltasync.codec.bf16 import bits
-from deltasync.codec.changes import TensorChanges
-from deltasync.codec.header import PatchInfo
-from deltasync.codec.parallel import parallel_map
-from deltasync.codec.patch import chunk_size, chunk_streams, raw_changes
-from deltasync.codec.symbols import MAX_CLASSES
+from deltasync.codec.backend import TensorChanges
+from deltasync.codec.patch import PatchInfo, RankedEntry, Tables, held_entry
 from deltasync.errors import PatchError
 from deltasync.vllm.layout import BUDGET, Segments
-
-SEGMENT_BYTES = 8 + 4 * MAX_CLASSES  # what a segment costs in the all-gather: its start and class counts
 
 
 class _Held:
@@ -39,7 +32,8 @@ class _Held:
 
     def __init__(self, blocks, lo: int, n: int, chunk: int, budget: int):
         self.segments = Segments.of(blocks, lo, n, chunk, budget)
-        self.flats = [bits(b.read()) for b in blocks]  # views where the weights are contiguous
+        # flat int16 patterns: views where the weights are contiguous
+        self.flats = [b.read().reshape(-1).view(torch.int16) for b in blocks]
         self.chunk, self.budget = chunk, budget
         self.device = blocks[0].dst.device if blocks else torch.device("cpu")
 
@@ -58,10 +52,10 @@ class _Held:
         ]
 
     def class_counts(self, limits: np.ndarray) -> np.ndarray:
-        """[segments, MAX_CLASSES]: how many of each segment's elements are of each class (`limits`: each
+        """[segments, classes]: how many of each segment's elements are of each class (`limits`: each
         chunk's)."""
         s = self.segments
-        at_least = np.zeros((s.start.size, MAX_CLASSES), np.int64)  # elements of class >= k
+        at_least = np.zeros((s.start.size, limits.shape[1] + 1), np.int64)  # elements of class >= k
         at_least[:, 0] = s.length
         for first, last, old in self.batches():
             magnitude = old & 0x7FFF
@@ -90,7 +84,9 @@ class _Held:
                 classes += magnitude >= limit
             before = np.cumsum(counts[first:last], 0) - counts[first:last]  # in the batch, per class
             element = np.empty(changes.size, np.int64)
-            for k in range(MAX_CLASSES):  # the batch's elements of class k, in order: the change's is there
+            for k in range(
+                counts.shape[1]
+            ):  # the batch's elements of class k, in order: the change's is there
                 of_class = np.flatnonzero(cls[changes] == k)
                 if of_class.size:
                     at = before[segment[changes[of_class]] - first, k] + within[changes[of_class]]
@@ -130,8 +126,8 @@ class _ChunkOrder:
         return cls(chunk_of, before, all_counts, local[order])
 
     def totals(self, chunks: int) -> np.ndarray:
-        """[chunks, MAX_CLASSES]: the elements of each class in each chunk."""
-        totals = np.zeros((chunks, MAX_CLASSES), np.int64)
+        """[chunks, classes]: the elements of each class in each chunk."""
+        totals = np.zeros((chunks, self.counts.shape[1]), np.int64)
         np.add.at(totals, self.chunk, self.counts)
         return totals
 
@@ -140,7 +136,7 @@ class _ChunkOrder:
         last of its chunk to begin at or before its rank among those with elements of its class) and its
         place among that segment's elements of its class."""
         segment = np.empty(rank.size, np.int64)
-        for k in range(MAX_CLASSES):
+        for k in range(self.counts.shape[1]):
             of_class = cls == k
             holding = np.flatnonzero(self.counts[:, k] > 0)
             keys = (self.chunk[holding] << 32) + self.before[holding, k]
@@ -154,7 +150,7 @@ def decode_held(
     entries: dict,
     name: str,
     n: int,
-    tables: compact.Tables | None,
+    tables: Tables | None,
     blocks,
     group,
     budget: int = BUDGET,
@@ -164,19 +160,12 @@ def decode_held(
     the caller must agree on with the other ranks before it raises: a collective runs per compact tensor.
     Also the bytes all-gathered (every rank's segments). Raises PatchError on what every rank sees alike.
     The held values are read `budget` elements at a time (about that many times 10 B of temporaries)."""
-    from deltasync.codec import kernels  # numba: never at module level (see kernels)
-
-    t = info.tensors[name]
     lo = info.windows.get(name, (0, 0))[0]
-    if t["mode"] == "raw":
-        parts = {f"{name}/{p}": entries[f"{name}/{p}"] for p in ("indices", "values")}
-        ch = raw_changes(parts, {name: (n,)})[name]
-        return TensorChanges(ch.indices.to(torch.int64) + lo, ch.values), None, 0
-    if t["mode"] == "dense":
-        dense = entries[name]
-        if dense.dtype != torch.bfloat16 or dense.numel() != n:
-            raise PatchError(f"{name}: dense entry must be bf16 of {n} elements")
-        new_all, held = bits(dense).numpy(), _Held(blocks, lo, n, n, budget)
+    entry = held_entry(info, entries, name, n, tables)
+    if isinstance(entry, TensorChanges):  # raw
+        return TensorChanges(entry.indices.to(torch.int64) + lo, entry.values), None, 0
+    if isinstance(entry, torch.Tensor):  # dense: the new values of every element
+        new_all, held = entry.view(torch.int16).numpy(), _Held(blocks, lo, n, n, budget)
         moved_at, moved_to = [], []
         for first, last, old in held.batches():
             at = held.segments.positions(first, last)
@@ -184,35 +173,22 @@ def decode_held(
             moved_at.append(at[moved])
             moved_to.append(new_all[at][moved])
         return _changes(moved_at, moved_to, lo, held.device), None, 0
-    assert tables is not None  # a compact patch's
-    chunk = chunk_size(info)
-    streams = chunk_streams(name, entries, n, chunk)
-    sizes = [min(chunk, n - s) for s in range(0, n, chunk)]
-    try:
-        decoded = parallel_map(
-            lambda w: compact.ranked_changes(*w, tables), list(zip(streams, sizes, strict=True))
-        )
-    except compact.CompactDecodeError as e:
-        raise PatchError(f"{name}: corrupt compact data: {e}") from None
-    held = _Held(blocks, lo, n, chunk, budget)
-    limits = np.stack([d[0] for d in decoded])  # [chunks, 3]
-    counts = held.class_counts(limits)
-    order = _ChunkOrder.gather(held.segments.start, counts, chunk, group)
-    d_chunk = np.repeat(np.arange(len(decoded)), [d[1].size for d in decoded])
-    d_cls = np.concatenate([d[1] for d in decoded]).astype(np.int64)
-    d_rank = np.concatenate([d[2] for d in decoded]).astype(np.int64)
-    if (d_rank >= order.totals(len(streams))[d_chunk, d_cls]).any():
+    assert isinstance(entry, RankedEntry)
+    held = _Held(blocks, lo, n, entry.chunk, budget)
+    counts = held.class_counts(entry.limits)
+    order = _ChunkOrder.gather(held.segments.start, counts, entry.chunk, group)
+    chunks = entry.limits.shape[0]
+    if (entry.rank >= order.totals(chunks)[entry.chunk_of, entry.cls]).any():
         raise PatchError(f"{name}: corrupt compact data: a change past the end of its chunk")
-    segment, within = order.locate(d_chunk, d_cls, d_rank)
+    segment, within = order.locate(entry.chunk_of, entry.cls, entry.rank)
     ours = order.local[segment] >= 0
     positions, old_patterns = held.place(
-        limits, counts, order.local[segment[ours]], d_cls[ours], within[ours]
+        entry.limits, counts, order.local[segment[ours]], entry.cls[ours], within[ours]
     )
-    steps = np.concatenate([d[3] for d in decoded]).astype(np.int64)[ours]
-    raws = np.concatenate([d[4] for d in decoded]).astype(np.int64)[ours]
-    new, in_range = kernels.new_patterns(old_patterns, steps, raws)
+    new, in_range = entry.new_patterns(old_patterns, ours)
     problem = None if in_range else f"{name}: corrupt compact data: a value step leaves the bf16 range"
-    return _changes([positions], [new], lo, held.device), problem, order.chunk.size * SEGMENT_BYTES
+    gathered = order.chunk.size * (8 + 4 * entry.classes)  # every segment's start and class counts
+    return _changes([positions], [new], lo, held.device), problem, gathered
 
 
 def _changes(
