@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -104,6 +105,7 @@ class Fleet:
         for i in range(replicas):
             target = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in SHAPES.items()}
             sub = Subscriber(self.storage(f"replica-{i}"), TensorsApplier(target), f"replica-{i}", threads=1)
+            sink_for(sub.storage).timer = False  # its writes are due on the test clock: `run` asks each sink
             self.subscribers.append(sub)
             self.targets.append(target)
         self.applied: dict[str, list[int]] = collections.defaultdict(list)
@@ -124,8 +126,16 @@ class Fleet:
         behind = self.subscribers
         with ThreadPoolExecutor(SYNC_THREADS) as pool:
             while behind:
+                failed = len(self.failures)
                 list(pool.map(self.sync, behind))
                 behind = [s for s in behind if s.step != self.step]
+                if len(self.failures) > failed:
+                    print(
+                        f"step {self.step}: {len(self.failures) - failed} syncs failed, "
+                        f"{len(behind)} behind, first: {self.failures[failed]}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 if behind:
                     time.sleep(0.01)  # their feeds' events are on the way
 
@@ -205,14 +215,29 @@ def summarize(fleet: Fleet, window: int) -> dict:
     }
 
 
+def progress(replicas: int, done: str, fleet: Fleet, started: float) -> None:
+    elapsed = time.monotonic() - started
+    spent = summarize(fleet, fleet.window_index())["total"]
+    paths = collections.Counter(r.rsplit("/", 1)[-1] for r in fleet.hub.requests).most_common(5)
+    print(
+        f"{replicas} replicas: {done} at step {fleet.step}, {elapsed:.0f} s; this window so far "
+        f"{cell(spent)}; requests by path {paths}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def measure(hub: FakeHub, replicas: int, step_s: float, refresh_s: float) -> dict:
     tier = FREE_TIER if replicas <= 100 else PRO_TIER
     started = time.monotonic()
     fleet = Fleet(hub, replicas, tier)
     try:
         first = fleet.window_index()
+        progress(replicas, "started", fleet, started)
         fleet.run(WINDOW_S - (fleet.clock.t % WINDOW_S), step_s, refresh_s)  # the start's window
+        progress(replicas, "start window", fleet, started)
         fleet.run(WINDOW_S, step_s, refresh_s)  # a steady one
+        progress(replicas, "steady window", fleet, started)
         delays = [sink_for(s.storage).max_delay_s for s in fleet.subscribers[:1]]
         fleet.run(2 * WINDOW_S, None, refresh_s)  # idle: what waits is written, then nothing but reconnects
         idle_from = len(hub.requests)

@@ -65,6 +65,7 @@ import yaml
 from fastapi import APIRouter, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from huggingface_hub.utils import parse_datetime
+from starlette.datastructures import MutableHeaders
 
 from tests.fakemodels import ModelRepos, model_routes
 from trainer.processes import serving_in_thread
@@ -145,6 +146,8 @@ class FakeHub:
         # their own, or a fake on a port an earlier fake used would be sent shards naming that one's xorbs.
         self.client_cache = cas_dir / "client-xet-cache"
         self._files: dict[str, list[Term]] = {}  # xet file hash -> its terms, from the uploaded shards
+        self._xorb_data: dict[str, bytes] = {}  # xorb -> its bytes, as read from the folder (`_xorb`)
+        self._term_bytes: dict[tuple[str, int, int], tuple[int, int]] = {}  # (xorb, chunks) -> byte range
         self.closing = False
         self._sessions: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()  # open feed sessions
         self.reset()
@@ -172,6 +175,7 @@ class FakeHub:
         self.keepalive_s = 15.0
         self.feed_check_s = 0.25  # real seconds between an idle session's checks for faults and its end
         self.changes: list[Change] = []  # a new list per reset: the feed's sessions from before end
+        self._events: dict[tuple[int, int], bytes] = {}  # (first, last seq) -> that feed event, encoded
         self.stale_s = 0.0
         self.stale_every = 1  # 2: every other read in the window is stale (two caches, one caught up)
         self._stale_reads = 0
@@ -229,6 +233,20 @@ class FakeHub:
     def size(self, xet_hash: str) -> int:
         return sum(term.unpacked_length for term in self._files.get(xet_hash, []))
 
+    def _xorb(self, name: str) -> bytes:
+        """A xorb's bytes, kept once read: a xorb is named by its content, so it never changes (a fleet's
+        reads of one delta would each read the file again)."""
+        data = self._xorb_data.get(name)
+        if data is None:
+            data = self._xorb_data[name] = (self._xorbs / name).read_bytes()
+        return data
+
+    def _chunk_bytes(self, term: "Term") -> tuple[int, int]:
+        key = (term.xorb, term.start, term.end)
+        if key not in self._term_bytes:
+            self._term_bytes[key] = _chunk_bytes(self._xorb(term.xorb), term.start, term.end)
+        return self._term_bytes[key]
+
     def entry(self, bucket: str, path: str, request: Request) -> dict | None:
         """What a read of `path` sees now: its previous entry while an overwrite is within `stale_s` (except
         for the tokens in `fresh_tokens`: a writer that reads its own writes)."""
@@ -249,9 +267,22 @@ class FakeHub:
         self._wake_feed()
 
     def _wake_feed(self) -> None:
-        """Every open feed session sends what is new at once (they wait for this, not poll)."""
+        """Every open feed session sends what is new at once (they wait for this, not poll): one wake-up of
+        each event loop, not one per session."""
+        loops: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = collections.defaultdict(list)
         for loop, news in list(self._sessions):
-            loop.call_soon_threadsafe(news.set)
+            loops[loop].append(news)
+        for loop, events in loops.items():
+            loop.call_soon_threadsafe(lambda events=events: [news.set() for news in events])
+
+    def _changes_event(self, group: list[Change]) -> bytes:
+        """A feed event of changes of one batch, encoded once for every session that sends it."""
+        key = (group[0].seq, group[-1].seq)
+        event = self._events.get(key)
+        if event is None:
+            payload = {"cursor": str(group[-1].seq), "changes": [c.change for c in group]}
+            event = self._events[key] = _event("changes", payload)
+        return event
 
     def read(self, xet_hash: str) -> bytes:
         """A file's bytes, read out of the CAS by this process's Xet session (a real client decodes them)."""
@@ -269,6 +300,44 @@ class FakeHub:
             with session as group:
                 group.start_download_file(hf_xet.XetFileInfo(xet_hash), str(dest))
             return dest.read_bytes()
+
+    def admit(self, request: Request) -> tuple[Response | None, dict[str, str]]:
+        """The Hub's terms for `request` (after any stall): the answer that refuses it (None: served), and
+        the headers its answer carries (the quota it spent)."""
+        path = request.url.path
+        if path.startswith("/cas/"):  # the CAS service: a Xet token, no Hub quota
+            if path.startswith("/cas/v1/fetch_term"):  # a presigned URL: no token
+                return None, {}
+            xet_token = (request.headers.get("authorization") or "").removeprefix("Bearer ")
+            user, valid_until = self.xet_tokens.get(xet_token, ("", 0.0))
+            if valid_until <= self.clock():
+                return JSONResponse({"error": "bad or expired Xet token"}, status_code=401), {}
+            if user and request_class(path):
+                with self._lock:
+                    self._count(user, "cas")
+            return None, {}
+        if self.fail_status is not None:
+            return JSONResponse({"error": "injected failure"}, status_code=self.fail_status), {}
+        authorization = request.headers.get("authorization") or ""
+        if authorization.removeprefix("Bearer ") not in self.tokens:
+            # This message keeps the client from reading a 401 as "repository not found".
+            headers = {"X-Error-Message": "Invalid credentials in Authorization header"}
+            return JSONResponse({"error": "unauthorized"}, status_code=401, headers=headers), {}
+        cls = request_class(path)
+        if cls is None:
+            return None, {}
+        with self._lock:
+            left, reset_s, window = self._count(authorization, cls)
+            if left < 0:
+                window.limited[cls] += 1
+        headers = {
+            "RateLimit": f'"{cls}";r={max(left, 0)};t={math.ceil(reset_s)}',
+            "RateLimit-Policy": f'"fixed window";"{cls}";q={self.quotas[cls]};w={self.window_s:.0f}',
+        }
+        if left < 0:
+            message = f"You have exceeded the rate limit for {cls} requests; retry in {math.ceil(reset_s)} s"
+            return JSONResponse({"error": message}, status_code=429, headers=headers), {}
+        return None, headers
 
     def _bucket(self, ns: str, name: str) -> dict[str, dict]:
         try:
@@ -288,48 +357,7 @@ class FakeHub:
 
         app.include_router(self._cas_router(), prefix="/cas")
 
-        @app.middleware("http")
-        async def auth_quota_and_faults(request: Request, call_next):
-            if request.url.path.startswith("/cas/"):  # the CAS service: a Xet token, no Hub quota
-                if request.url.path.startswith("/cas/v1/fetch_term"):  # a presigned URL: no token
-                    return await call_next(request)
-                xet_token = (request.headers.get("authorization") or "").removeprefix("Bearer ")
-                user, valid_until = self.xet_tokens.get(xet_token, ("", 0.0))
-                if valid_until <= self.clock():
-                    return JSONResponse({"error": "bad or expired Xet token"}, status_code=401)
-                if user and request_class(request.url.path):
-                    with self._lock:
-                        self._count(user, "cas")
-                return await call_next(request)
-            self.requests.append(f"{request.method} {request.url.path}")
-            while self.stall and not self.closing:
-                await asyncio.sleep(0.01)
-            if self.fail_status is not None:
-                return JSONResponse({"error": "injected failure"}, status_code=self.fail_status)
-            authorization = request.headers.get("authorization") or ""
-            if authorization.removeprefix("Bearer ") not in self.tokens:
-                # This message keeps the client from reading a 401 as "repository not found".
-                headers = {"X-Error-Message": "Invalid credentials in Authorization header"}
-                return JSONResponse({"error": "unauthorized"}, status_code=401, headers=headers)
-            cls = request_class(request.url.path)
-            if cls is None:
-                return await call_next(request)
-            with self._lock:
-                left, reset_s, window = self._count(authorization, cls)
-                if left < 0:
-                    window.limited[cls] += 1
-            headers = {
-                "RateLimit": f'"{cls}";r={max(left, 0)};t={math.ceil(reset_s)}',
-                "RateLimit-Policy": f'"fixed window";"{cls}";q={self.quotas[cls]};w={self.window_s:.0f}',
-            }
-            if left < 0:
-                message = (
-                    f"You have exceeded the rate limit for {cls} requests; retry in {math.ceil(reset_s)} s"
-                )
-                return JSONResponse({"error": message}, status_code=429, headers=headers)
-            response = await call_next(request)
-            response.headers.update(headers)
-            return response
+        app.add_middleware(_Terms, hub=self)
 
         @app.post("/api/buckets/{ns}/{name}")
         async def create(ns: str, name: str):
@@ -606,7 +634,7 @@ class FakeHub:
                     skip = first - offset if not out else skip
                     chunks = {"start": term.start, "end": term.end}
                     out.append({"hash": term.xorb, "unpacked_length": term.unpacked_length, "range": chunks})
-                    start, stop = _chunk_bytes(self._xorbs / term.xorb, term.start, term.end)
+                    start, stop = self._chunk_bytes(term)
                     url = f"{self.cas_url}/v1/fetch_term?xorb={term.xorb}"
                     url_range = {"start": start, "end": stop - 1}  # inclusive, as the Range header
                     fetch_info[term.xorb].append({"range": chunks, "url": url, "url_range": url_range})
@@ -617,7 +645,7 @@ class FakeHub:
 
         @router.get("/v1/fetch_term")
         async def fetch_term(xorb: str, request: Request):
-            data = (self._xorbs / _hex(xorb)).read_bytes()
+            data = self._xorb(_hex(xorb))
             first, last = _byte_range(request.headers.get("range"), len(data))
             return Response(data[first : last + 1], status_code=206, media_type="application/octet-stream")
 
@@ -630,9 +658,7 @@ class FakeHub:
         def batches(upto: int) -> list[bytes]:
             out, pending = [], [c for c in self.changes[cursor:upto] if c.bucket == bucket]
             for _, group in itertools.groupby(pending, key=lambda c: c.batch):  # one event per batch request
-                group = list(group)
-                payload = {"cursor": str(group[-1].seq), "changes": [c.change for c in group]}
-                out.append(_event("changes", payload))
+                out.append(self._changes_event(list(group)))
             return out
 
         with self._lock:
@@ -671,6 +697,36 @@ class FakeHub:
                     return
         finally:
             self._sessions.discard(session)
+
+
+class _Terms:
+    """The Hub's terms in front of every route (`FakeHub.admit`), as plain ASGI middleware: Starlette's
+    `BaseHTTPMiddleware` would pass every answer, and each event of every feed session, through a stream and
+    a task of its own, which a fleet's thousand sessions pay for on every change."""
+
+    def __init__(self, app, hub: FakeHub):
+        self.app, self.hub = app, hub
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request = Request(scope)
+        if not request.url.path.startswith("/cas/"):
+            self.hub.requests.append(f"{request.method} {request.url.path}")
+            while self.hub.stall and not self.hub.closing:
+                await asyncio.sleep(0.01)
+        refusal, headers = self.hub.admit(request)
+        if refusal is not None:
+            return await refusal(scope, receive, send)
+        if not headers:
+            return await self.app(scope, receive, send)
+
+        async def send_with_headers(message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).update(headers)
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
 
 
 @dataclass
@@ -718,16 +774,14 @@ def _shard_files(shard: bytes) -> dict[str, list[Term]]:
         offset += _ENTRY * records
 
 
-def _chunk_bytes(xorb: Path, start: int, end: int) -> tuple[int, int]:
+def _chunk_bytes(xorb: bytes, start: int, end: int) -> tuple[int, int]:
     """Where chunks [start, end) of a xorb lie in it: each chunk is an 8-byte header (its compressed length in
     bytes 1-3) and its compressed bytes."""
-    with xorb.open("rb") as f:
-        offset, first = 0, 0
-        for index in range(end):
-            if index == start:
-                first = offset
-            f.seek(offset)
-            offset += 8 + int.from_bytes(f.read(8)[1:4], "little")
+    offset, first = 0, 0
+    for index in range(end):
+        if index == start:
+            first = offset
+        offset += 8 + int.from_bytes(xorb[offset + 1 : offset + 4], "little")
     return first, offset
 
 

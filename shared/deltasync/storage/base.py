@@ -205,12 +205,16 @@ class Storage(ABC):
         local = Path(local)
         with self._failures("download", path, absent_is_final=True):
             if limit is not None:  # refused before a byte is fetched (one stat on remote backends)
-                self._refuse_over(path, self._sizes([path])[path], limit)
+                self._refuse_over(path, self._download_size(path), limit)
             self._download_file(path, local)
         size = local.stat().st_size
         if limit is not None and size > limit:  # it grew since the stat: fetched, but refused
             local.unlink()
             self._refuse_over(path, size, limit)
+
+    def _download_size(self, path: str) -> int | None:
+        """The size a download's limit is checked against before it starts (None: absent)."""
+        return self._sizes([path])[path]
 
     def _refuse_over(self, path: str, size: int | None, limit: int) -> None:
         if size is not None and size > limit:

@@ -131,6 +131,7 @@ class _Feed:
         self.dropped = 0  # entries trimmed from the log's front
         self.cursors: dict[str, int] = {}  # each consumer's position in the log (counting the dropped)
         self.follower: Follower | None = None
+        self.waited_live = False  # whether the feed was live when `wait_for_change` last looked
 
     def remember(self, key: str, stat: _Stat | None, expires: float) -> None:
         """Keep `key`'s stat, forgetting the oldest kept past FEED_PATHS (asked again when needed)."""
@@ -274,10 +275,12 @@ class HubBucketStorage(Storage):
         deadline = time.monotonic() + max(poll_s, self.poll_s)
         with feed.cond:
             while True:
-                news = feed.news("wait")
-                if news is None or any(k.startswith(keys) for k in news) or stop.is_set():
+                news, live = feed.news("wait"), feed.live
+                # A session began since the waiter last looked: what landed before it was never announced.
+                began, feed.waited_live = live and not feed.waited_live, live
+                if news is None or began or any(k.startswith(keys) for k in news) or stop.is_set():
                     return
-                if not feed.live and time.monotonic() >= deadline:
+                if not live and time.monotonic() >= deadline:
                     return  # no feed: a poll
                 feed.cond.wait(0.25)  # also checks `stop` and whether the feed went down
 
@@ -366,8 +369,10 @@ class HubBucketStorage(Storage):
 
     # ------------------------------------------------------------------------------------------- stats
 
-    def _stats(self, paths: list[str]) -> dict[str, _Stat | None]:
-        """Each path's size and Xet hash (None: absent): from the feed where it knows, else one paths-info."""
+    def _stats(self, paths: list[str], resolver: bool = False) -> dict[str, _Stat | None]:
+        """Each path's size and Xet hash (None: absent): from the feed where it knows, else one request: a
+        paths-info, or with `resolver` a resolver HEAD of the one path (a download's stat, from the quota five
+        times the API's: a replica's start stats its anchor)."""
         feed, now, out = self._feed, time.time(), {}
         with feed.cond:
             for p in paths:
@@ -379,15 +384,17 @@ class HubBucketStorage(Storage):
         if not missing:
             return out
         live = feed.live
-        try:
-            answer = self._request(
-                "POST",
-                f"{self.api.endpoint}/api/buckets/{self.bucket_id}/paths-info",
-                json={"paths": [self._key(p) for p in missing]},
-            ).json()
-        except BucketNotFoundError:
-            answer = []
-        found = {f["path"]: _Stat(f["size"], f["xetHash"]) for f in answer if f.get("type") == "file"}
+        found = self._resolved(missing[0]) if resolver and len(missing) == 1 else None
+        if found is None:
+            try:
+                answer = self._request(
+                    "POST",
+                    f"{self.api.endpoint}/api/buckets/{self.bucket_id}/paths-info",
+                    json={"paths": [self._key(p) for p in missing]},
+                ).json()
+            except BucketNotFoundError:
+                answer = []
+            found = {f["path"]: _Stat(f["size"], f["xetHash"]) for f in answer if f.get("type") == "file"}
         with feed.cond:
             for p in missing:
                 out[p] = stat = found.get(self._key(p))
@@ -395,8 +402,26 @@ class HubBucketStorage(Storage):
                     feed.remember(self._key(p), stat, now + STAT_TTL_S)
         return out
 
+    def _resolved(self, path: str) -> dict[str, _Stat] | None:
+        """`path`'s stat ({} if absent) from one resolver HEAD, by the size and Xet hash its answer names
+        (None: it names neither)."""
+        url = f"{self.api.endpoint}/buckets/{self.bucket_id}/resolve/{self._key(path)}"
+        self._take("resolvers")
+        headers = build_hf_headers(token=self._token)
+        # Not redirected: the Hub's answer names the file, the storage's would name its bytes.
+        response = get_session().head(url, headers=headers, follow_redirects=False, timeout=_timeout())
+        if response.status_code == 404:
+            return {}
+        self._check(response)
+        size, xet_hash = response.headers.get("x-linked-size", ""), response.headers.get("x-xet-hash", "")
+        return {self._key(path): _Stat(int(size), xet_hash)} if size.isdigit() and xet_hash else None
+
     def _sizes(self, paths: list[str]) -> dict[str, int | None]:
         return {p: s.size if s else None for p, s in self._stats(paths).items()}
+
+    def _download_size(self, path: str) -> int | None:
+        stat = self._stats([path], resolver=True)[path]
+        return stat.size if stat else None
 
     # ------------------------------------------------------------------------------------------- reads
 
@@ -461,7 +486,7 @@ class HubBucketStorage(Storage):
 
     def _download_file(self, path: str, local: Path) -> None:
         # By the Xet hash of a stat (from the feed where it knows: no request), not by path.
-        stat = self._stats([path])[path]
+        stat = self._stats([path], resolver=True)[path]
         if stat is None:
             raise FileNotFoundError(f"{self.url}/{path}")
         with atomic_file(local) as tmp, open(tmp, "wb") as f:

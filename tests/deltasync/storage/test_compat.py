@@ -5,6 +5,8 @@ import dataclasses
 import inspect
 import threading
 
+from huggingface_hub._bucket_live_follow import _resume_params
+
 from deltasync.storage.compat import BucketFileChange, Follower
 
 
@@ -19,6 +21,9 @@ def test_bucket_follower():
     )
     assert follower.daemon and follower.subscribed is False  # True once a session reached `ready`
     assert follower.in_session is False
+    # Its first session's resume point (Follower.run sets it): None, and a bare request follows live changes.
+    assert follower._resume is None
+    assert _resume_params(("live", "")) == {}
 
 
 def test_bucket_file_change():

@@ -344,7 +344,7 @@ def test_downloads_over_a_limit_fetch_nothing(storage, tmp_path, monkeypatch):
         storage.download_file("heads/latest.json", tmp_path / "f", limit=99)
     assert fetched == []
 
-    monkeypatch.setattr(storage, "_sizes", lambda paths: dict.fromkeys(paths, 50))  # it grows after the stat
+    monkeypatch.setattr(storage, "_download_size", lambda path: 50)  # it grows after the stat
     with pytest.raises(TooLargeError, match="100 bytes, more than the 99 expected"):
         storage.download_file("heads/latest.json", tmp_path / "f", limit=99)
     assert fetched == ["heads/latest.json"] and not (tmp_path / "f").exists()
