@@ -54,7 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 SPACES = REPO / "spaces"
 REPLICA_ID = "local-replica"
 # The tiny model's first build (tokenizer, weights, warm start), measured on this project's 2-core machines
-BUILD_TIME = "3.5 min on 2 idle cores, longer beside other work"
+BUILD_TIME = "about 3 min on 2 cores, longer beside other work"
 REWARD_KEY = "reward_mean"  # the trainer's `info` key the dashboard plots as reward
 # --enforce-eager: no torch.compile, half the CPU start-up (the app itself keeps CPU prefills whole).
 DEFAULT_ENGINE_ARGS = "--enforce-eager"
