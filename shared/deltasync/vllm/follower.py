@@ -222,7 +222,9 @@ class EngineApplier(FileApplier):
     `write`: the engine's write path ("direct" or "vllm", see `DeltasyncInitInfo`). `kv_on_update`: "keep"
     (running requests continue on the KV they have; their next tokens come from the new weights) or
     "recompute" (running requests are preempted and recompute their context on the new weights).
-    `in_flight`: how many requests are running, recorded when generation pauses."""
+    `in_flight`: how many requests are running, recorded when generation pauses. `quantization`: the recipe
+    the server was started with (`--quantization`, deltasync.quant), for a quantized root: the workers refuse
+    another, and so does the subscriber a root whose run.json names another."""
 
     def __init__(
         self,
@@ -231,8 +233,10 @@ class EngineApplier(FileApplier):
         write: WritePath = "direct",
         kv_on_update: KvPolicy = "keep",
         in_flight: Callable[[], int] | None = None,
+        quantization: str | None = None,
     ):
         self.engine, self.root, self.write, self.kv_on_update = engine, root, write, kv_on_update
+        self.quantization = quantization
         self.in_flight, self.update_s = in_flight, 0.0
         self.paused_with: int | None = None
         self.step: int | None = None  # the step last written
@@ -244,7 +248,8 @@ class EngineApplier(FileApplier):
         self.stuck = False
         self.tmp = Path(tempfile.mkdtemp(prefix="deltasync-follow-"))
         try:
-            self.engine.init({"root": root, "write": write})
+            quantized = {"quantization": quantization} if quantization else {}
+            self.engine.init({"root": root, "write": write, **quantized})
             self.paths = self._read_paths()  # how the workers write each tensor (Layout.paths)
         except BaseException:
             self.close()
@@ -445,11 +450,13 @@ def follow(
     poll_s: float = 1.0,
     poll_budget: int = POLL_BUDGET,
     verify_every: int = 10,
+    quantization: str | None = None,
 ) -> Subscriber:
-    """Follow `root` into `engine` until `stop` is set (blocks); `poll_budget`: see `open_storage`."""
+    """Follow `root` into `engine` until `stop` is set (blocks); `poll_budget`: see `open_storage`;
+    `quantization`: the server's `--quantization` (see EngineApplier)."""
     if not (math.isfinite(poll_s) and poll_s > 0):
         raise ValueError(f"poll interval must be a positive number of seconds, not {poll_s}")
-    applier = EngineApplier(engine, root)
+    applier = EngineApplier(engine, root, quantization=quantization)
     storage = open_storage(root, poll_budget=poll_budget)
     subscriber = Subscriber(storage, applier, replica=replica, verify_every=verify_every)
     try:

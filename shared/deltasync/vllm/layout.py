@@ -7,6 +7,11 @@ call and thread) that records each `copy_` the loader would make instead of maki
 source is a view of the probe is a `Block`: a strided box of the HF tensor and the parameter view it lands in.
 Writes then go straight to those views: O(changed elements), and every worker writes only its own part.
 
+Quantized linear layers (`--quantization fp8_per_channel`) are not learned through the loader (it would
+quantize again): `quantized_views` finds each HF tensor's rows in vLLM's fused codes and scales
+(`deltasync.vllm.compat.fp8_linears`) and holds them as a `deltasync.quant.state.Quantized` of views, written
+in place with the quantized deltas (one rank only: the shards of tensor parallelism are not mapped yet).
+
 MoE experts on CPU are the one place where a view is not where its elements live: vLLM's CPU kernel runs them
 from a prepacked copy, each expert's elements permuted (`deltasync.vllm.experts`). The loader still writes
 its view as if unpacked (its padding included), so such a block keeps that view and a `Packing` that maps
@@ -27,6 +32,8 @@ from transformers.core_model_loading import revert_weight_conversion
 from deltasync.codec import fingerprint
 from deltasync.codec.backend import Move, TensorChanges, backend, kind
 from deltasync.codec.bf16 import bits
+from deltasync.quant import state as quant_state
+from deltasync.quant.recipe import Recipe
 from deltasync.vllm import compat
 from deltasync.vllm.experts import Packing
 
@@ -212,24 +219,37 @@ class Layout:
     """HF name -> the blocks of it this rank holds; `loader`: names vLLM's loader takes but not as views of
     the input (written through the loader, never read back)."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], blocks: dict[str, list[Block]], loader: list[str]):
+    def __init__(
+        self,
+        shapes: dict[str, tuple[int, ...]],
+        blocks: dict[str, list[Block]],
+        loader: list[str],
+        quantized: dict[str, quant_state.Quantized] | None = None,
+    ):
         self.shapes, self.blocks, self.loader = shapes, blocks, loader
+        self.quantized = quantized or {}  # HF name -> views of its codes and scales (quantized replicas)
         self.split: set[str] = set()  # tensors the ranks hold in disjoint parts (tensor parallel)
         self.shared: set[str] = set()  # tensors some ranks hold parts of, some of them on several ranks
         self.group = None
 
     @classmethod
     @torch.no_grad()
-    def learn(cls, model: torch.nn.Module, hf_config, group=None) -> Layout:
+    def learn(cls, model: torch.nn.Module, hf_config, group=None, recipe: Recipe | None = None) -> Layout:
         """Run the loader once per HF name of `hf_config`'s architecture; `group`: the process group of the
-        ranks that together hold the model (None: this rank holds all of it)."""
+        ranks that together hold the model (None: this rank holds all of it); `recipe`: the quantization the
+        server was started with (its tensors are found by `quantized_views` instead)."""
         device = next(model.parameters()).device
         packings = {
             param.untyped_storage().data_ptr(): Packing.learn(param, isa)
             for param, isa in compat.prepacked_experts(model)
         }
         shapes, blocks, loader = {}, {}, []
-        for name, shape in checkpoint_shapes(hf_config).items():
+        schema = checkpoint_shapes(hf_config)
+        quantized = quantized_views(model, schema, recipe, group) if recipe else {}
+        for name, shape in schema.items():
+            if name in quantized:
+                shapes[name] = tuple(shape)
+                continue
             probe = torch.empty(shape, dtype=torch.bfloat16, device=device)
             recorder = _RecordCopies()
             try:
@@ -262,7 +282,7 @@ class Layout:
                 loader.append(name)
             else:
                 blocks[name] = found
-        layout = cls(shapes, blocks, loader)
+        layout = cls(shapes, blocks, loader, quantized)
         layout._own(group)
         return layout
 
@@ -329,9 +349,9 @@ class Layout:
         return whole.to(torch.int16).view(torch.bfloat16).to(device)
 
     def partial_fingerprint(self, names: list[str] | None = None) -> int:
-        """This rank's share of the state fingerprint (`names`, default all held): the shares of all ranks
-        sum to the fingerprint of the whole state."""
-        total = 0
+        """This rank's share of the state fingerprint (`names`, default all held, the quantized tensors' codes
+        and scales included): the shares of all ranks sum to the fingerprint of the whole state."""
+        total = quant_state.fingerprint(self.quantized) if names is None else 0
         for name in names if names is not None else self.blocks:
             for b in self.blocks.get(name, []):
                 if b.owned is None and b.whole(self.shapes[name]):  # in order: the vectorized pass
@@ -376,6 +396,39 @@ class Layout:
                 moves.setdefault(kind(dst), []).append((name, positions, old, new_bits))
         moved = sum(backend(k).moves(m) for k, m in moves.items())
         return writes, moved & fingerprint.MASK64
+
+
+def quantized_views(
+    model: torch.nn.Module, schema: dict[str, tuple[int, ...]], recipe: Recipe, group
+) -> dict[str, quant_state.Quantized]:
+    """Each HF tensor `recipe` quantizes, as views of the rows of vLLM's fused fp8 codes ([N, K], the
+    transpose of its `weight`) and fp32 scales that hold it; ValueError in one line where the server's
+    layers are not those the recipe makes."""
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        raise ValueError("quantized replicas run on one rank: tensor parallel shards are not mapped yet")
+    wanted = set(recipe.quantized_names(schema))
+    packed = getattr(model, "packed_modules_mapping", {})
+    views = {}
+    for module_name, module in compat.fp8_linears(model):
+        prefix, _, last = module_name.rpartition(".")
+        shards = packed.get(last, [last])
+        weight, weight_scale = module.get_parameter("weight"), module.get_parameter("weight_scale")
+        codes = weight.detach().t()  # [N, K], contiguous: vLLM's layout
+        scales = weight_scale.detach().view(-1)
+        sizes = getattr(module, "output_sizes", None) or [codes.shape[0]]
+        if not codes.is_contiguous() or len(sizes) != len(shards) or sum(sizes) != codes.shape[0]:
+            raise ValueError(f"{module_name}: fp8 codes {tuple(codes.shape)} are not {shards} rows in order")
+        row = 0
+        for shard, rows in zip(shards, sizes, strict=True):
+            name = f"{prefix}.{shard}.weight" if prefix else f"{shard}.weight"
+            if name not in wanted or tuple(schema[name]) != (rows, codes.shape[1]):
+                raise ValueError(f"{module_name}: holds {name} quantized, which {recipe.name} does not make")
+            views[name] = quant_state.Quantized(codes[row : row + rows], scales[row : row + rows])
+            row += rows
+    missing = sorted(wanted - set(views))
+    if missing:
+        raise ValueError(f"{recipe.name} quantizes {missing[0]}, which this server holds unquantized")
+    return views
 
 
 def _owned(b: Block, index: tuple[torch.Tensor, ...]) -> torch.Tensor:

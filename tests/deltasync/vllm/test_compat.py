@@ -173,5 +173,5 @@ def test_plugin_registers_the_backend_lazily():
     from deltasync.vllm.engine import DeltasyncEngine, DeltasyncInitInfo, DeltasyncUpdateInfo
 
     assert issubclass(DeltasyncEngine, WeightTransferEngine)
-    assert [f.name for f in fields(DeltasyncInitInfo)] == ["root", "write"]
+    assert [f.name for f in fields(DeltasyncInitInfo)] == ["root", "write", "quantization"]
     assert [f.name for f in fields(DeltasyncUpdateInfo)][:2] == ["step", "kind"]
