@@ -191,8 +191,9 @@ class DeltasyncEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInf
         served = self.recipe.name if self.recipe else None
         if init_info.quantization != served:
             raise ValueError(
-                f"the root is quantized {init_info.quantization or 'not at all (bf16)'}, this server serves "
-                f"{served or 'bf16'}: start it with the root's --quantization"
+                f"init_info names a {init_info.quantization or 'bf16'} root, this server serves "
+                f"{served or 'bf16'}: a replica follows a root of its own --quantization (deltasync follow "
+                "--quantization)"
             )
         if init_info.write == "vllm" and served:
             raise ValueError(
