@@ -175,3 +175,39 @@ def test_plugin_registers_the_backend_lazily():
     assert issubclass(DeltasyncEngine, WeightTransferEngine)
     assert [f.name for f in fields(DeltasyncInitInfo)] == ["root", "write", "quantization"]
     assert [f.name for f in fields(DeltasyncUpdateInfo)][:2] == ["step", "kind"]
+
+
+def test_fp8_per_channel_linears_are_recognized():
+    """`--quantization fp8_per_channel` gives each linear layer `Fp8PtpcOnlineLinearMethod`, which replaces
+    `weight` by the transpose of its [N, K] codes and `weight_scale` by its scales after loading, then hands
+    the layer to `fp8_linear`; the kernel that prepacks them is the class `fp8_linears` refuses by name. A
+    fused layer's shards are its `output_sizes` rows in `packed_modules_mapping` order (Qwen3's here)."""
+    import torch
+    from vllm.config.quantization import _ONLINE_SHORTHANDS
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUFP8W8A8ScaledMMLinearKernel
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+    from vllm.model_executor.layers.quantization.online import base
+    from vllm.model_executor.layers.quantization.online.fp8 import Fp8PtpcOnlineLinearMethod
+    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+    from deltasync.vllm import compat
+
+    weight = _ONLINE_SHORTHANDS["fp8_per_channel"].linear.weight
+    assert base._ONLINE_LINEAR_METHODS[weight] is Fp8PtpcOnlineLinearMethod
+    source = inspect.getsource(Fp8PtpcOnlineLinearMethod.process_weights_after_loading)
+    assert 'replace_parameter(layer, "weight", qweight.t())' in source
+    assert 'replace_parameter(layer, "weight_scale", weight_scale)' in source
+    assert "self.fp8_linear.process_weights_after_loading(layer)" in source
+    prepack = inspect.getsource(CPUFP8W8A8ScaledMMLinearKernel.process_weights_after_loading)
+    assert "float8_linear_prepack_cpu" in prepack
+    assert Qwen3ForCausalLM.packed_modules_mapping["gate_up_proj"] == ["gate_proj", "up_proj"]
+    assert "self.output_sizes = output_sizes" in inspect.getsource(MergedColumnParallelLinear.__init__)
+
+    layer = torch.nn.Linear(2, 2)
+    layer.quant_method = object.__new__(Fp8PtpcOnlineLinearMethod)  # as vLLM builds it, minus the kernel
+    layer.quant_method.fp8_linear = object()
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), layer)
+    assert compat.fp8_linears(model) == [("1", layer)]
+    layer.quant_method.fp8_linear = object.__new__(CPUFP8W8A8ScaledMMLinearKernel)
+    with pytest.raises(ValueError, match="1: fp8 weights prepacked by CPUFP8W8A8ScaledMMLinearKernel"):
+        compat.fp8_linears(model)
