@@ -3,7 +3,7 @@ tensors are, and the host backend's coder for the compact streams, which come to
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ class TorchBackend(HostBackend):
             idx = torch.nonzero_static(mask, size=count).squeeze(1)
             found[name] = TensorChanges(idx, new_bits[idx].view(torch.bfloat16))
         return found, {}
+
+    def state_fingerprint(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        return fingerprint.row_fingerprint(tensors)  # torch's ops where the tensors are
 
     def decoder(
         self,

@@ -47,7 +47,19 @@ class HostBackend(Backend):
         return found, moves
 
     def state_fingerprint(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        return fingerprint.row_fingerprint(tensors)
+        """Each tensor's rows in one compiled pass, in spans of whole rows on every core: no temporaries."""
+        from deltasync.codec import kernels  # not at import time: see deltasync.codec.kernels
+
+        r1, total = fingerprint.R1.astype(np.int64), 0
+        for name, t in tensors:
+            flat, seed = bits(t).numpy(), fingerprint.seed(name)
+
+            def rows(span: tuple[int, int], flat=flat, seed=seed) -> int:
+                lo, hi = span
+                return int(kernels.fingerprint_rows(flat[lo:hi], r1, seed, lo // fingerprint.ROW))
+
+            total += sum(parallel_map(rows, spans(flat.size), None))
+        return total & fingerprint.MASK64
 
     def compact_streams(
         self,
@@ -198,13 +210,14 @@ def host_streams(
 
 
 def warm_up() -> None:
-    """Run this backend's loops of a publisher's steps once on a tiny state (change detection, the compact
-    coder, a packed anchor), so that numba loads (or compiles) them now, not on a run's first steps: a
-    publisher does it at start, beside training."""
+    """Run this backend's loops of a publisher's steps once on a tiny state (the fingerprint, change
+    detection, the compact coder, a packed anchor), so that numba loads (or compiles) them now, not on a
+    run's first steps: a publisher does it at start, beside training."""
     g = torch.Generator().manual_seed(0)
     old = torch.randn(1 << 14, generator=g).bfloat16()
     new = old.clone()
     new[::64] += 1e-2  # sparse enough to be coded compact, as a training step's changes are
+    HostBackend().state_fingerprint([("warm-up", old)])
     changes, _ = HostBackend().scan({"warm-up": (bits(old), bits(new))}, threads=1)
     host_streams(changes, {"warm-up": old}, 1 << 12, threads=1)
     packed.pack(new, threads=1)

@@ -149,6 +149,24 @@ def fingerprint_delta(seed, r1, positions, old, new):
     return total
 
 
+@_jit
+def fingerprint_rows(bits, r1, seed, first_row):
+    """sum over rows of r1.size elements of int16 `bits` (the last may be short) of sum(bits * r1) *
+    (splitmix64(row ^ seed) | 1), rows counted from `first_row`, mod 2^64: see codec.fingerprint. A row's
+    sum is exact in int64 (|bits * r1| < 2^47)."""
+    n, width, total = bits.size, r1.size, np.uint64(0)
+    for r in range((n + width - 1) // width):
+        start, row_sum = r * width, np.int64(0)
+        if start + width <= n:  # a constant trip count lets the compiler vectorize
+            for j in range(width):
+                row_sum += np.int64(bits[start + j]) * r1[j]
+        else:
+            for j in range(n - start):
+                row_sum += np.int64(bits[start + j]) * r1[j]
+        total += np.uint64(row_sum) * (_splitmix64(np.uint64(first_row + r) ^ seed) | _ONE)
+    return total
+
+
 # ----------------------------------------------------------------------------------------------- compact
 
 

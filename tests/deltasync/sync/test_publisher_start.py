@@ -26,8 +26,9 @@ print(" ".join(loaded))
 def test_the_codecs_loops_are_loaded_before_the_first_publish():
     out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, check=True).stdout
     loaded = set(out.split())
-    # change detection, the compact coder's passes and rANS, the packed anchor's split: the first steps' work
-    assert {"changed_positions", "encode_symbols", "ans_encode", "split_exponents"} <= loaded, out
+    # the fingerprint, change detection, the compact coder and rANS, the packed anchor: the first steps' work
+    first_steps = {"fingerprint_rows", "changed_positions", "encode_symbols", "ans_encode", "split_exponents"}
+    assert first_steps <= loaded, out
 
 
 def test_the_second_buffer_is_touched_beside_training(tmp_path):
