@@ -23,6 +23,10 @@ Configuration, from the environment:
     ENGINE_ARGS        more `vllm serve` flags, e.g. "--max-model-len 4096 --gpu-memory-utilization 0.85"
     MAX_LORA_RANK      serve a LoRA root, of adapters up to this rank, even before its trainer has written
                        run.json (unset or 0: a LoRA root if run.json says so when the Space starts)
+    QUANTIZATION       serve a quantized root (vLLM's --quantization: fp8_per_channel or
+                       int8_per_channel_weight_only) even before its trainer has written run.json (unset: the
+                       recipe run.json names when the Space starts, else bf16); one that differs from
+                       run.json's stops the Space in one line
 
 A LoRA root (MAX_LORA_RANK set, or its run.json says so when the Space starts: a trainer in adapter mode
 published to it) is served differently: vLLM runs with LoRA on (--max-lora-rank from MAX_LORA_RANK or the
@@ -65,7 +69,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import get_args
+from typing import Annotated, get_args
 
 import gradio as gr
 import psutil
@@ -74,7 +78,7 @@ import uvicorn
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import REGISTRY
-from pydantic import Field, SecretStr
+from pydantic import AfterValidator, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from transformers import AutoConfig, AutoModelForCausalLM
 from vllm import SamplingParams
@@ -85,6 +89,7 @@ from vllm.platforms import current_platform
 from appkit.asgi import BodyLimit
 from appkit.settings import from_env
 from deltasync.codec.patch import schema_hash
+from deltasync.quant.recipe import recipe
 from deltasync.storage import POLL_BUDGET, open_storage, rate_limited_line, redact
 from deltasync.sync.protocol import read_run
 from deltasync.sync.subscriber import Subscriber
@@ -135,6 +140,8 @@ class Settings(BaseSettings):
     engine_args: str = ""
     # > 0: serve a LoRA root, whatever run.json says (or does not yet) at start
     max_lora_rank: int = Field(0, ge=0, le=max(LORA_RANKS))
+    # a quantized root's recipe, whatever run.json says (or does not yet) at start; "": run.json's
+    quantization: Annotated[str, AfterValidator(lambda name: name and recipe(name).name)] = ""  # one line
 
     @property
     def served_names(self) -> list[str]:
@@ -170,6 +177,7 @@ def sync_status(cfg: Settings, subscriber: Subscriber, applier: EngineApplier, i
         "weight_version": applier.version,
         "schema_hash": schema_hash(subscriber.run.schema) if subscriber.run else None,  # checked by preflight
         "lora_config": None,  # full weights (a LoRA trainer's preflight refuses this replica)
+        "quantization": applier.quantization,  # the recipe vLLM serves (None: bf16)
         "paused_until_anchor": applier.stuck,
         "last_error": subscriber.last_error,
         "rate_limited_until": subscriber.storage.rate_limited_until,  # the Hub refuses requests until then
@@ -284,7 +292,7 @@ def front_page(cfg: Settings, engine, status: Callable[[], dict]) -> gr.Blocks:
         summary = (
             f"**step** {s['step']} (anchor {s['anchor']}) · **head** {s['head_step']} · "
             f"**lag** {s['lag_steps']} steps, {lag_s} · **weight version** {s['weight_version']}"
-        )
+        ) + (f" · **quantized** {s['quantization']}" if s.get("quantization") else "")
         rows = [
             [a["step"], a["kind"], a["changed"], a["payload_bytes"], round(a["download_s"], 3)]
             + [round(1e3 * a["apply_s"], 1), round(1e3 * (a["pause_s"] or 0), 1), round(a["lag_s"], 2)]
@@ -368,9 +376,12 @@ async def public_app(
     return BodyLimit(in_flight, cfg.max_request_bytes)
 
 
-def server_args(cfg: Settings, lora: dict | None = None):
-    """vLLM's arguments; `lora`: the root's `RunInfo.lora` (a LoRA root), which turns LoRA serving on."""
+def server_args(cfg: Settings, lora: dict | None = None, quantization: str | None = None):
+    """vLLM's arguments; `lora`: the root's `RunInfo.lora` (a LoRA root), which turns LoRA serving on;
+    `quantization`: the recipe of a quantized root (`quantization_of`)."""
     argv = ["--model", cfg.model, "--dtype", "bfloat16", "--served-model-name", *cfg.served_names]
+    if quantization:
+        argv += ["--quantization", quantization]
     if lora is not None:  # room for the versions rollouts may still name (TRL's max_staleness 4, plus 1)
         rank = served_rank(cfg.max_lora_rank, lora_rank(lora))
         argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(MAX_LORAS)]
@@ -439,6 +450,24 @@ def lora_of(cfg: Settings) -> dict | None:
     return run.lora
 
 
+def quantization_of(cfg: Settings) -> str | None:
+    """The recipe vLLM serves (--quantization) and the follower follows: run.json's, or QUANTIZATION before
+    run.json exists (vLLM quantizes at load, so a Space started before its trainer cannot wait); None: bf16.
+    SystemExit (one line) when QUANTIZATION differs from run.json's or is asked of a LoRA root."""
+    if cfg.quantization and cfg.max_lora_rank:
+        raise SystemExit("QUANTIZATION and MAX_LORA_RANK are both set: a LoRA root is never quantized")
+    try:
+        run = read_run(open_storage(cfg.sync_root))
+    except FileNotFoundError:
+        return cfg.quantization or None
+    if cfg.quantization and cfg.quantization != run.quantization:
+        raise SystemExit(
+            f"QUANTIZATION is {cfg.quantization}, but {redact(cfg.sync_root)} holds weights of {run.model} "
+            f"quantized {run.quantization or 'not at all (bf16)'}: unset QUANTIZATION or set it to that"
+        )
+    return run.quantization
+
+
 def lora_rank(lora: dict, where: str = "the root") -> int:
     """The rank of a LoRA root's adapter ({}: MAX_LORA_RANK's root, not written yet, counts as 0); SystemExit
     with one line when its adapter_config holds no rank."""
@@ -498,7 +527,8 @@ async def serve(cfg: Settings) -> None:
     if lora is not None:  # read by vLLM's serving layer and our plugin (deltasync.vllm.lora)
         os.environ.update({ROOT_ENV: cfg.sync_root, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
         register_resolver(cfg.replica_id)
-    args = server_args(cfg, lora)
+    quantization = quantization_of(cfg)
+    args = server_args(cfg, lora, quantization)
     # The public port is bound before the engine starts: a port chosen free cannot go to vLLM's internal ones.
     sock = socket.create_server((cfg.host, cfg.port), reuse_port=False)
     async with compat.engine_client(args) as engine:
@@ -512,6 +542,7 @@ async def serve(cfg: Settings) -> None:
             cfg.sync_root,
             kv_on_update=cfg.kv_on_update,
             in_flight=lambda: in_flight.count,
+            quantization=quantization,
         )
         await engine.update_weight_version(applier.version)
         storage = open_storage(cfg.sync_root, poll_budget=cfg.poll_budget)
