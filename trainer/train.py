@@ -55,6 +55,7 @@ from trl.experimental.async_grpo import AsyncGRPOConfig
 
 from appkit.units import format_bytes
 from deltasync.codec.fingerprint import format_fingerprint
+from deltasync.quant.recipe import RECIPES
 from deltasync.storage import redact
 from deltasync.sync.publisher import PublisherConfig
 from deltasync.trl import (
@@ -173,6 +174,15 @@ class DeltaSyncArguments:
         },
     )
     lora_alpha: int | None = field(default=None, metadata={"help": "LoRA's alpha (default: 2 x --lora_r)."})
+    quantization: str | None = field(
+        default=None,
+        metadata={
+            "help": "Publish a quantized root: the recipe, as vLLM's --quantization names it, its replicas "
+            "serve (the inference Space: QUANTIZATION, or a root whose run.json says so when it starts); "
+            "their quantized weights follow the trainer's bf16 ones bit for bit. Unset: bf16.",
+            "choices": list(RECIPES),
+        },
+    )
     measure_merged: bool = field(
         default=False,
         metadata={
@@ -196,6 +206,8 @@ class DeltaSyncArguments:
         missing = [f"--{n}" for n in ("sync_root", "inference_url", "env_url") if not getattr(self, n)]
         if missing:
             raise SystemExit(f"missing {', '.join(missing)} (see --help)")
+        if self.quantization and self.lora_r:
+            raise SystemExit("--quantization and --lora_r: a LoRA root is never quantized")
         urls = [self.inference_url] if isinstance(self.inference_url, str) else self.inference_url
         self.inference_url = [u.rstrip("/") for url in urls for u in url.split(",") if u.strip()]
 
@@ -420,6 +432,7 @@ def build_trainer(
             anchor_every=ours.anchor_every,
             keep_anchors=ours.keep_anchors,
             previous_copy=ours.previous_copy,
+            quantization=ours.quantization,
         ),
         guard=stop.guard,
         lora_name=LORA_NAME if ours.lora_r else None,

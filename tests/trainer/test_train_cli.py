@@ -70,6 +70,16 @@ def test_several_inference_urls():
     assert parse_args(REQUIRED)[0].inference_url == ["http://infer"]
 
 
+def test_quantization_names_a_recipe_the_publisher_gets(capsys):
+    assert parse_args(REQUIRED)[0].quantization is None  # bf16
+    assert parse_args([*REQUIRED, "--quantization", "fp8_per_channel"])[0].quantization == "fp8_per_channel"
+    with pytest.raises(SystemExit):
+        parse_args([*REQUIRED, "--quantization", "fp8"])
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="^--quantization and --lora_r: a LoRA root is never quantized$"):
+        parse_args([*REQUIRED, "--quantization", "fp8_per_channel", "--lora_r", "8"])
+
+
 def test_a_failure_is_named_by_its_root_cause():
     try:
         try:
