@@ -17,6 +17,8 @@ Environment:
                        trainer.tiny_model.default_model_dir(): $DELTASYNC_CACHE or ~/.cache/deltasync)
     DEMO_LORA          1: train a LoRA adapter (rank LORA_RANK) instead of all the weights; the replica serves
                        each step N as the adapter policy-vN (it starts with MAX_LORA_RANK: before run.json)
+    DEMO_QUANT         a recipe (fp8_per_channel): the trainer publishes a quantized root, the replica's vLLM
+                       serves it quantized (--quantization) and follows it bit for bit (QUANTIZATION)
     DEMO_TRAINER_ARGS  trainer flags (default: DEFAULT_TRAINER_ARGS, with DEMO_LORA LORA_TRAINER_ARGS), e.g.
                        "--reward short --max_grad_norm 1"
     ENGINE_ARGS        flags for the inference replica's vLLM (default: DEFAULT_ENGINE_ARGS)
@@ -97,11 +99,13 @@ def summarize(root: str | Path) -> dict[str, Any]:
     rewards = [(r.step, r.info[REWARD_KEY]) for r in records if REWARD_KEY in r.info]
     mean_payload, full = summary["mean_delta_payload_bytes"], summary["full_bytes"]
     try:
-        lora = read_run(reader.storage).lora
+        run = read_run(reader.storage)
+        lora, quantization = run.lora, run.quantization
     except FileNotFoundError:  # nothing published
-        lora = None
+        lora, quantization = None, None
     return {
         "root": str(root),
+        "quantization": quantization,  # the recipe a quantized root's replicas serve (run.json's)
         "steps": summary["steps"],
         "latest_step": summary["latest_step"],
         "anchors": summary["anchors"],
@@ -184,6 +188,8 @@ def format_summary(s: dict[str, Any]) -> str:
         "  median sync latency   "
         + ("-" if latency is None else f"{latency:.2f} s (publish to verified apply)")
     )
+    if s["quantization"]:
+        lines.append(f"  replicas serve        {s['quantization']} (vLLM's codes and scales, verified)")
     if "lora" in s:
         lines += lora_lines(s)
     for name, missing in ({} if "lora" in s else s["unverified_steps"]).items():
@@ -317,6 +323,7 @@ class Settings(BaseSettings):
     demo_headless: bool = False
     demo_model: Path | None = None  # None: the cached tiny model
     demo_lora: bool = False
+    demo_quant: str | None = None  # a recipe: a quantized root and replica
     demo_trainer_args: str | None = None  # None: DEFAULT_TRAINER_ARGS, with demo_lora LORA_TRAINER_ARGS
     engine_args: str = DEFAULT_ENGINE_ARGS
 
@@ -457,6 +464,7 @@ def run(settings: Settings, demo: Demo) -> int:
         ENGINE_ARGS=settings.engine_args,
         # LoRA is fixed when vLLM's engine starts, which is before the trainer writes run.json
         **({"MAX_LORA_RANK": str(LORA_RANK)} if settings.demo_lora else {}),
+        **({"QUANTIZATION": settings.demo_quant} if settings.demo_quant else {}),  # fixed at start, too
     )
     demo.start_app("dashboard", "/api/summary", SYNC_ROOT=str(demo.root), REFRESH_S="1")
     print("starting the env, vLLM and the dashboard (vLLM takes ~20-60 s on CPU) ...", flush=True)
@@ -472,6 +480,8 @@ def run(settings: Settings, demo: Demo) -> int:
     argv += ["--max_steps", str(settings.demo_steps), "--output_dir", str(demo.dir / "trainer")]
     if settings.demo_lora:
         argv += ["--lora_r", str(LORA_RANK), "--measure_merged", "true"]
+    if settings.demo_quant:
+        argv += ["--quantization", settings.demo_quant]
     argv += ["--seed", str(settings.demo_seed), *shlex.split(settings.trainer_args)]
     print(f"training: {shlex.join(argv)}\n  (log: {demo.logs / 'trainer.log'})", flush=True)
     reader = TelemetryReader(open_storage(str(demo.root)))
