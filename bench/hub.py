@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 
 import httpx2
@@ -39,6 +40,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
+import huggingface_hub._bucket_live_follow
 from huggingface_hub import set_client_factory
 
 from deltasync.errors import SyncError
@@ -72,6 +74,28 @@ def train(p: dict[str, torch.Tensor], step: int) -> None:
     g = torch.Generator().manual_seed(step)
     for t in p.values():
         t += (torch.rand(t.shape, generator=g) < 0.01) * 0.05 * t.abs().clamp_min(1e-3)
+
+
+class ThreadClients:
+    """huggingface_hub's one HTTP client as a client per thread. Every replica's feed has a thread of its own,
+    so a connection pool of its own, as a replica in a process of its own would: one pool holding 1,000 feed
+    connections is scanned at every request and answer of any of them."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def __getattr__(self, name: str):
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = httpx2.Client(follow_redirects=True, timeout=None)
+        return getattr(client, name)
+
+
+def parse_datetime(value: str) -> datetime:
+    """huggingface_hub's `parse_datetime` for the feed's timestamps (`...T12:34:56.789Z`, the same value)
+    without `strptime`, whose process-wide lock the followers of 1,000 replicas in one process queue on
+    (every change's two timestamps, in every follower): replicas in processes of their own would not."""
+    return datetime.fromisoformat(value)
 
 
 def wait(condition, what: str, timeout_s: float = 120.0) -> None:
@@ -112,6 +136,7 @@ class Fleet:
         self.failures: list[str] = []
         self.reader = TelemetryReader(self.storage("dashboard"))
         self.stop = threading.Event()
+        self.pool = ThreadPoolExecutor(SYNC_THREADS)  # kept: its threads' HTTP clients too (ThreadClients)
         for sub in self.subscribers:  # each opens its feed session, as follow() does before it waits
             sub.storage.wait_for_change(self.stop, 0.0)
         wait(lambda: all(s.storage.live for s in self.subscribers), "every replica's feed")  # type: ignore[attr-defined]
@@ -123,21 +148,22 @@ class Fleet:
 
     def settle(self) -> None:
         """Sync every replica, round after round, until each holds the trainer's step."""
-        behind = self.subscribers
-        with ThreadPoolExecutor(SYNC_THREADS) as pool:
-            while behind:
-                failed = len(self.failures)
-                list(pool.map(self.sync, behind))
-                behind = [s for s in behind if s.step != self.step]
-                if len(self.failures) > failed:
-                    print(
-                        f"step {self.step}: {len(self.failures) - failed} syncs failed, "
-                        f"{len(behind)} behind, first: {self.failures[failed]}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                if behind:
-                    time.sleep(0.01)  # their feeds' events are on the way
+        behind, pause = self.subscribers, 0.01
+        while behind:
+            failed = len(self.failures)
+            list(self.pool.map(self.sync, behind))
+            ahead, behind = len(behind), [s for s in behind if s.step != self.step]
+            # A round that moved no one: the feeds' events are still on the way, the next round later.
+            pause = 0.01 if len(behind) < ahead else min(2 * pause, 0.5)
+            if len(self.failures) > failed:
+                print(
+                    f"step {self.step}: {len(self.failures) - failed} syncs failed, "
+                    f"{len(behind)} behind, first: {self.failures[failed]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if behind:
+                time.sleep(pause)
 
     def sync(self, sub: Subscriber) -> None:
         try:
@@ -164,8 +190,7 @@ class Fleet:
                 next_step += step_s or 0
             if due == next_refresh:
                 self.reader.poll()
-                for sub in self.subscribers:
-                    sink_for(sub.storage).flush_due()
+                list(self.pool.map(lambda sub: sink_for(sub.storage).flush_due(), self.subscribers))
                 next_refresh += refresh_s
 
     def publish(self) -> None:
@@ -200,6 +225,7 @@ class Fleet:
     def close(self) -> None:
         self.stop.set()
         self.publisher.close()
+        self.pool.shutdown()
 
 
 def summarize(fleet: Fleet, window: int) -> dict:
@@ -279,10 +305,8 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=10.0)
     parser.add_argument("--refresh-s", type=float, default=2.0)
     args = parser.parse_args()
-    # Every replica would be a process with its own connection pool: here they share one, without a cap.
-    set_client_factory(
-        lambda: httpx2.Client(follow_redirects=True, timeout=None, limits=httpx2.Limits(max_connections=None))
-    )
+    huggingface_hub._bucket_live_follow.parse_datetime = parse_datetime
+    set_client_factory(ThreadClients)
     hub = FakeHub(Path(tempfile.mkdtemp(prefix="bench-hub-cas-")))
     hub.start()
     os.environ["HF_ENDPOINT"] = hub.endpoint
