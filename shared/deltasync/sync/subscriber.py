@@ -363,7 +363,7 @@ class Subscriber:
         if (
             held is not None
             and floor <= held <= goal
-            and any(e.step == held and e.fingerprint == here for e in head.entries)
+            and any(e.step == held and self._held(e) == here for e in head.entries)  # quantized: its own
         ):
             starts.append((None, held))  # replay from what the target holds
         best = None

@@ -16,7 +16,7 @@ from deltasync.quant.state import quantize_state
 from deltasync.storage import open_storage
 from deltasync.sync.protocol import Head, RunInfo, parse_data_path, read_head, read_run
 from deltasync.sync.publisher import Publisher, PublisherConfig
-from deltasync.sync.subscriber import Subscriber, SyncError
+from deltasync.sync.subscriber import FileApplier, Subscriber, SyncError
 from tests.helpers import assert_bitwise_equal, bf16, make_params, train_step
 
 RECIPE = "fp8_per_channel"
@@ -64,6 +64,43 @@ def test_replica_follows_three_steps_bit_for_bit(tmp_path):
             assert torch.equal(replica.quantized[name].scales.view(torch.int32), q.scales.view(torch.int32))
         assert_bitwise_equal(replica.rest, {n: t for n, t in states[entry.step].items() if n not in expected})
     assert set(replica.quantized) == {"model.layers.0.mlp.up_proj.weight"}  # not the embedding, not a bias
+
+
+class ReplicaApplier(FileApplier):
+    """A Subscriber's target that holds a quantized replica (`quant.root.Replica`) as vLLM's engine does."""
+
+    quantization = RECIPE
+
+    def __init__(self) -> None:
+        self.replica: Replica | None = None
+        self.anchors = 0
+
+    def load_files(self, files, step, fingerprint):
+        self.replica, self.anchors = Replica(load_file(files[0]), recipe(RECIPE)), self.anchors + 1
+        assert self.replica.fingerprint == fingerprint
+
+    def patch_bytes(self, parts, step, base, fingerprint):
+        assert self.replica is not None and self.replica.fingerprint == base
+        self.replica.apply(*parts)
+        assert self.replica.fingerprint == fingerprint
+
+    def fingerprint(self):
+        return self.replica.fingerprint if self.replica else None
+
+
+def test_subscriber_continues_from_the_quantized_state_it_holds(tmp_path):
+    """Each new step applies to the replica's quantized state (its fingerprint is the entries' `quantized`),
+    not replayed from the anchor."""
+    target, params = ReplicaApplier(), make_params()
+    subscriber = Subscriber(tmp_path, target, verify_every=1)
+    with Publisher(tmp_path, model="tiny", config=PublisherConfig(quantization=RECIPE)) as publisher:
+        for step in range(3):
+            if step:
+                train_step(params, step, density=0.05)
+            publisher.publish(params, step=step)
+            publisher.flush()
+            assert [a.step for a in subscriber.sync()] == [step]
+    assert target.anchors == 1
 
 
 def test_corrupt_or_foreign_quantized_delta_is_refused_before_any_write(tmp_path):
