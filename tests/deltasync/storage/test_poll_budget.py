@@ -23,7 +23,7 @@ def test_deltasync_follow_polls_within_its_poll_budget(fake_hub, monkeypatch):
     followed = []
 
     class Applier:  # no vLLM server: the follower's own parts are not under test here
-        def __init__(self, engine, root):
+        def __init__(self, engine, root, quantization=None):
             pass
 
         def attach(self, subscriber):
