@@ -29,3 +29,15 @@ def test_bucket_follower():
 def test_bucket_file_change():
     fields = [f.name for f in dataclasses.fields(BucketFileChange)]
     assert fields == ["path", "op", "size", "xet_hash", "uploaded_at", "mtime"]
+
+
+def test_feed_timestamps():
+    """bench.hub swaps the feed's `parse_datetime` for `datetime.fromisoformat` in its own process (1,000
+    replicas' followers in one process would queue on strptime's lock): the name must exist, and both must
+    read the feed's timestamps alike."""
+    from datetime import datetime
+
+    from huggingface_hub import _bucket_live_follow
+
+    stamp = "2026-11-29T12:34:56.789Z"
+    assert _bucket_live_follow.parse_datetime(stamp) == datetime.fromisoformat(stamp)
