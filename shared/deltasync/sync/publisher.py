@@ -116,9 +116,7 @@ class Publisher:
         self._published: dict[str, torch.Tensor] | None = None  # the state the head names (bf16)
         self._published_fp = 0
         self._stored = False  # publish_stored() was called: the ranks, not this publisher, hold the state
-        self._quant: QuantizedRoot | None = (
-            None  # a quantized root's (config.quantization), once the schema is known
-        )
+        self._quant: QuantizedRoot | None = None  # config.quantization's, once the schema is known
         self._head_bytes: set[bytes | None] = {None}  # what the head may be now: what we wrote (or none)
         # Telemetry of published steps and files no head names any more: sent with the next step's data (one
         # request on the Hub), or by flush(), close() and the idle loop.
@@ -588,17 +586,22 @@ class Publisher:
         self._run = read_run(self.storage)
         self._quantize(self._run)
         reader = Subscriber(self.storage)
-        try:
-            if self._run.quantization is not None:  # no bf16 chain past its anchors: one starts here
-                raise SyncError(f"a root quantized {self._run.quantization} holds no bf16 deltas")
-            reader.sync(head.step)
-        except SyncError as e:  # a bad delta must not lock the root: a complete state needs no previous one
-            log.warning(
-                "%s: the head's step %d does not verify (%s): the next step goes out as an anchor alone",
+        if self._run.quantization is not None:  # no bf16 chain past its anchors: the next step starts one
+            log.info(
+                "%s: quantized %s: the next step goes out as an anchor",
                 self.storage.url,
-                head.step,
-                e,
+                self._run.quantization,
             )
+        else:
+            try:
+                reader.sync(head.step)
+            except SyncError as e:  # a bad delta must not lock the root: an anchor needs nothing before it
+                log.warning(
+                    "%s: the head's step %d does not verify (%s): the next step goes out as an anchor alone",
+                    self.storage.url,
+                    head.step,
+                    e,
+                )
         if reader.head not in (None, head):
             raise WriterConflict(f"{self.storage.url}: another publisher moved the head while resuming")
         self.claim.raise_epoch(head.epoch + 1)
