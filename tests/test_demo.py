@@ -1,5 +1,6 @@
-"""`make demo`'s pieces that run in seconds: the summary read from a sync root's telemetry, and the process
-helpers (their own session, stopped whole). The whole demo (vLLM, trainer) is run by `make demo`, not here."""
+"""`make demo`'s pieces that run in seconds: the summary read from a sync root's telemetry (and, with
+`DEMO_QUANT`, the recipe the replicas serve), and the process helpers (their own session, stopped whole). The
+whole demo (vLLM, trainer) is run by `make demo`, not here."""
 
 import dataclasses
 import os
@@ -92,6 +93,25 @@ def test_summary_of_a_lora_root(tmp_path):
     text = format_summary(s)
     assert "policy-v0 .. policy-v2 (LoRA rank 16)" in text and "versions held         2 by r: 1-2" in text
     assert "adapter 100 B, merged path 400 B (4.0x" in text and "verified by replica" not in text
+
+
+def test_the_summary_says_the_recipe_the_replicas_serve(tmp_path, monkeypatch):
+    """`DEMO_QUANT=fp8_per_channel make demo`: the setting is read, and the summary says what the replicas
+    serve, from run.json; a bf16 root's says nothing of it."""
+    import torch
+
+    from deltasync.sync.publisher import Publisher, PublisherConfig
+
+    monkeypatch.setenv("DEMO_QUANT", "fp8_per_channel")
+    assert demo.Settings().demo_quant == "fp8_per_channel"
+    config = PublisherConfig(quantization="fp8_per_channel")
+    with Publisher(tmp_path / "fp8", model="tiny", config=config) as publisher:
+        publisher.publish({"model.layers.0.mlp.up_proj.weight": torch.ones(8, 8)})
+    text = format_summary(summarize(tmp_path / "fp8"))
+    assert "replicas serve        fp8_per_channel (vLLM's codes and scales, verified)" in text
+    with Publisher(tmp_path / "bf16", model="tiny") as publisher:
+        publisher.publish({"w": torch.ones(8, 8)})
+    assert "replicas serve" not in format_summary(summarize(tmp_path / "bf16"))
 
 
 def test_summary_of_an_empty_root(tmp_path):
