@@ -12,7 +12,8 @@ The UI is at `/`; scripts read `GET /api/summary` and `GET /api/series?since=STE
 
 On a LoRA root (run.json's `lora`, read once the first trainer record is in) it also shows the adapter
 versions, each version's payload beside what the merged path would have published (where the trainer measured
-it: `merged_payload_bytes`), and the versions each replica holds (`TelemetryReader.adapter_summary`).
+it: `merged_payload_bytes`), and the versions each replica holds (`TelemetryReader.adapter_summary`). On a
+quantized root (run.json's `quantization`) the status says the recipe the replicas serve.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from appkit.units import format_bytes, format_steps
 from deltasync.errors import EXPECTED
 from deltasync.storage import POLL_BUDGET, LocalStorage, open_storage, redact
 from deltasync.storage.hub import WINDOW_S
-from deltasync.sync.protocol import read_run
+from deltasync.sync.protocol import RunInfo, read_run
 from deltasync.telemetry.reader import TelemetryReader
 
 log = logging.getLogger("deltasync.dashboard")
@@ -123,7 +124,7 @@ class Board:
         self.unread: dict[str, str] = {}
         self.read_at: float | None = None  # end of the last successful poll (unix s)
         self.reader: TelemetryReader | None = None
-        self.lora: dict | None = None  # run.json's `lora`: a LoRA root
+        self.run: RunInfo | None = None  # run.json (None: not read yet, or telemetry alone)
         self._run_read = False  # run.json read (once the trainer's first record is in: it precedes them)
         self._figures: tuple[int, list[go.Figure]] | None = None
         if not root:
@@ -194,22 +195,29 @@ class Board:
 
     def _read_run(self) -> None:
         try:
-            self.lora = read_run(self.reader.storage).lora
+            self.run = read_run(self.reader.storage)
         except FileNotFoundError:  # telemetry alone (copied from a run): shown as full weights
             pass
         except EXPECTED:  # unreadable now: the telemetry is still shown, and the next poll tries again
             return
         self._run_read = True
 
+    @property
+    def lora(self) -> dict | None:
+        """run.json's `lora`: a LoRA root."""
+        return self.run.lora if self.run else None
+
     def summary(self) -> dict[str, Any]:
-        """The reader's summary plus this board's error state (JSON-ready); on a LoRA root, `adapters`."""
+        """The reader's summary plus this board's error state (JSON-ready); once run.json is read, `run`
+        (run_summary); on a LoRA root, `adapters`."""
         with self.lock:
             if self.reader is None:
                 return {"root": self.root, "error": self.error}
             base = self.reader.summary(time.time(), self.stale_after_s)
             state = {"error": self.error, "unread": len(self.unread), "read_at": self.read_at}
+            run = {"run": run_summary(self.run)} if self.run else {}
             adapters = {"adapters": self.reader.adapter_summary(self.lora)} if self.lora else {}
-            return {**base, **state, **adapters, "version": self.version}
+            return {**base, **state, **run, **adapters, "version": self.version}
 
     def series(self, since: int = -1) -> dict[str, Any]:
         with self.lock:
@@ -226,6 +234,12 @@ class Board:
                 figures = build_figures(series, self.lora) if series else [_figure("", "", [])] * len(PLOTS)
                 self._figures = (self.version, figures)
             return self._figures[1]
+
+
+def run_summary(run: RunInfo) -> dict[str, Any]:
+    """The fields of run.json the page shows (run_lines), JSON-ready: the model and, on a quantized root, the
+    recipe its replicas serve (None: bf16)."""
+    return {"model": run.model, "quantization": run.quantization}
 
 
 # ------------------------------------------------------------------------------------------------- figures
@@ -636,6 +650,7 @@ def status_markdown(summary: dict[str, Any], refresh_s: float) -> str:
         lines.append(f"**Live** at {root}: latest step {summary['latest_step']}.")
     if summary["read_at"]:
         lines[-1] += f" Read {fmt_seconds(max(0.0, time.time() - summary['read_at']))} ago."
+    lines += run_lines(summary.get("run"))
     for row in summary["replicas"]:
         if row["status"] == "stopped reporting":
             lines.append(
@@ -671,6 +686,18 @@ def status_markdown(summary: dict[str, Any], refresh_s: float) -> str:
     if summary["unread"]:
         lines.append(f"⚠ {summary['unread']} telemetry files could not be read this time; retrying.")
     return "\n\n".join(lines)
+
+
+def run_lines(run: dict[str, Any] | None) -> list[str]:
+    """What run.json says of the whole run (run_summary), one line per field shown, under the status line:
+    the recipe a quantized root's replicas serve. Nothing before run.json is read or for a bf16 root."""
+    lines = []
+    if run and run["quantization"]:
+        lines.append(
+            f"Replicas serve **{markdown_text(run['quantization'])}** (a quantized root): at every step the "
+            "codes and scales of the trainer's bf16 weights quantized as vLLM does, checked by fingerprint."
+        )
+    return lines
 
 
 def replicas_frame(summary: dict[str, Any]) -> pd.DataFrame:

@@ -355,6 +355,35 @@ def test_lora_root_shows_versions_payload_against_merged_and_versions_held(tmp_p
     assert list(payload.data[-1].y) == merged[1:]
 
 
+@pytest.mark.parametrize("quantization", ["fp8_per_channel", None])
+def test_a_quantized_root_says_the_recipe_its_replicas_serve(tmp_path, dashboard, quantization):
+    """A real quantized root (the publisher's run.json names the recipe): the summary's `run` and the status
+    say what the replicas serve; a bf16 root's says nothing of it. Before the trainer's first record the board
+    has not read run.json, and says nothing either."""
+    torch = pytest.importorskip("torch")
+    from deltasync.sync.publisher import Publisher, PublisherConfig
+
+    board = dashboard.Board(str(tmp_path))
+    board.refresh()
+    assert "run" not in board.summary()
+    params = {"model.layers.0.mlp.up_proj.weight": torch.ones(16, 8), "model.norm.weight": torch.ones(8)}
+    config = PublisherConfig(quantization=quantization)
+    with Publisher(tmp_path, model="tiny", config=config) as publisher:
+        for step in range(2):
+            params["model.layers.0.mlp.up_proj.weight"][step] += 1.0
+            publisher.publish(params, step=step)
+            publisher.flush()
+    board.refresh()
+    summary = json.loads(json.dumps(board.summary()))  # what /api/summary answers
+    assert summary["run"] == {"model": "tiny", "quantization": quantization}
+    assert summary["steps"] == 2 and "adapters" not in summary
+    status = dashboard.status_markdown(summary, 2)
+    if quantization:
+        assert "Replicas serve **fp8\\_per\\_channel** (a quantized root)" in status
+    else:
+        assert "Replicas serve" not in status
+
+
 def test_series_since(tmp_path):
     storage = open_storage(tmp_path)
     write_run(storage, range(0, 10), time.time())
