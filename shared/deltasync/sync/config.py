@@ -29,6 +29,11 @@ class PublisherConfig:
     # --quantization names it (deltasync.quant.recipe); each delta then carries the bf16 patch of the tensors
     # it leaves alone and the quantized delta; anchors stay bf16. None: a bf16 root.
     quantization: str | None = None
+    # A signed root (docs/protocol.md, "Signed steps"): the private key file (`deltasync keygen`) that signs
+    # run.json and every head; replicas given its public key refuse anything else. `previous_signing_key`:
+    # the key that signed the run so far, which endorses this one (rotation). None: unsigned.
+    signing_key: str | None = None
+    previous_signing_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.previous_copy not in PREVIOUS_COPIES:

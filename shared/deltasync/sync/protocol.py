@@ -270,6 +270,10 @@ _VERSIONED = TypeAdapter(_Versioned)
 
 
 _RECIPE_NAME = re.compile(r"[a-z0-9_]{1,64}")  # deltasync.quant.recipe knows which ones a replica serves
+_PUBLIC_KEY = re.compile(r"ed25519:[A-Za-z0-9+/]{43}=")  # deltasync.sync.signing's one-line form
+_SIGNATURE = re.compile(r"[A-Za-z0-9+/]{86}==")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+RUN_ID = re.compile(r"[0-9a-f]{32}")
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(?:/[A-Za-z0-9][\w.-]{0,95})?")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
@@ -305,6 +309,30 @@ class ModelReference:
         return None
 
 
+@with_config(STRICT)
+@dataclass(frozen=True)
+class Signing:
+    """A signed run (deltasync.sync.signing): its id, when it began (a restored older run began earlier),
+    and the keys that signed it, oldest first; the last signs run.json and the heads, each endorses the
+    next (`endorsements[i]`: keys[i]'s signature naming keys[i + 1])."""
+
+    run: str
+    started_at: float
+    keys: tuple[str, ...]
+    endorsements: tuple[str, ...] = ()
+
+    def problem(self) -> str | None:
+        if not RUN_ID.fullmatch(self.run):
+            return f"run id {self.run!r:.60} is not 32 hex digits"
+        if not 1 <= len(self.keys) <= 100 or not all(_PUBLIC_KEY.fullmatch(k) for k in self.keys):
+            return "its keys are not 1 to 100 public keys (ed25519:<base64>)"
+        if len(self.endorsements) != len(self.keys) - 1 or not all(
+            _SIGNATURE.fullmatch(e) for e in self.endorsements
+        ):
+            return "each key after the first needs one endorsement (a base64 signature) by the key before"
+        return None
+
+
 def _checked_lora(lora: dict | None) -> dict | None:
     if lora is not None and not (
         isinstance(lora.get("name"), str) and isinstance(lora.get("adapter_config"), dict)
@@ -332,6 +360,7 @@ class RunInfo:
     # A quantized root (deltasync.quant): the recipe, as vLLM's --quantization names it, its replicas serve;
     # its deltas are the bf16 patch of the tensors the recipe leaves alone plus a quantized delta. None: bf16.
     quantization: str | None = None
+    signing: Signing | None = None  # a signed run (deltasync.sync.signing); None: unsigned
 
     @classmethod
     def of(
@@ -355,7 +384,8 @@ class RunInfo:
 
     def to_json(self) -> bytes:
         raw = {"version": FORMAT_VERSION, **asdict(self)}
-        for optional in ("lora", "base", "quantization"):  # without them: the run.json it always had
+        # Without them: the run.json it always had.
+        for optional in ("lora", "base", "quantization", "signing"):
             if raw[optional] is None:
                 del raw[optional]
         return json.dumps(raw, indent=1).encode()
@@ -378,6 +408,9 @@ class RunInfo:
             raise ManifestError(f"{RUN_PATH}: quantization {run.quantization!r:.60} is not a recipe name")
         if run.quantization is not None and run.lora is not None:
             raise ManifestError(f"{RUN_PATH}: a LoRA root cannot be quantized")
+        problem = run.signing.problem() if run.signing else None
+        if problem:
+            raise ManifestError(f"{RUN_PATH}: bad signing block: {problem}")
         return run
 
 
@@ -399,6 +432,7 @@ class Entry:
     # the bf16 tensors the recipe leaves alone plus the codes and scales); its deltas are two files (the bf16
     # patch of those tensors, then the quantized delta, protocol.delta_files).
     quantized: str | None = None
+    sha256: tuple[str, ...] | None = None  # a signed root's: of each file, in order (deltasync.sync.signing)
 
 
 @with_config(STRICT)
@@ -412,6 +446,7 @@ class Head:
     entries: tuple[Entry, ...]
     epoch: Count = 0
     writer: str = ""
+    run: str = ""  # a signed run's id (RunInfo.signing): binds the head to that run.json
 
     @property
     def anchors(self) -> list[Entry]:
@@ -437,6 +472,7 @@ class Head:
                 "fingerprint": self.fingerprint,
                 "epoch": self.epoch,
                 "writer": self.writer,
+                **({"run": self.run} if self.run else {}),
                 "entries": entries,
             },
             indent=1,
@@ -451,6 +487,8 @@ class Head:
         return head
 
     def _check_chain(self) -> None:
+        if self.run and not RUN_ID.fullmatch(self.run):
+            raise ManifestError(f"{HEAD_PATH}: run id {self.run!r:.60} is not 32 hex digits")
         if not self.entries or self.entries[0].kind not in STARTS:
             raise ManifestError(f"{HEAD_PATH}: the chain must start at an anchor")
         if any(e.kind == "base" for e in self.entries[1:]):
@@ -476,6 +514,10 @@ class Head:
 def _check_entry(entry: Entry, index: int) -> None:
     """What types do not say: the kind, the base step, and that the files are where a writer puts them."""
     what, kind, step, files = f"{HEAD_PATH} entry {index}", entry.kind, entry.step, entry.files
+    if entry.sha256 is not None and (
+        len(entry.sha256) != len(files) or not all(_SHA256.fullmatch(d) for d in entry.sha256)
+    ):
+        raise ManifestError(f"{what}: sha256 must hold one digest (64 hex digits) per file")
     if kind == "delta":
         if entry.base_step is None:
             raise ManifestError(f"{what}: a delta without a base step")

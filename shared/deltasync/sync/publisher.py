@@ -62,8 +62,8 @@ from deltasync.sync.protocol import (
     epoch_head_path,
     read_head_bytes,
     read_manifest,
-    read_run,
 )
+from deltasync.sync.signing import RunSigner, Trust, sha256_of, short
 from deltasync.sync.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class StoredDelta:
     changed: int
     fingerprint: int  # of the state after the step
     encode_s: float = 0.0  # the slowest part's
+    sha256: tuple[str, ...] | None = None  # of each part, in order: what a signed head names
 
 
 @dataclass
@@ -110,6 +111,7 @@ class Publisher:
         self.model, self.lora = model, lora  # lora: run.json's mark of a LoRA root (RunInfo.lora)
         self.model_revision = model_revision
         self.config = config or PublisherConfig()
+        self._signer = RunSigner.load(self.config.signing_key, self.config.previous_signing_key)
         self._spare: dict[str, torch.Tensor] | None = None  # a buffer the worker gave back
         self._run: RunInfo | None = None
         self._head: Head | None = None
@@ -282,6 +284,7 @@ class Publisher:
     def _allocate(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self._run is None:
             self._run = RunInfo.of(self.model, params, self.lora, self.config.quantization)
+            self._run = self._signer.start(self._run) if self._signer else self._run
             self._quantize(self._run)
         on_device = keeps_on_device(self.config, params.values())
         pin = not on_device and any(t.is_cuda for t in params.values())  # D2H copies into it do not stall
@@ -365,12 +368,13 @@ class Publisher:
         reference = self._reference(job, fp) if head is None else None
         if head is None:
             self._run = replace(self._run, base=reference[0] if reference else None)
-            self.storage.write_bytes(RUN_PATH, self._run.to_json())
+            self.storage.write_bytes(RUN_PATH, self._run_json())
         with tempfile.TemporaryDirectory(prefix="deltasync-") as tmp:
             anchor_files = [] if reference else self._anchor(job, delta, fp, Path(tmp))
             encode_s = time.perf_counter() - start + (job.stored.encode_s if job.stored else 0.0)
             current = self._upload(delta.files if delta and data else (), data, anchor_files)
             anchor_bytes = sum(local.stat().st_size for local, _ in anchor_files)
+            anchor_sha256 = self._digests(local for local, _ in anchor_files)
         now, fp_text = time.time(), fingerprint.format_fingerprint(fp)
         entries = []
         if delta is not None and head is not None:
@@ -385,17 +389,29 @@ class Publisher:
                     delta.changed,
                     head.step,
                     quantized,
+                    delta.sha256,
                 )
             )
         if anchor_files:
             files = tuple(path for _, path in anchor_files)
-            entries.append(Entry(job.step, "anchor", files, anchor_bytes, fp_text, now, quantized=quantized))
+            entries.append(
+                Entry(
+                    job.step,
+                    "anchor",
+                    files,
+                    anchor_bytes,
+                    fp_text,
+                    now,
+                    quantized=quantized,
+                    sha256=anchor_sha256,
+                )
+            )
         if reference:  # the model repository's files: none of the root's
             entries.append(Entry(job.step, "base", (), reference[1], fp_text, now, quantized=quantized))
         # Without a delta the step starts a new chain (the run's first step, or a head whose state could not
         # be verified on resume): its anchor needs nothing before it.
         kept = retained([*(head.entries if head and delta else ()), *entries], self.config.keep_anchors)
-        new_head = Head(job.step, fp_text, kept, self.claim.epoch, self.claim.holder)
+        new_head = Head(job.step, fp_text, kept, self.claim.epoch, self.claim.holder, self._run_id)
         self._write_head(new_head, current)  # the step is acknowledged from here on
         upload_s = time.perf_counter() - start - encode_s
         with self._worker.lock:
@@ -453,7 +469,23 @@ class Publisher:
             *data, held = self._quant.delta(patch, old, job.state, self.config.encoding, threads)
         # Only this claim writes them: a fenced writer never can.
         files = delta_files(job.step, self.claim.tag, quantized=held is not None)
-        return StoredDelta(files, sum(map(len, data)), patch.changed, patch.fingerprint), data, held
+        sha256 = self._digests(data)
+        stored = StoredDelta(files, sum(map(len, data)), patch.changed, patch.fingerprint, sha256=sha256)
+        return stored, data, held
+
+    def _digests(self, files: Iterable[bytes | Path]) -> tuple[str, ...] | None:
+        """The SHA-256 of each of a step's files (bytes, or local files), as a signed head names them; None
+        for an unsigned root."""
+        return tuple(map(sha256_of, files)) if self._signer else None
+
+    @property
+    def _run_id(self) -> str:
+        signing = self._run.signing if self._run else None
+        return signing.run if signing else ""
+
+    def _run_json(self) -> bytes:
+        assert self._run is not None  # known before the first write
+        return self._signer.run_json(self._run) if self._signer else self._run.to_json()
 
     def _reference(self, job: _Pending, fp: int) -> tuple[ModelReference, int] | None:
         """The Hub model `model` at `model_revision`, pinned to its commit, and its weights' size, if the
@@ -511,7 +543,7 @@ class Publisher:
         """Write `head` as the only writer (see deltasync.sync.claim). `current`, the head read just before,
         must be the one this publisher wrote last (or a fenced writer's); returning acknowledges the step:
         the head read back is what was written and the lease is still this claim's. Else WriterConflict."""
-        data = head.to_json()
+        data = self._signer.head_json(head) if self._signer else head.to_json()
         Head.from_json(data)  # a head readers would refuse is never written (ManifestError)
         self._check_current(current)
         self.claim.check_live()
@@ -533,8 +565,17 @@ class Publisher:
 
     def _check_current(self, current: bytes | None) -> None:
         """WriterConflict unless the head is the one this publisher wrote last, or one written by a fenced
-        writer (a smaller epoch) after it: that one is replaced."""
+        writer (a smaller epoch) after it, or on a signed run one its key did not sign: that one is
+        replaced."""
         if current in self._head_bytes:
+            return
+        forged = (
+            current is not None and self._signer and self._run and not self._signer.signed(current, self._run)
+        )
+        if forged:  # not a publisher of this run: no conflict to stop for
+            log.warning(
+                "%s: replacing a head this run's key did not sign (%s)", self.storage.url, _writer_of(current)
+            )
             return
         try:
             other = Head.from_json(current) if current is not None else None
@@ -563,6 +604,16 @@ class Publisher:
         if run.quantization is not None:
             self._quant = QuantizedRoot(run.quantization, run.schema)
 
+    def _signed_run(self, run: RunInfo, data: bytes) -> RunInfo:
+        """`run` (read as `data`) as this publisher goes on with it: signed by its key (see RunSigner.resume);
+        ValueError for a signed run and a publisher without a key."""
+        if self._signer is not None:
+            return self._signer.resume(run, data)
+        if run.signing is not None:
+            key = short(run.signing.keys[-1])
+            raise ValueError(f"{self.storage.url}: the run is signed by {key}: pass its signing_key")
+        return run
+
     def _current_head(self) -> bytes | None:
         try:
             return read_manifest(self.storage, HEAD_PATH)
@@ -583,9 +634,21 @@ class Publisher:
         if data is None:
             return
         head = Head.from_json(data)
-        self._run = read_run(self.storage)
+        run_data = read_manifest(self.storage, RUN_PATH)
+        read = RunInfo.from_json(run_data)
+        self._run = self._signed_run(read, run_data)
         self._quantize(self._run)
-        reader = Subscriber(self.storage)
+        trust = Trust(read.signing.keys[-1:] if read.signing else ())
+        if self._signer is not None:
+            try:  # the head as the run's key signed it: a forger's is not continued
+                if read.signing is None:
+                    raise ManifestError("its steps so far are unsigned")
+                head = trust.head(data, read)
+            except ManifestError as e:
+                log.warning("%s: %s: the next step starts a signed chain with an anchor", self.storage.url, e)
+                self.storage.write_bytes(RUN_PATH, self._run_json())
+                return
+        reader = Subscriber(self.storage, trust=trust)
         if self._run.quantization is not None:  # no bf16 chain past its anchors: the next step starts one
             log.info(
                 "%s: quantized %s: the next step goes out as an anchor",
@@ -606,6 +669,8 @@ class Publisher:
             raise WriterConflict(f"{self.storage.url}: another publisher moved the head while resuming")
         self.claim.raise_epoch(head.epoch + 1)
         self._head = replace(head, epoch=self.claim.epoch, writer=self.claim.holder)
+        if self._signer is not None and run_data != self._run_json():  # rotated: the new key signs on
+            self.storage.write_bytes(RUN_PATH, self._run_json())
         self._write_head(self._head, self._current_head())
         if reader.step == head.step:
             self._published, self._published_fp = reader.state, reader.fingerprint

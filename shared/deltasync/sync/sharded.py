@@ -47,6 +47,7 @@ from deltasync.errors import EXPECTED
 from deltasync.storage import Storage, open_storage, retry
 from deltasync.sync.protocol import delta_paths
 from deltasync.sync.publisher import Publisher, PublisherConfig, StoredDelta, info_problem, keeps_on_device
+from deltasync.sync.signing import sha256_of
 from deltasync.sync.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -253,7 +254,8 @@ class ShardedPublisher:
                 shapes=self.shapes,
             )
             retry(lambda: self.storage.write_bytes(path, data), self.config.retry_s, attempts=6)
-            stored = (path, len(data), patch.changed, time.perf_counter() - start)
+            digest = sha256_of(data) if self.config.signing_key else None  # what a signed head names
+            stored = (path, len(data), patch.changed, time.perf_counter() - start, digest)
         except Exception as e:
             failure = f"rank {self.rank}: {_problem(e)}"
         parts = self._to_writer((stored, failure))
@@ -272,9 +274,10 @@ class ShardedPublisher:
         error = None
         if self.publisher is not None:
             assert parts is not None  # the writer's
-            files, sizes, changed, seconds = (list(c) for c in zip(*[s for s, _ in parts], strict=True))
+            files, sizes, changed, seconds, digests = zip(*[s for s, _ in parts], strict=True)
+            sha256 = None if None in digests else tuple(digests)
             try:
-                delta = StoredDelta(tuple(files), sum(sizes), sum(changed), fp, max(seconds))
+                delta = StoredDelta(files, sum(sizes), sum(changed), fp, max(seconds), sha256)
                 self.publisher.publish_stored(delta, step, full, info)
             except Exception as e:
                 error = e

@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,8 +52,9 @@ from deltasync.sync.protocol import (
     delta_path,
     parse_data_path,
     read_head_bytes,
-    read_run,
+    read_manifest,
 )
+from deltasync.sync.signing import Trust, sha256_of
 
 if TYPE_CHECKING:  # the code that decodes imports torch where it runs: `deltasync follow` decodes nothing
     import torch
@@ -215,6 +216,7 @@ class Subscriber:
         verify_every: int = 10,
         threads: int | None = None,
         prefetch: bool = True,
+        trust: Trust | None = None,
     ):
         if replica is not None and not telemetry.REPLICA_ID.fullmatch(replica):
             raise ValueError(f"replica id {replica!r} must match {telemetry.REPLICA_ID.pattern}")
@@ -223,10 +225,13 @@ class Subscriber:
         self.retries, self.backoff_s, self.verify_every = retries, backoff_s, verify_every
         self.threads = threads  # codec threads; None: every core this process may run on
         self.prefetch = prefetch  # read the next delta ahead of its head (off for readers that jump to steps)
+        # Who may say what the target serves: with keys, only steps the trainer signed (signing.Trust).
+        self.trust = trust or Trust()
         self._ahead: tuple[str, Future[Ahead]] | None = None  # the next delta's path and its read
         self.run: RunInfo | None = None
         self.head: Head | None = None
         self._head_data: bytes | None = None  # what `head` was parsed from: an unchanged poll parses nothing
+        self._untrusted: bytes | None = None  # the last head refused for its signature (reported once)
         self.decodes = not isinstance(applier, FileApplier)  # else the target decodes: no shadow here
         self.state: dict[str, torch.Tensor] | None = None  # bf16 shadow of the target, HF names
         self.step: int | None = None  # the step the target holds, verified; None: unknown
@@ -315,15 +320,18 @@ class Subscriber:
 
     def _read_head(self) -> Head:
         """The head: one bounded read per poll, parsed only when its bytes changed; never one older (by writer
-        epoch, then step) than the newest seen, so a replica never goes backwards."""
+        epoch, then step) than the newest seen, so a replica never goes backwards. With trusted keys, only a
+        head the run's key signed, of the newest run seen."""
         try:
             data = self._retry(lambda: read_head_bytes(self.storage))
-            head = self.head if data == self._head_data and self.head else Head.from_json(data)
             if self.run is None:
-                self.run = self._retry(lambda: read_run(self.storage))
+                self.run = self._read_run()
+            head = self.head if data == self._head_data and self.head else self._parse_head(data)
         except FileNotFoundError:
             raise SyncError(f"no run in {self.storage.url} yet") from None
         except ManifestError as e:
+            if self.trust.keys:
+                self._report_untrusted(data, str(e))
             raise SyncError(f"refused the head of {self.storage.url}: {e}") from None
         served = self.applier.quantization if isinstance(self.applier, FileApplier) else None
         if self.run is not None and self.run.quantization != served:
@@ -334,8 +342,40 @@ class Subscriber:
                 else f"{self.storage.url} is a bf16 root, this target serves {served}: start it without it"
             )
         if self.head is not None and (head.epoch, head.step) < (self.head.epoch, self.head.step):
+            if self.trust.keys:  # signed, yet older than one seen: a replayed head (or a stale read)
+                raise SyncError(
+                    f"refused the head of {self.storage.url}: step {head.step} (epoch {head.epoch}) is older "
+                    f"than step {self.head.step} (epoch {self.head.epoch}), seen before: a replayed head"
+                )
             return self.head  # older than one seen: a stale read, or a fenced writer's late write
         self.head, self._head_data = head, data
+        return head
+
+    def _read_run(self) -> RunInfo:
+        return self.trust.run(self._retry(lambda: read_manifest(self.storage, RUN_PATH)))
+
+    def _parse_head(self, data: bytes) -> Head:
+        """The head `data`, as `self.trust` accepts it for the run followed; a head that is not that run's
+        key's makes run.json be read again: the key rotated, or a new run began (never an older one)."""
+        assert self.run is not None  # read before the head
+        try:
+            return self.trust.head(data, self.run)
+        except ManifestError:
+            if not self.trust.keys:
+                raise
+        run = self._read_run()
+        head = self.trust.head(data, run)
+        held, new = self.run.signing, run.signing
+        assert held is not None and new is not None  # Trust.run refuses unsigned runs
+        if new.run != held.run:
+            if new.started_at <= held.started_at:
+                raise ManifestError(
+                    f"{RUN_PATH}: run {new.run} began before run {held.run}, which this replica follows: "
+                    "a restored older run"
+                )
+            log.info("%s: a new run %s follows run %s", self.storage.url, new.run, held.run)
+            self.head, self._head_data = None, None  # its epochs and steps start afresh
+        self.run = run
         return head
 
     def _plan(self, head: Head, goal: int) -> list[Entry]:
@@ -419,6 +459,7 @@ class Subscriber:
                     size = sum(f.stat().st_size for f in local)
                 if size != entry.bytes:
                     raise Refused(f"its files hold {size} bytes, the head lists {entry.bytes}")
+                self._check_digests(entry, parts if entry.kind == "delta" else local)
                 download_s = time.perf_counter() - start
                 apply_start = time.perf_counter()  # apply_s: decode, verify and write
                 state, patch = None, None
@@ -581,6 +622,14 @@ class Subscriber:
             )
         return patch
 
+    def _check_digests(self, entry: Entry, files: Sequence[bytes | Path]) -> None:
+        """That each file is the one a signed head names, by its SHA-256: else Refused, before any write."""
+        if entry.sha256 is None:
+            return
+        for path, data, digest in zip(entry.files, files, entry.sha256, strict=True):
+            if sha256_of(data) != digest:
+                raise Refused(f"{path}: its SHA-256 is not the one the signed head names: changed since")
+
     def _check(self, parts: list[bytes], entry: Entry) -> None:
         """What can be checked of a delta's parts without the weights (their headers): that they are the
         step the head names, for this run's model, from the state held to the one the head promises."""
@@ -712,6 +761,31 @@ class Subscriber:
                 lag_steps=head.step - entry.step,
                 payload_bytes=entry.bytes,
                 error=_bounded(error),
+                bugs=self.bugs,
+            )
+        )
+
+    def _report_untrusted(self, data: bytes, error: str) -> None:
+        """A head refused for its signature, in telemetry once per head (the dashboard lists refusals)."""
+        if self.replica is None or data == self._untrusted:
+            return
+        self._untrusted = data
+        try:
+            step, published_at = (lambda h: (h.step, h.entries[-1].published_at))(Head.from_json(data))
+        except ManifestError:
+            step, published_at = 0, time.time()
+        self._write_record(
+            telemetry.ReplicaRecord(
+                replica=self.replica,
+                step=step,
+                kind="head",
+                published_at=published_at,
+                applied_at=time.time(),
+                download_s=0.0,
+                apply_s=0.0,
+                verified=False,
+                lag_steps=0,
+                error=_bounded(f"head refused: {error}"),
                 bugs=self.bugs,
             )
         )
