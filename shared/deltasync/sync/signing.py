@@ -223,9 +223,7 @@ class Trust:
         signer = endorsed(list(run.signing.keys), list(run.signing.endorsements), self.keys)
         if signer is None:
             chain = ", ".join(map(short, run.signing.keys))
-            raise ManifestError(
-                f"{RUN_PATH}: its keys ({chain}) do not descend from a key this replica trusts"
-            )
+            raise ManifestError(f"{RUN_PATH}: its keys ({chain}) descend from no key this replica trusts")
         body, _ = verified(data, RUN_CONTEXT, [signer], RUN_PATH)
         return RunInfo.from_json(body)
 
