@@ -3,6 +3,7 @@ they all hold the same model.
 
     failure = preflight(root, schema_of(model), model_name, replica_urls, env_url)   # None when all is well
     failure = preflight(root, schema_of(peft_model, adapter=True), ..., lora_rank=16)  # adapter mode
+    failure = preflight(root, schema, ..., quantization="fp8_per_channel")  # a quantized root
 
 Read-only checks come first; the root's write check (one probe object, deleted again) comes last, so a run
 that fails preflight leaves the root as it found it. `check_or_exit` prints the failure as one line and exits
@@ -61,9 +62,12 @@ def preflight(
     replica_urls: Iterable[str] = (),
     env_url: str | None = None,
     lora_rank: int = 0,
+    quantization: str | None = None,
 ) -> str | None:
     """None if training may start, else one line naming what failed and where. `lora_rank`: the adapter's
-    rank in adapter mode (0: full weights), which a replica that reports its LoRA settings must serve."""
+    rank in adapter mode (0: full weights), which a replica that reports its LoRA settings must serve.
+    `quantization`: the recipe of a quantized root (the trainer's --quantization; None: bf16), which the
+    root's run and every replica that reports what it serves must share."""
     storage = root if isinstance(root, Storage) else open_storage(root)
     where = redact(storage.url)
     try:
@@ -78,6 +82,12 @@ def preflight(
             return f"sync root {where}: {RUN_PATH} cannot be read: {_reason(e)}"
         if (run.lora is not None) != bool(lora_rank):
             return f"sync root {where} {_other_mode(run.lora is not None, run.model)}"
+        if run.quantization != quantization:
+            return (
+                f"sync root {where} holds a run of {run.model} as {_served(run.quantization)}, and this run "
+                f"publishes {_served(quantization)}: publish to another root (or prefix), or train "
+                f"{_trainer_flag(run.quantization)}"
+            )
         mismatch = _schema_mismatch(run.schema, schema)
         if mismatch:
             return f"sync root {where} holds a run of another model ({run.model}): {mismatch}"
@@ -87,7 +97,7 @@ def preflight(
             except EXPECTED as e:
                 return f"sync root {where}: {HEAD_PATH} cannot be read: {_reason(e)}"
     for url in replica_urls:
-        problem = _check_replica(url.rstrip("/"), model_name, schema, lora_rank)
+        problem = _check_replica(url.rstrip("/"), model_name, schema, lora_rank, quantization)
         if problem:
             return problem
     if env_url:
@@ -115,11 +125,16 @@ def check_or_exit(*args, **kwargs) -> None:
 
 
 def _check_replica(
-    url: str, model_name: str, schema: Mapping[str, Sequence[int]], lora_rank: int
+    url: str,
+    model_name: str,
+    schema: Mapping[str, Sequence[int]],
+    lora_rank: int,
+    quantization: str | None,
 ) -> str | None:
     """The replica answers, serves `model_name` and, if it reports its sync status (`/weights`, as the
     project's inference Space does), the same parameters, in the same mode (vLLM's `lora_config`: None, or
-    its max_lora_rank at least the adapter's); logs its weight version."""
+    its max_lora_rank at least the adapter's) and quantized by the same recipe (`quantization`: None, bf16);
+    logs its weight version."""
     body, problem = _get(f"{url}/v1/models", "inference server")
     if problem:
         return problem
@@ -137,6 +152,9 @@ def _check_replica(
         return problem
     if isinstance(status, dict):
         problem = _mode_mismatch(status["lora_config"], lora_rank) if "lora_config" in status else None
+        if problem:
+            return f"inference server {redact(url)} {problem}"
+        problem = _recipe_mismatch(status["quantization"], quantization) if "quantization" in status else None
         if problem:
             return f"inference server {redact(url)} {problem}"
         reported = status.get("schema_hash")
@@ -216,6 +234,30 @@ def _mode_mismatch(lora_config: object, lora_rank: int) -> str | None:
             f"serves LoRA adapters up to rank {served}, below the trainer's {lora_rank} (raise MAX_LORA_RANK)"
         )
     return None
+
+
+def _recipe_mismatch(served: object, quantization: str | None) -> str | None:
+    """Why a replica serving `served` (its status's `quantization`: a recipe, None for bf16) cannot follow a
+    trainer publishing `quantization`, and which flag to change, if so."""
+    if served is not None and not isinstance(served, str):
+        return f"reports quantization {str(served)[:40]!r}, not a recipe name"
+    if served == quantization:
+        return None
+    space = f"with QUANTIZATION={quantization}" if quantization else "without QUANTIZATION"
+    cli = f"--quantization {quantization}" if quantization else "without --quantization"
+    return (
+        f"serves {_served(served)}, the trainer publishes {_served(quantization)}: train "
+        f"{_trainer_flag(served)}, or restart the replica {space} (a Space; deltasync follow and vLLM: {cli})"
+    )
+
+
+def _served(quantization: str | None) -> str:
+    return f"weights quantized {quantization}" if quantization else "bf16 weights"
+
+
+def _trainer_flag(quantization: str | None) -> str:
+    """The trainer's flag that publishes `quantization` (None: bf16)."""
+    return f"with --quantization {quantization}" if quantization else "without --quantization"
 
 
 def _reason(e: BaseException) -> str:

@@ -1,6 +1,7 @@
-"""Preflight: a dead environment, a dead replica, a replica serving another model or in the other mode (full
-weights or a LoRA adapter), an unwritable root or a root holding another model's run each end in one line
-naming what and where (exit status 2 from the scripts), and the root holds nothing new afterwards."""
+"""Preflight: a dead environment, a dead replica, a replica serving another model, in the other mode (full
+weights or a LoRA adapter) or quantized otherwise than the trainer publishes, an unwritable root or a root
+holding another model's run (or one quantized otherwise) each end in one line naming what and where (exit
+status 2 from the scripts), and the root holds nothing new afterwards."""
 
 import contextlib
 import http.server
@@ -17,7 +18,7 @@ import torch
 from fastapi import FastAPI, Response
 
 from deltasync.codec.patch import schema_hash
-from deltasync.sync.publisher import Publisher
+from deltasync.sync.publisher import Publisher, PublisherConfig
 from deltasync.trl.preflight import PROBE_PREFIX, preflight, schema_of
 from tests.helpers import REPO
 from trainer.processes import serving_in_thread
@@ -30,10 +31,15 @@ SCHEMA = {"model.embed_tokens.weight": [16, 8], "model.norm.weight": [8]}
 
 @contextlib.contextmanager
 def fake_replica(
-    served: str = MODEL, schema: dict | None = None, models: object = None, lora: object = ...
+    served: str = MODEL,
+    schema: dict | None = None,
+    models: object = None,
+    lora: object = ...,
+    quantization: object = ...,
 ) -> Iterator[str]:
     """Answers /v1/models with `served` (or `models` as the list's data) and, like the inference Space,
-    /weights with its sync status (with `lora`: its vLLM `lora_config`)."""
+    /weights with its sync status (with `lora`: its vLLM `lora_config`; with `quantization`: the recipe it
+    serves, None for bf16)."""
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -45,6 +51,7 @@ def fake_replica(
     def weights():
         status = {"model": served, "step": 4, "weight_version": "4"}
         status |= {"lora_config": lora} if lora is not ... else {}
+        status |= {"quantization": quantization} if quantization is not ... else {}
         return status | ({"schema_hash": schema_hash(schema)} if schema is not None else {})
 
     @app.get("/health")
@@ -125,6 +132,62 @@ def test_replica_in_the_other_mode(root, lora, lora_rank, problem):
     else:
         assert failure.startswith(f"inference server {url} {problem}"), failure
     assert listing(root) == []
+
+
+FP8, INT8 = "fp8_per_channel", "int8_per_channel_weight_only"
+
+
+@pytest.mark.parametrize(
+    "served, trainer, problem",
+    [
+        (
+            None,
+            FP8,
+            f"serves bf16 weights, the trainer publishes weights quantized {FP8}: train without "
+            f"--quantization, or restart the replica with QUANTIZATION={FP8} (a Space; deltasync follow and "
+            f"vLLM: --quantization {FP8})",
+        ),
+        (
+            FP8,
+            None,
+            f"serves weights quantized {FP8}, the trainer publishes bf16 weights: train with --quantization "
+            f"{FP8}, or restart the replica without QUANTIZATION (a Space; deltasync follow and vLLM: "
+            "without --quantization)",
+        ),
+        (INT8, FP8, f"serves weights quantized {INT8}, the trainer publishes weights quantized {FP8}: train"),
+        (FP8, FP8, None),
+        (None, None, None),
+        (..., FP8, None),  # a replica that does not say what it serves (stock vLLM's /weights: none at all)
+    ],
+)
+def test_replica_quantized_otherwise(root, served, trainer, problem):
+    with fake_replica(schema=SCHEMA, quantization=served) as url:
+        failure = preflight(root, SCHEMA, MODEL, [url], quantization=trainer)
+    if problem is None:
+        assert failure is None
+    else:
+        assert failure.startswith(f"inference server {url} {problem}"), failure
+    assert listing(root) == []
+
+
+@pytest.mark.parametrize("stored, trainer", [(FP8, None), (None, FP8)])
+def test_root_holding_a_run_quantized_otherwise(root, stored, trainer):
+    config = PublisherConfig(quantization=stored)
+    with Publisher(root, model=MODEL, config=config) as publisher:
+        publisher.publish({name: torch.zeros(shape) for name, shape in SCHEMA.items()})
+    before = listing(root)
+    failure = preflight(root, SCHEMA, MODEL, quantization=trainer)
+    flag = f"with --quantization {FP8}" if stored else "without --quantization"
+    assert failure == (
+        f"sync root {root} holds a run of {MODEL} as "
+        + (
+            f"weights quantized {FP8}, and this run publishes bf16 weights"
+            if stored
+            else f"bf16 weights, and this run publishes weights quantized {FP8}"
+        )
+        + f": publish to another root (or prefix), or train {flag}"
+    )
+    assert listing(root) == before
 
 
 def test_unwritable_root(tmp_path):
@@ -247,7 +310,7 @@ def replica_reporting(weights: bytes) -> Iterator[str]:
 
 @pytest.mark.parametrize(
     "weights",
-    [b'{"lora_config": {"max_lora_rank": "sixteen"}}', b"[" * 200_000],
+    [b'{"lora_config": {"max_lora_rank": "sixteen"}}', b'{"quantization": 8}', b"[" * 200_000],
 )
 def test_a_replica_status_that_makes_no_sense_is_one_line(root, weights):
     with replica_reporting(weights) as url:
