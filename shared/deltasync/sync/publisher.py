@@ -179,6 +179,8 @@ class Publisher:
                 f"publish_stored(): {list(delta.files)!r:.200} are not where this writer's delta of step "
                 f"{step} lives"
             )
+        if self._signer is not None and delta.sha256 is None:
+            raise ValueError("publish_stored(): a signed root's head names each part's sha256: none given")
         self.flush()
         if self._head is None:
             raise ValueError("publish_stored(): no published step for the delta to start from")

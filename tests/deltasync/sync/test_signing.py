@@ -15,15 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltasync.codec import fingerprint
-from deltasync.codec.patch import encode, make_patch
+from deltasync.codec.patch import encode, make_patch, read_info
 from deltasync.errors import ManifestError
 from deltasync.storage import LocalStorage
 from deltasync.sync import protocol
-from deltasync.sync.protocol import HEAD_PATH, RUN_PATH, Entry, delta_path
-from deltasync.sync.publisher import Publisher, PublisherConfig
+from deltasync.sync.protocol import HEAD_PATH, RUN_PATH, Entry, delta_path, delta_paths
+from deltasync.sync.publisher import Publisher, PublisherConfig, StoredDelta
 from deltasync.sync.signing import SigningKey, Trust, parse_keys, sha256_of
 from deltasync.sync.subscriber import Subscriber, SyncError, TensorsApplier
-from tests.helpers import SHAPES, bf16, bitwise_equal, make_params, train_step
+from tests.helpers import SHAPES, bf16, bitwise_equal, make_params, train_step, window_parts
 
 
 @pytest.fixture
@@ -234,6 +234,28 @@ def test_a_rotated_key_is_followed_from_the_old_key_and_from_the_new_one(tmp_pat
     assert holds(trusts_old, old_target, rotated.states[3], 3) and holds(
         trusts_new, new_target, rotated.states[3], 3
     )
+
+
+def test_steps_stored_in_parts_are_signed_with_each_part_digest(tmp_path, keys):
+    """What a ShardedPublisher's ranks hand the writer: each part's digest, which the signed head names."""
+    trainer = Trainer(tmp_path, keys[0][0])
+    subscriber, target = replica(tmp_path, keys[0][1])
+    trainer.step(0)
+    publisher, old = trainer.publisher, trainer.states[0]
+    train_step(trainer.params, 1)
+    new = bf16(trainer.params)
+    parts = window_parts(old, new, [(0, 6000), (6000, 1 << 20)], step=1, base_step=0)
+    paths = delta_paths(1, 2, publisher.claim.tag)
+    for path, data in zip(paths, parts, strict=True):
+        publisher.storage.write_bytes(path, data)
+    changed, fp = sum(read_info(d).changed for d in parts), read_info(parts[-1]).fingerprint
+    unsigned = StoredDelta(tuple(paths), sum(map(len, parts)), changed, fp)
+    with pytest.raises(ValueError, match="names each part's sha256"):
+        publisher.publish_stored(unsigned, 1)
+    publisher.publish_stored(replace(unsigned, sha256=tuple(map(sha256_of, parts))), 1)
+    publisher.close()
+    assert [a.step for a in subscriber.sync()] == [0, 1]
+    assert holds(subscriber, target, new, 1)
 
 
 @settings(max_examples=60, deadline=None)
