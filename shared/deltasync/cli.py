@@ -3,7 +3,8 @@
 Patches: `diff` writes the changes from one checkpoint to the next, `apply` replays them (verified bit for
 bit), `inspect` describes a patch. Sync roots: `push` publishes a checkpoint as the next step, `pull` writes
 a retained step to a folder, `ls` lists the steps, `gc` deletes what the head no longer needs, `follow`
-keeps a running vLLM server on the newest step.
+keeps a running vLLM server on the newest step. Signed roots: `keygen` writes a key pair; push signs with
+--signing-key, and pull and follow given --trusted-key refuse whatever that key did not sign.
 
 Checkpoints are safetensors files or HF model folders (every *.safetensors shard), any float dtype, compared
 as bf16 (integer tensors are refused: bf16 would round them). push and gc write to ROOT as its only writer
@@ -167,7 +168,11 @@ def cmd_push(args: argparse.Namespace) -> dict:
     from deltasync.sync.publisher import Publisher
 
     config = PublisherConfig(
-        anchor_every=args.anchor_every, encoding=args.encoding, anchor_encoding=args.anchor_encoding
+        anchor_every=args.anchor_every,
+        encoding=args.encoding,
+        anchor_encoding=args.anchor_encoding,
+        signing_key=args.signing_key,
+        previous_signing_key=args.previous_signing_key,
     )
     state = load_bf16(args.checkpoint)  # a bad checkpoint is refused before the root is touched
     protocol.RunInfo.of(str(args.checkpoint), state)  # as are names and steps a reader would refuse
@@ -183,6 +188,7 @@ def cmd_push(args: argparse.Namespace) -> dict:
 def cmd_pull(args: argparse.Namespace) -> dict:
     from safetensors.torch import save_file
 
+    from deltasync.sync.signing import Trust
     from deltasync.sync.subscriber import Subscriber
 
     out = args.output
@@ -190,13 +196,28 @@ def cmd_pull(args: argparse.Namespace) -> dict:
         if out.exists() and not out.is_dir():
             raise ValueError(f"{out} is a file: -o takes a folder or a .safetensors file to write")
         out = out / "model.safetensors"
-    subscriber = Subscriber(args.root, retries=0)
+    subscriber = Subscriber(args.root, retries=0, trust=Trust(args.trusted_key))
     applied = subscriber.sync(args.step)
     assert subscriber.state is not None  # synced without an error: it holds the step
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"format": "pt", "step": str(subscriber.step), "fingerprint": f"{subscriber.fingerprint:016x}"}
     save_file(subscriber.state, out, metadata=meta)
-    return {"step": subscriber.step, "path": [f"{a.kind}:{a.step}" for a in applied], "output": str(out)}
+    path = [f"{a.kind}:{a.step}" for a in applied]
+    return {"step": subscriber.step, "path": path, "output": str(out), "trust": str(subscriber.trust)}
+
+
+def cmd_keygen(args: argparse.Namespace) -> dict:
+    """A new key pair: the private key (owner read/write only) at --out, its public line at --out.pub; never
+    over an existing file. The private key is never printed."""
+    from deltasync.sync.signing import SigningKey
+
+    public = Path(f"{args.out}.pub")
+    for path in (args.out, public):
+        if path.exists() or path.is_symlink():
+            raise FileExistsError(f"{path} exists: keygen never replaces a key (move it, or pass --out)")
+    key = SigningKey.generate()
+    key.save(args.out)
+    return {"public_key": key.public, "private_key_file": str(args.out), "public_key_file": str(public)}
 
 
 def published_head(storage: Storage, root: str) -> Head:
@@ -247,6 +268,7 @@ EXAMPLES = {
     "ls": "deltasync ls ./sync-root",
     "gc": "deltasync gc hf://buckets/alice/run-1",
     "follow": "deltasync follow hf://buckets/alice/run-1 --vllm-url http://127.0.0.1:8000",
+    "keygen": "deltasync keygen --out trainer.key",
 }
 COMPILES = ("diff", "apply", "push", "pull")  # the commands that run the codec's kernels (follow: vLLM does)
 
@@ -264,6 +286,7 @@ def cmd_follow(args: argparse.Namespace) -> None:
     import threading
 
     from deltasync.storage import POLL_BUDGET
+    from deltasync.sync.signing import Trust
     from deltasync.vllm.follower import HttpEngine, follow
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -284,6 +307,7 @@ def cmd_follow(args: argparse.Namespace) -> None:
                 poll_budget=POLL_BUDGET if args.poll_budget is None else args.poll_budget,
                 verify_every=args.verify_every,
                 quantization=args.quantization,
+                trust=Trust(args.trusted_key),
             )
         except BaseException as e:  # told by the main thread, unless it was stopped
             failure.append(e)
@@ -315,6 +339,28 @@ def seconds(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds above 0")
     return value
+
+
+def public_keys(text: str) -> list[str]:
+    """--trusted-key: public key lines (`ed25519:...`, comma-separated) or .pub files, checked at once."""
+    from deltasync.sync.signing import parse_keys
+
+    try:
+        return parse_keys(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def trusted_keys(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trusted-key",
+        type=public_keys,
+        action="extend",
+        default=[],
+        metavar="KEY",
+        help="apply only steps signed by this public key (`ed25519:...`, or a .pub file from `deltasync "
+        "keygen`); repeat for several. Default: none, whoever can write ROOT is trusted",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -396,6 +442,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="anchor encoding: plain (bf16 safetensors any reader opens), packed (lossless, ~2/3 of the "
         f"bytes) or auto (packed unless ROOT is a folder; default {PublisherConfig.anchor_encoding})",
     )
+    p.add_argument(
+        "--signing-key",
+        metavar="FILE",
+        help="sign run.json and the head with this private key (`deltasync keygen`); a signed root needs it",
+    )
+    p.add_argument(
+        "--previous-signing-key",
+        metavar="FILE",
+        help="the key that signed ROOT so far: it endorses --signing-key, which signs from now on (rotation)",
+    )
 
     p = command("pull", "write the verified state of a step to a safetensors file", cmd_pull)
     p.add_argument(
@@ -407,6 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the .safetensors file to write, or a folder to write model.safetensors into",
     )
     p.add_argument("--step", type=int, help="a retained step (default: the newest)")
+    trusted_keys(p)
 
     command("ls", "list the retained steps of ROOT, one JSON line each", cmd_ls)
     command("gc", "delete the files of ROOT its head no longer needs (as its only writer)", cmd_gc)
@@ -443,6 +500,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quantization",
         help="the server's --quantization (fp8_per_channel), to follow a root quantized so (default: bf16)",
+    )
+    trusted_keys(p)
+
+    p = command("keygen", "write a key pair that signs a root: the private key and its .pub line", cmd_keygen)
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("deltasync.key"),
+        metavar="FILE",
+        help="the private key file to write (readable by its owner only), its public key beside it in "
+        "FILE.pub (default deltasync.key); never replaces a file",
     )
     return parser
 

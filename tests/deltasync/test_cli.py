@@ -4,6 +4,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import stat
 import subprocess
 import sys
 
@@ -291,3 +292,73 @@ def test_a_patch_with_metadata_nested_too_deeply_is_one_line(tmp_path, capsys):
         said = f"{bad}: bad patch metadata 'dense': JSON nested too deeply"
         assert err == f"deltasync {args[0]}: error: {said}\n"
     assert not (tmp_path / "o").exists()
+
+
+def test_keygen_writes_a_key_pair_for_its_owner_and_never_replaces_one(tmp_path):
+    key = tmp_path / "trainer.key"
+    r = run("keygen", "--out", key)
+    assert r.returncode == 0, r.stderr
+    said = json.loads(r.stdout)
+    public = (tmp_path / "trainer.key.pub").read_text()
+    assert said == {
+        "public_key": public.strip(),
+        "private_key_file": str(key),
+        "public_key_file": f"{key}.pub",
+    }
+    assert public.startswith("ed25519:") and public.count("\n") == 1
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    private = key.read_bytes()
+    assert private.startswith(b"-----BEGIN PRIVATE KEY-----")
+    assert b"PRIVATE" not in (r.stdout + r.stderr).encode()  # never shown
+    for existing in (key, tmp_path / "other.key.pub"):
+        (tmp_path / "other.key.pub").write_text("mine\n")
+        out = existing if existing == key else tmp_path / "other.key"
+        r = run("keygen", "--out", out)
+        assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+        assert "exists: keygen never replaces a key" in r.stderr
+    assert key.read_bytes() == private and (tmp_path / "other.key.pub").read_text() == "mine\n"
+    assert not (tmp_path / "other.key").exists()
+
+
+def test_pull_with_a_trusted_key_verifies_the_signed_root_and_refuses_any_other(tmp_path, capsys):
+    """One line for an unsigned root, another key's root, a bad key; push signs with --signing-key, and a
+    signed root takes no unsigned push."""
+    paths = {}
+    for name in ("trainer", "other"):
+        assert cli.main(["keygen", "--out", str(tmp_path / f"{name}.key")]) == 0
+        paths[name] = tmp_path / f"{name}.key"
+    public = json.loads(capsys.readouterr().out.splitlines()[0])["public_key"]  # the trainer's
+    states = [{"w": torch.randn(16, 16)}]
+    states.append({"w": states[0]["w"] + (torch.rand(16, 16) < 0.3)})
+    for name in ("signed", "unsigned"):
+        for step, state in enumerate(states):
+            save_file(state, tmp_path / f"step-{step}.safetensors")
+            key = ["--signing-key", str(paths["trainer"])] if name == "signed" else []
+            assert (
+                cli.main(["push", str(tmp_path / name), str(tmp_path / f"step-{step}.safetensors"), *key])
+                == 0
+            )
+    capsys.readouterr()
+    signed, unsigned = str(tmp_path / "signed"), str(tmp_path / "unsigned")
+    for trusted in (public, f"{paths['trainer']}.pub", f"{paths['other']}.pub,{public}"):
+        out = tmp_path / "out.safetensors"
+        assert cli.main(["pull", signed, "-o", str(out), "--trusted-key", trusted]) == 0
+        pulled = json.loads(capsys.readouterr().out)
+        assert pulled["step"] == 1 and pulled["trust"].startswith("keys ed25519:")
+        assert torch.equal(load_file(out)["w"].view(torch.int16), states[1]["w"].bfloat16().view(torch.int16))
+    refusals = [
+        ([unsigned, "--trusted-key", public], "run.json: unsigned, and this replica trusts only signed runs"),
+        ([signed, "--trusted-key", f"{paths['other']}.pub"], "key this replica trusts"),
+        (["push", signed, str(tmp_path / "step-1.safetensors")], "the run is signed by ed25519:"),
+    ]
+    for args, said in refusals:
+        argv = args if args[0] == "push" else ["pull", *args, "-o", str(tmp_path / "refused")]
+        assert cli.main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, err
+    assert not (tmp_path / "refused").exists()
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["pull", signed, "-o", str(tmp_path / "o"), "--trusted-key", "ed25519:bm90IGEga2V5"])
+    assert exit.value.code == 2 and "is not a public key" in capsys.readouterr().err
+    assert cli.main(["pull", signed, "-o", str(tmp_path / "bucket.safetensors")]) == 0  # no key: as before
+    assert json.loads(capsys.readouterr().out)["trust"].startswith("the bucket")

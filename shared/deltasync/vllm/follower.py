@@ -37,7 +37,8 @@ from typing import Any, Literal, Protocol
 
 from deltasync.codec.fingerprint import format_fingerprint
 from deltasync.errors import FilesRefused, Unreachable, WriteRefused
-from deltasync.storage import POLL_BUDGET, open_storage
+from deltasync.storage import POLL_BUDGET, open_storage, redact
+from deltasync.sync.signing import Trust
 from deltasync.sync.subscriber import Applied, FileApplier, Subscriber
 from deltasync.vllm import compat
 
@@ -451,14 +452,17 @@ def follow(
     poll_budget: int = POLL_BUDGET,
     verify_every: int = 10,
     quantization: str | None = None,
+    trust: Trust | None = None,
 ) -> Subscriber:
     """Follow `root` into `engine` until `stop` is set (blocks); `poll_budget`: see `open_storage`;
-    `quantization`: the server's `--quantization` (see EngineApplier)."""
+    `quantization`: the server's `--quantization` (see EngineApplier); `trust`: the keys whose signed steps
+    alone are applied (None: whoever can write the root)."""
     if not (math.isfinite(poll_s) and poll_s > 0):
         raise ValueError(f"poll interval must be a positive number of seconds, not {poll_s}")
     applier = EngineApplier(engine, root, quantization=quantization)
     storage = open_storage(root, poll_budget=poll_budget)
-    subscriber = Subscriber(storage, applier, replica=replica, verify_every=verify_every)
+    subscriber = Subscriber(storage, applier, replica=replica, verify_every=verify_every, trust=trust)
+    log.info("following %s, trusting %s", redact(root), subscriber.trust)
     try:
         subscriber.follow(stop, poll_s, on_applied=log_applied)
     finally:

@@ -17,9 +17,11 @@ A name that is no adapter name (letters, digits, '.', '_' and '-': it names a fo
 not publish, a root of another base model or of full weights resolve to nothing from run.json alone, before
 anything is downloaded; so do a step not published yet (or no longer retained) and a file that fails
 verification: vLLM answers 404 (the rollout worker retries), and the reason is logged as one line. Nothing is
-ever served under a name but the verified step it names. With a replica name (`register_resolver(replica)`:
-the inference Space passes its REPLICA_ID), each version resolved is recorded in the root's telemetry as that
-replica's: the versions it holds.
+ever served under a name but the verified step it names. DELTASYNC_LORA_TRUSTED_KEYS (public keys,
+`ed25519:...` or .pub files, comma-separated): only a root whose run.json and steps those keys signed
+resolves (`deltasync keygen`; unset: whoever can write the root is trusted). With a replica name
+(`register_resolver(replica)`: the inference Space passes its REPLICA_ID), each version resolved is recorded
+in the root's telemetry as that replica's: the versions it holds.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ from deltasync import telemetry
 from deltasync.codec.fingerprint import format_fingerprint
 from deltasync.errors import EXPECTED, Refused  # Refused: why a name resolves to nothing (one line)
 from deltasync.storage import TransientStorageError, redact
-from deltasync.sync.protocol import RunInfo, adapter_name, read_run
+from deltasync.sync.protocol import RUN_PATH, RunInfo, adapter_name, read_manifest
+from deltasync.sync.signing import Trust, parse_keys
 from deltasync.sync.subscriber import Applied, Subscriber, SyncError
 
 # Under vLLM's logger: a vLLM server's log shows what its handler writes, beside vLLM's own resolver lines.
@@ -52,6 +55,7 @@ log = logging.getLogger("vllm.deltasync.lora")
 ROOT_ENV = "DELTASYNC_LORA_ROOT"
 CACHE_ENV = "DELTASYNC_LORA_CACHE"
 KEEP_ENV = "DELTASYNC_LORA_KEEP"
+TRUSTED_KEYS_ENV = "DELTASYNC_LORA_TRUSTED_KEYS"
 KEEP = 16
 RESOLVER = "deltasync"  # its name in vLLM's registry
 VERSIONED = re.compile(r"(.+)-v(\d{1,18})")
@@ -60,16 +64,23 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # an adapter's name is a
 
 class DeltasyncLoRAResolver(LoRAResolver):
     """Resolves `{lora_name}-v{N}` from the LoRA sync root `root` into folders under `cache`, keeping the
-    last `keep` folders it wrote."""
+    last `keep` folders it wrote; `trust`: the keys whose signed steps alone resolve (None: any)."""
 
-    def __init__(self, root: str, cache: Path | None = None, replica: str | None = None, keep: int = KEEP):
+    def __init__(
+        self,
+        root: str,
+        cache: Path | None = None,
+        replica: str | None = None,
+        keep: int = KEEP,
+        trust: Trust | None = None,
+    ):
         self.root, self.cache = root, cache  # None: a temporary folder, made when first needed
         self.replica = replica  # set: each version resolved is told in the root's telemetry under this name
         self.keep = keep
         self.where = redact(root)
         # One reader, kept between resolutions: the next version replays one delta from the last one. Its
         # run.json, read once, refuses every name this root does not serve without another request.
-        self.reader = Subscriber(root, prefetch=False)
+        self.reader = Subscriber(root, prefetch=False, trust=trust)
         self.lock = threading.Lock()
         self.resolved: list[str] = []  # the names resolved, oldest first
         self.written: OrderedDict[Path, None] = OrderedDict()  # folders this resolver wrote, last used last
@@ -116,10 +127,11 @@ class DeltasyncLoRAResolver(LoRAResolver):
             return folder
 
     def _run(self) -> RunInfo:
-        """The root's run.json, read once (the reader's: a sync checks its steps against it)."""
+        """The root's run.json, read once (the reader's: a sync checks its steps against it), as the reader's
+        trust accepts it (with keys: signed by them)."""
         if self.reader.run is None:
             try:
-                self.reader.run = read_run(self.reader.storage)
+                self.reader.run = self.reader.trust.run(read_manifest(self.reader.storage, RUN_PATH))
             except FileNotFoundError:
                 raise Refused(f"no run in {self.where} yet") from None
         return self.reader.run
@@ -175,9 +187,11 @@ def register_resolver(replica: str | None = None) -> None:
     if cache:
         Path(cache).mkdir(parents=True, exist_ok=True)
     keep = keep_setting(os.environ.get(KEEP_ENV))
+    trust = trust_setting(os.environ.get(TRUSTED_KEYS_ENV))
     LoRAResolverRegistry.register_resolver(
-        RESOLVER, DeltasyncLoRAResolver(root, Path(cache) if cache else None, replica, keep)
+        RESOLVER, DeltasyncLoRAResolver(root, Path(cache) if cache else None, replica, keep, trust)
     )
+    log.info("LoRA adapters of %s, trusting %s", redact(root), trust)
 
 
 def keep_setting(value: str | None) -> int:
@@ -191,3 +205,12 @@ def keep_setting(value: str | None) -> int:
     if keep < 1:
         raise SystemExit(f"{KEEP_ENV}={value!r:.40}: not a whole number of adapter folders, at least 1")
     return keep
+
+
+def trust_setting(value: str | None) -> Trust:
+    """DELTASYNC_LORA_TRUSTED_KEYS as the resolver's Trust (unset: none); SystemExit with one line naming the
+    item that is no public key."""
+    try:
+        return Trust(parse_keys(value or ""))
+    except ValueError as e:
+        raise SystemExit(f"{TRUSTED_KEYS_ENV}: {e}") from None

@@ -22,6 +22,8 @@ from deltasync.codec.patch import decode_parts
 from deltasync.storage import open_storage
 from deltasync.sync.anchor import read_anchor
 from deltasync.sync.protocol import read_run
+from deltasync.sync.publisher import PublisherConfig
+from deltasync.sync.signing import SigningKey, Trust, short
 from deltasync.sync.subscriber import Subscriber, SyncError
 from deltasync.vllm.follower import EngineApplier, HttpEngine, WriteRefused, follow, path_summary
 from tests.helpers import SHAPES, assert_bitwise_equal, run_steps, wait_for
@@ -413,3 +415,33 @@ def test_follow_imports_neither_torch_nor_numba(tmp_path):
         proc.wait()
     assert {"deltasync.vllm.follower", "deltasync.sync.subscriber"} <= imported
     assert not {"torch", "numba"} & imported
+
+
+def test_follow_with_a_trusted_key_applies_its_steps_and_refuses_another_keys(tmp_path, caplog):
+    """`deltasync follow --trusted-key`: the signing trainer's steps reach the server bit for bit; a server
+    trusting another key is never written to, and the log says what each one trusts."""
+    keys = []
+    for name in ("trainer", "other"):
+        key = SigningKey.generate()
+        key.save(tmp_path / f"{name}.key")
+        keys.append(key.public)
+    root = tmp_path / "root"
+    states = run_steps(root, 3, PublisherConfig(signing_key=str(tmp_path / "trainer.key")))
+    engines = {key: FakeEngine(root=root) for key in keys}
+    stop = threading.Event()
+    threads = [
+        threading.Thread(target=follow, args=(str(root), engine, stop), kwargs={"trust": Trust([key])})
+        for key, engine in engines.items()
+    ]
+    with caplog.at_level("INFO"):
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: engines[keys[0]].version == "2", "the trusting follower at step 2")
+        wait_for(lambda: "key this replica trusts" in caplog.text, "the other follower's refusal")
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert_bitwise_equal(engines[keys[0]].state, states[-1])
+    assert engines[keys[1]].state == {} and "update delta" not in engines[keys[1]].calls
+    trusting = [r.getMessage() for r in caplog.records if "trusting" in r.getMessage()]
+    assert sorted(trusting) == sorted(f"following {root}, trusting keys {short(k)}" for k in keys)

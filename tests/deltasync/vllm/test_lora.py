@@ -11,8 +11,9 @@ from safetensors.torch import load_file
 
 from deltasync.errors import TransientStorageError
 from deltasync.sync.protocol import ManifestError, RunInfo
-from deltasync.sync.publisher import Publisher
-from deltasync.vllm.lora import DeltasyncLoRAResolver, keep_setting
+from deltasync.sync.publisher import Publisher, PublisherConfig
+from deltasync.sync.signing import SigningKey, Trust
+from deltasync.vllm.lora import DeltasyncLoRAResolver, keep_setting, trust_setting
 from tests.helpers import assert_bitwise_equal, bf16
 
 BASE = "tiny-base"
@@ -41,11 +42,13 @@ def adapter(seed: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def publish(root, steps: int, model: str = BASE, lora: dict | None = None) -> list[dict]:
+def publish(
+    root, steps: int, model: str = BASE, lora: dict | None = None, config: PublisherConfig | None = None
+) -> list[dict]:
     """`steps` versions of an adapter, each trained a little from the last; their bf16 states."""
     lora = {"name": NAME, "adapter_config": ADAPTER_CONFIG} if lora is None else lora
     tensors, states = adapter(0), []
-    with Publisher(root, model=model, lora=lora or None) as publisher:
+    with Publisher(root, model=model, lora=lora or None, config=config) as publisher:
         for step in range(steps):
             if step:
                 for t in tensors.values():
@@ -223,3 +226,33 @@ def test_a_storage_failure_is_not_the_roots_fault_and_the_next_request_resolves(
     assert_bitwise_equal(
         load_file(tmp_path / "cache" / request.lora_path / "adapter_model.safetensors"), states[0]
     )
+
+
+def test_a_resolver_given_trusted_keys_resolves_only_what_they_signed(tmp_path):
+    """DELTASYNC_LORA_TRUSTED_KEYS: the signed root's versions resolve, verified; an unsigned root (a bucket
+    writer's, or a trainer without its key) resolves to nothing, in one line, and writes nothing."""
+    key = SigningKey.generate()
+    key.save(tmp_path / "trainer.key")
+    states = publish(
+        tmp_path / "signed", 2, config=PublisherConfig(signing_key=str(tmp_path / "trainer.key"))
+    )
+    publish(tmp_path / "unsigned", 2)
+    trust = trust_setting(f"{tmp_path / 'trainer.key.pub'}")
+    assert trust.keys == (key.public,) and trust_setting(None).keys == ()
+    for name in ("signed", "unsigned"):
+        (tmp_path / f"cache-{name}").mkdir()
+    signed = DeltasyncLoRAResolver(str(tmp_path / "signed"), tmp_path / "cache-signed", trust=trust)
+    folder = tmp_path / "cache-signed" / resolve(signed, f"{NAME}-v1").lora_path
+    assert_bitwise_equal(load_file(folder / "adapter_model.safetensors"), states[1])
+    unsigned = DeltasyncLoRAResolver(str(tmp_path / "unsigned"), tmp_path / "cache-unsigned", trust=trust)
+    assert resolve(unsigned, f"{NAME}-v1") is None
+    assert unsigned.last_error == (
+        f"LoRA adapter {NAME}-v1: run.json: unsigned, and this replica trusts only signed runs"
+    )
+    assert not list((tmp_path / "cache-unsigned").iterdir())
+
+
+def test_trusted_keys_that_are_no_keys_stop_with_one_line():
+    with pytest.raises(SystemExit, match="^DELTASYNC_LORA_TRUSTED_KEYS: 'ed25519:bm90' is not a public key"):
+        trust_setting("ed25519:bm90")
+    assert isinstance(trust_setting(""), Trust)
