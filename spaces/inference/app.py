@@ -27,6 +27,10 @@ Configuration, from the environment:
                        int8_per_channel_weight_only) even before its trainer has written run.json (unset: the
                        recipe run.json names when the Space starts, else bf16); one that differs from
                        run.json's stops the Space in one line
+    TRUSTED_KEYS       the trainer's public keys (`deltasync keygen`'s `ed25519:...` lines, or .pub files,
+                       comma-separated): only run.json and steps they signed are served (a LoRA root's
+                       versions too); an unsigned or another key's run.json stops the Space in one line
+                       (unset: whoever can write SYNC_ROOT is trusted); /weights says which (`trust`)
 
 A LoRA root (MAX_LORA_RANK set, or its run.json says so when the Space starts: a trainer in adapter mode
 published to it) is served differently: vLLM runs with LoRA on (--max-lora-rank from MAX_LORA_RANK or the
@@ -89,9 +93,11 @@ from vllm.platforms import current_platform
 from appkit.asgi import BodyLimit
 from appkit.settings import from_env
 from deltasync.codec.patch import schema_hash
+from deltasync.errors import ManifestError
 from deltasync.quant.recipe import recipe
 from deltasync.storage import POLL_BUDGET, open_storage, rate_limited_line, redact
-from deltasync.sync.protocol import read_run
+from deltasync.sync.protocol import RUN_PATH, RunInfo, read_manifest
+from deltasync.sync.signing import Trust, parse_keys
 from deltasync.sync.subscriber import Subscriber
 from deltasync.vllm import compat
 from deltasync.vllm.follower import (
@@ -102,7 +108,7 @@ from deltasync.vllm.follower import (
     path_summary,
 )
 from deltasync.vllm.headers import WeightVersionHeaders
-from deltasync.vllm.lora import RESOLVER, ROOT_ENV, DeltasyncLoRAResolver, register_resolver
+from deltasync.vllm.lora import RESOLVER, ROOT_ENV, TRUSTED_KEYS_ENV, DeltasyncLoRAResolver, register_resolver
 
 log = logging.getLogger("deltasync.inference")
 LORA_RANKS: tuple[int, ...] = get_args(MaxLoRARanks)  # the --max-lora-rank values vLLM accepts
@@ -142,6 +148,12 @@ class Settings(BaseSettings):
     max_lora_rank: int = Field(0, ge=0, le=max(LORA_RANKS))
     # a quantized root's recipe, whatever run.json says (or does not yet) at start; "": run.json's
     quantization: Annotated[str, AfterValidator(lambda name: name and recipe(name).name)] = ""  # one line
+    # the trainer's public keys, as lines (a .pub file read once here); "": whoever can write the bucket
+    trusted_keys: Annotated[str, AfterValidator(lambda text: ",".join(parse_keys(text)))] = ""
+
+    @property
+    def trust(self) -> Trust:
+        return Trust(self.trusted_keys.split(",") if self.trusted_keys else ())
 
     @property
     def served_names(self) -> list[str]:
@@ -178,6 +190,7 @@ def sync_status(cfg: Settings, subscriber: Subscriber, applier: EngineApplier, i
         "schema_hash": schema_hash(subscriber.run.schema) if subscriber.run else None,  # checked by preflight
         "lora_config": None,  # full weights (a LoRA trainer's preflight refuses this replica)
         "quantization": applier.quantization,  # the recipe vLLM serves (None: bf16)
+        "trust": str(subscriber.trust),  # who may say which weights it serves: keys, or the bucket
         "paused_until_anchor": applier.stuck,
         "last_error": subscriber.last_error,
         "rate_limited_until": subscriber.storage.rate_limited_until,  # the Hub refuses requests until then
@@ -293,6 +306,7 @@ def front_page(cfg: Settings, engine, status: Callable[[], dict]) -> gr.Blocks:
             f"**step** {s['step']} (anchor {s['anchor']}) · **head** {s['head_step']} · "
             f"**lag** {s['lag_steps']} steps, {lag_s} · **weight version** {s['weight_version']}"
         ) + (f" · **quantized** {s['quantization']}" if s.get("quantization") else "")
+        summary += f" · **trusts** {s['trust']}"
         rows = [
             [a["step"], a["kind"], a["changed"], a["payload_bytes"], round(a["download_s"], 3)]
             + [round(1e3 * a["apply_s"], 1), round(1e3 * (a["pause_s"] or 0), 1), round(a["lag_s"], 2)]
@@ -431,7 +445,7 @@ def lora_of(cfg: Settings) -> dict | None:
     run.json to choose: LoRA is a setting of vLLM's engine, fixed when it starts. SystemExit (one line) when
     run.json contradicts MAX_LORA_RANK."""
     try:
-        run = read_run(open_storage(cfg.sync_root))
+        run = run_of(cfg)
     except FileNotFoundError:
         return {} if cfg.max_lora_rank else None
     where = redact(cfg.sync_root)
@@ -457,7 +471,7 @@ def quantization_of(cfg: Settings) -> str | None:
     if cfg.quantization and cfg.max_lora_rank:
         raise SystemExit("QUANTIZATION and MAX_LORA_RANK are both set: a LoRA root is never quantized")
     try:
-        run = read_run(open_storage(cfg.sync_root))
+        run = run_of(cfg)
     except FileNotFoundError:
         return cfg.quantization or None
     if cfg.quantization and cfg.quantization != run.quantization:
@@ -466,6 +480,24 @@ def quantization_of(cfg: Settings) -> str | None:
             f"quantized {run.quantization or 'not at all (bf16)'}: unset QUANTIZATION or set it to that"
         )
     return run.quantization
+
+
+def run_of(cfg: Settings) -> RunInfo:
+    """The root's run.json as TRUSTED_KEYS accept it (any, without keys); FileNotFoundError before there is
+    one. SystemExit (one line) for one they refuse, or a malformed one: run.json decides how vLLM starts,
+    and the Space serves nothing it cannot trust."""
+    try:
+        return cfg.trust.run(read_manifest(open_storage(cfg.sync_root), RUN_PATH))
+    except ManifestError as e:
+        raise SystemExit(f"refused {redact(cfg.sync_root)}: {e}") from None
+
+
+def subscriber_of(cfg: Settings, applier: EngineApplier) -> Subscriber:
+    """The follower's subscriber of SYNC_ROOT into `applier`, trusting TRUSTED_KEYS."""
+    storage = open_storage(cfg.sync_root, poll_budget=cfg.poll_budget)
+    return Subscriber(
+        storage, applier, replica=cfg.replica_id, verify_every=cfg.verify_every, trust=cfg.trust
+    )
 
 
 def lora_rank(lora: dict, where: str = "the root") -> int:
@@ -503,6 +535,7 @@ def lora_status(cfg: Settings, resolver: DeltasyncLoRAResolver, in_flight: InFli
         "weight_version": "model",  # the base model's: an adapter's version is its name
         "schema_hash": schema_hash(run.schema) if run else None,
         "lora_config": {"max_lora_rank": args.max_lora_rank, "max_loras": args.max_loras},  # vLLM's names
+        "trust": str(resolver.reader.trust),
         "adapters": resolver.resolved,
         "last_error": resolver.last_error,
         "requests_in_flight": in_flight.count,
@@ -525,7 +558,13 @@ async def serve_adapters(cfg: Settings, engine, args, sock: socket.socket) -> No
 async def serve(cfg: Settings) -> None:
     lora = lora_of(cfg)
     if lora is not None:  # read by vLLM's serving layer and our plugin (deltasync.vllm.lora)
-        os.environ.update({ROOT_ENV: cfg.sync_root, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+        os.environ.update(
+            {
+                ROOT_ENV: cfg.sync_root,
+                TRUSTED_KEYS_ENV: cfg.trusted_keys,
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+            }
+        )
         register_resolver(cfg.replica_id)
     quantization = quantization_of(cfg)
     args = server_args(cfg, lora, quantization)
@@ -545,8 +584,8 @@ async def serve(cfg: Settings) -> None:
             quantization=quantization,
         )
         await engine.update_weight_version(applier.version)
-        storage = open_storage(cfg.sync_root, poll_budget=cfg.poll_budget)
-        subscriber = Subscriber(storage, applier, replica=cfg.replica_id, verify_every=cfg.verify_every)
+        subscriber = subscriber_of(cfg, applier)
+        log.info("following %s, trusting %s", redact(cfg.sync_root), subscriber.trust)
         app = await public_app(
             cfg,
             args,
@@ -554,7 +593,7 @@ async def serve(cfg: Settings) -> None:
             lambda: sync_status(cfg, subscriber, applier, in_flight),
             lambda: applier.version,
             in_flight,
-            lambda: storage.rate_limited_until,
+            lambda: subscriber.storage.rate_limited_until,
         )
         stop = threading.Event()
         follower = threading.Thread(
