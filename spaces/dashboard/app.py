@@ -41,10 +41,12 @@ from pydantic_settings import BaseSettings
 from appkit.asgi import BodyLimit, serve
 from appkit.settings import from_env
 from appkit.units import format_bytes, format_steps
-from deltasync.errors import EXPECTED
+from deltasync.errors import EXPECTED, ManifestError
 from deltasync.storage import POLL_BUDGET, LocalStorage, open_storage, redact
 from deltasync.storage.hub import WINDOW_S
-from deltasync.sync.protocol import RunInfo, read_run
+from deltasync.sync.protocol import RUN_PATH, RunInfo, read_manifest
+from deltasync.sync.signing import Trust, short
+from deltasync.telemetry import ReplicaRecord
 from deltasync.telemetry.reader import TelemetryReader
 
 log = logging.getLogger("deltasync.dashboard")
@@ -125,6 +127,7 @@ class Board:
         self.read_at: float | None = None  # end of the last successful poll (unix s)
         self.reader: TelemetryReader | None = None
         self.run: RunInfo | None = None  # run.json (None: not read yet, or telemetry alone)
+        self.signature_error: str | None = None  # why a signed run.json's signature does not hold
         self._run_read = False  # run.json read (once the trainer's first record is in: it precedes them)
         self._figures: tuple[int, list[go.Figure]] | None = None
         if not root:
@@ -195,7 +198,9 @@ class Board:
 
     def _read_run(self) -> None:
         try:
-            self.run = read_run(self.reader.storage)
+            data = read_manifest(self.reader.storage, RUN_PATH)
+            self.run = RunInfo.from_json(data)
+            self.signature_error = signature_error(self.run, data)
         except FileNotFoundError:  # telemetry alone (copied from a run): shown as full weights
             pass
         except EXPECTED:  # unreadable now: the telemetry is still shown, and the next poll tries again
@@ -215,9 +220,10 @@ class Board:
                 return {"root": self.root, "error": self.error}
             base = self.reader.summary(time.time(), self.stale_after_s)
             state = {"error": self.error, "unread": len(self.unread), "read_at": self.read_at}
-            run = {"run": run_summary(self.run)} if self.run else {}
+            run = {"run": run_summary(self.run, self.signature_error)} if self.run else {}
             adapters = {"adapters": self.reader.adapter_summary(self.lora)} if self.lora else {}
-            return {**base, **state, **run, **adapters, "version": self.version}
+            refusals = {"head_refusals": head_refusals(self.reader.replicas)}
+            return {**base, **state, **run, **adapters, **refusals, "version": self.version}
 
     def series(self, since: int = -1) -> dict[str, Any]:
         with self.lock:
@@ -236,10 +242,42 @@ class Board:
             return self._figures[1]
 
 
-def run_summary(run: RunInfo) -> dict[str, Any]:
-    """The fields of run.json the page shows (run_lines), JSON-ready: the model and, on a quantized root, the
-    recipe its replicas serve (None: bf16)."""
-    return {"model": run.model, "quantization": run.quantization}
+def run_summary(run: RunInfo, signature_error: str | None = None) -> dict[str, Any]:
+    """The fields of run.json the page shows (run_lines), JSON-ready: the model, on a quantized root the
+    recipe its replicas serve (None: bf16), on a signed root the key that signs its heads (`signed_by`, None:
+    unsigned) and `signature_error` if run.json's signature does not hold (signature_error())."""
+    signed_by = run.signing.keys[-1] if run.signing else None
+    return {
+        "model": run.model,
+        "quantization": run.quantization,
+        "signed_by": signed_by,
+        "signature_error": signature_error,
+    }
+
+
+def signature_error(run: RunInfo, data: bytes) -> str | None:
+    """Why the signed run.json `data` is not signed by the keys it names (None: it is, or it is unsigned).
+    The board trusts no key of its own: it checks that the key shown did sign, which a bucket writer without
+    that key cannot fake; which key to trust is the replicas' setting."""
+    if run.signing is None:
+        return None
+    try:
+        Trust(run.signing.keys[:1]).run(data)
+    except ManifestError as e:
+        return str(e)
+    return None
+
+
+def head_refusals(replicas: dict[str, dict[int, ReplicaRecord]]) -> dict[str, dict[str, Any]]:
+    """Per replica that refused heads for their signature (records of kind "head"): how many, and the last
+    refusal's error and time."""
+    refusals = {}
+    for name, steps in replicas.items():
+        refused = sorted((r for r in steps.values() if r.kind == "head"), key=lambda r: r.applied_at)
+        if refused:
+            last = refused[-1]
+            refusals[name] = {"count": len(refused), "last_error": last.error, "last_at": last.applied_at}
+    return refusals
 
 
 # ------------------------------------------------------------------------------------------------- figures
@@ -651,6 +689,12 @@ def status_markdown(summary: dict[str, Any], refresh_s: float) -> str:
     if summary["read_at"]:
         lines[-1] += f" Read {fmt_seconds(max(0.0, time.time() - summary['read_at']))} ago."
     lines += run_lines(summary.get("run"))
+    for name, refused in summary.get("head_refusals", {}).items():
+        lines.append(
+            f"⚠ Replica **{markdown_text(name)}** refused {refused['count']} head"
+            f"{'s' if refused['count'] > 1 else ''} for their signature (serving its last good step); the "
+            f"last at {_clock(refused['last_at'])}: {markdown_text(refused['last_error'] or '')}"
+        )
     for row in summary["replicas"]:
         if row["status"] == "stopped reporting":
             lines.append(
@@ -690,9 +734,27 @@ def status_markdown(summary: dict[str, Any], refresh_s: float) -> str:
 
 def run_lines(run: dict[str, Any] | None) -> list[str]:
     """What run.json says of the whole run (run_summary), one line per field shown, under the status line:
-    the recipe a quantized root's replicas serve. Nothing before run.json is read or for a bf16 root."""
+    the recipe a quantized root's replicas serve, and whether it is signed and by which key. Nothing before
+    run.json is read."""
+    if not run:
+        return []
     lines = []
-    if run and run["quantization"]:
+    key = markdown_text(short(run["signed_by"])) if run["signed_by"] else None
+    if key and run["signature_error"]:
+        error = markdown_text(run["signature_error"])
+        lines.append(
+            f"⚠ run.json names the key **{key}**, but its signature does not hold ({error}): replicas "
+            "trusting that key refuse this root."
+        )
+    elif key:
+        setting = markdown_text("(TRUSTED_KEYS, --trusted-key)")
+        lines.append(
+            f"Signed by **{key}**: replicas given this key {setting} apply only the steps it signed."
+        )
+    else:
+        setting = markdown_text("(the trainer's --signing_key)")
+        lines.append(f"Unsigned: replicas trust whoever can write this bucket {setting}.")
+    if run["quantization"]:
         lines.append(
             f"Replicas serve **{markdown_text(run['quantization'])}** (a quantized root): at every step the "
             "codes and scales of the trainer's bf16 weights quantized as vLLM does, checked by fingerprint."

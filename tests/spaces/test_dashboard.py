@@ -375,13 +375,69 @@ def test_a_quantized_root_says_the_recipe_its_replicas_serve(tmp_path, dashboard
             publisher.flush()
     board.refresh()
     summary = json.loads(json.dumps(board.summary()))  # what /api/summary answers
-    assert summary["run"] == {"model": "tiny", "quantization": quantization}
+    assert summary["run"] == {
+        "model": "tiny",
+        "quantization": quantization,
+        "signed_by": None,
+        "signature_error": None,
+    }
     assert summary["steps"] == 2 and "adapters" not in summary
     status = dashboard.status_markdown(summary, 2)
     if quantization:
         assert "Replicas serve **fp8\\_per\\_channel** (a quantized root)" in status
     else:
         assert "Replicas serve" not in status
+    assert "Unsigned: replicas trust whoever can write this bucket" in status
+
+
+def test_a_signed_root_says_its_key_and_every_head_a_replica_refused(tmp_path, dashboard):
+    """A real signed root: the status says which key signs it (checked against run.json's own chain: a
+    run.json naming the key with a signature that does not hold is flagged); a replica trusting the key
+    refuses a bucket writer's forged head, and the board lists that refusal."""
+    pytest.importorskip("torch")
+    from deltasync.sync.signing import SigningKey, short
+    from deltasync.sync.subscriber import SyncError
+    from tests.deltasync.sync.test_signing import Trainer, forge_step, replica
+
+    key = SigningKey.generate()
+    key.save(tmp_path / "trainer.key")
+    root = tmp_path / "root"
+    trainer = Trainer(root, str(tmp_path / "trainer.key"))
+    subscriber, _ = replica(root, key.public, name="r1")
+    for step in range(2):
+        trainer.step(step)
+        subscriber.sync()
+    forge_step(root, trainer, SigningKey.generate())
+    with pytest.raises(SyncError):
+        subscriber.sync()
+    trainer.publisher.close()
+    board = dashboard.Board(str(root))
+    board.refresh()
+    summary = json.loads(json.dumps(board.summary()))  # what /api/summary answers
+    assert summary["run"]["signed_by"] == key.public and summary["run"]["signature_error"] is None
+    (refusal,) = summary["head_refusals"].values()
+    assert list(summary["head_refusals"]) == ["r1"] and refusal["count"] == 1
+    assert (
+        refusal["last_error"].startswith("head refused: ")
+        and "a key this replica does not trust" in (refusal["last_error"])
+    )
+    assert summary["problem_count"] == 0  # a head record is a replica record like any other
+    (row,) = summary["replicas"]
+    assert (row["status"], row["step"], row["refused"]) == ("refused last step", 1, 1)
+    status = dashboard.status_markdown(summary, 2)
+    assert f"Signed by **{dashboard.markdown_text(short(key.public))}**: replicas given this key" in status
+    assert "⚠ Replica **r1** refused 1 head for their signature (serving its last good step)" in status
+
+    run = json.loads((root / "run.json").read_bytes())
+    run["model"] = "another"  # the key and the signature kept: a bucket writer's run.json
+    (root / "run.json").write_text(json.dumps(run))
+    board = dashboard.Board(str(root))
+    board.refresh()
+    summary = board.summary()
+    assert "does not match its content" in summary["run"]["signature_error"]
+    status = dashboard.status_markdown(summary, 2)
+    assert f"⚠ run.json names the key **{dashboard.markdown_text(short(key.public))}**, but its" in status
+    assert "Signed by" not in status
 
 
 def test_series_since(tmp_path):

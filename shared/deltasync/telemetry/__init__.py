@@ -106,7 +106,7 @@ class ReplicaRecord:
 
     replica: str
     step: Count
-    kind: str  # anchor | delta
+    kind: str  # anchor | delta | head (a head refused for its signature: verified False)
     published_at: Time
     applied_at: Time
     download_s: Number

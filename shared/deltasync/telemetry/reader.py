@@ -46,7 +46,8 @@ from deltasync.telemetry.sink import parse_batch
 
 TELEMETRY_DIR = "telemetry"
 TRAINER_KINDS = {"anchor", "delta", "skipped"}
-REPLICA_KINDS = {"anchor", "delta"}
+# head: a head the replica refused for its signature (a signed root; its error starts "head refused:")
+REPLICA_KINDS = {"anchor", "delta", "head"}
 REMOTE_READERS = 16  # parallel reads on object stores, where each read is a round trip
 LISTING_SHARE = 0.1
 PROBE_STEPS = 8  # next step names probed per writer; a faster writer is followed over successive polls
