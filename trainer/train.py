@@ -58,6 +58,7 @@ from deltasync.codec.fingerprint import format_fingerprint
 from deltasync.quant.recipe import RECIPES
 from deltasync.storage import redact
 from deltasync.sync.publisher import PublisherConfig
+from deltasync.sync.signing import SigningKey, Trust
 from deltasync.trl import (
     BucketWeightTransfer,
     apply_cpu_shims,
@@ -183,6 +184,21 @@ class DeltaSyncArguments:
             "choices": list(RECIPES),
         },
     )
+    signing_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "Sign run.json and every step with this private key file (`deltasync keygen`); replicas "
+            "given its public key (the inference Space's TRUSTED_KEYS, deltasync follow/pull --trusted-key) "
+            "apply only what it signed. The trainer also resumes only from a head it signed. Unset: unsigned."
+        },
+    )
+    previous_signing_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "Rotation: the key that signed the run so far, which endorses --signing_key in run.json; "
+            "replicas that trust either key follow."
+        },
+    )
     measure_merged: bool = field(
         default=False,
         metadata={
@@ -202,12 +218,31 @@ class DeltaSyncArguments:
         alpha = self.lora_alpha or 2 * self.lora_r
         return LoraConfig(r=self.lora_r, lora_alpha=alpha, target_modules="all-linear", task_type="CAUSAL_LM")
 
+    def publisher_config(self) -> PublisherConfig:
+        return PublisherConfig(
+            encoding=self.encoding,
+            anchor_every=self.anchor_every,
+            keep_anchors=self.keep_anchors,
+            previous_copy=self.previous_copy,
+            quantization=self.quantization,
+            signing_key=self.signing_key,
+            previous_signing_key=self.previous_signing_key,
+        )
+
+    def own_keys(self) -> Trust:
+        """The trainer's own public keys (--signing_key, --previous_signing_key): whose heads it resumes from
+        (none: any head)."""
+        paths = [p for p in (self.signing_key, self.previous_signing_key) if p]
+        return Trust([SigningKey.load(p).public for p in paths])
+
     def check(self) -> None:
         missing = [f"--{n}" for n in ("sync_root", "inference_url", "env_url") if not getattr(self, n)]
         if missing:
             raise SystemExit(f"missing {', '.join(missing)} (see --help)")
         if self.quantization and self.lora_r:
             raise SystemExit("--quantization and --lora_r: a LoRA root is never quantized")
+        if self.previous_signing_key and not self.signing_key:
+            raise SystemExit("--previous_signing_key rotates to a --signing_key: give both")
         urls = [self.inference_url] if isinstance(self.inference_url, str) else self.inference_url
         self.inference_url = [u.rstrip("/") for url in urls for u in url.split(",") if u.strip()]
 
@@ -379,9 +414,10 @@ def pinned_revision(model: str, args: AsyncGRPOConfig) -> str | None:
     return commit
 
 
-def continue_from_head(model: torch.nn.Module, root: str, adapter: bool) -> None:
+def continue_from_head(model: torch.nn.Module, root: str, adapter: bool, trust: Trust | None = None) -> None:
     """Load the newest published weights (with `adapter`, the adapter) into `model` if the sync root holds a
-    run."""
+    run; `trust`: only from a head those keys signed (SyncError, one line, for another: a bucket writer's
+    weights are never trained on and signed)."""
     from deltasync.storage import open_storage
     from deltasync.sync.protocol import HEAD_PATH
     from deltasync.sync.subscriber import Subscriber, TensorsApplier
@@ -392,7 +428,7 @@ def continue_from_head(model: torch.nn.Module, root: str, adapter: bool) -> None
     except FileNotFoundError:
         return
     live = adapter_tensors(model) if adapter else ((n, p.data) for n, p in model.named_parameters())
-    Subscriber(storage, TensorsApplier(dict(live))).sync()
+    Subscriber(storage, TensorsApplier(dict(live)), trust=trust).sync()
 
 
 def model_without_weights(path: str, revision: str | None = None) -> torch.nn.Module:
@@ -427,13 +463,7 @@ def build_trainer(
     transfer = BucketWeightTransfer(
         ours.sync_root,
         model_id=model_id,
-        config=PublisherConfig(
-            encoding=ours.encoding,
-            anchor_every=ours.anchor_every,
-            keep_anchors=ours.keep_anchors,
-            previous_copy=ours.previous_copy,
-            quantization=ours.quantization,
-        ),
+        config=ours.publisher_config(),
         guard=stop.guard,
         lora_name=LORA_NAME if ours.lora_r else None,
         measure_merged=ours.measure_merged,
@@ -457,9 +487,8 @@ def build_trainer(
     # Only the main process touches the sync root (TRL calls the transfer there alone too). Under DDP the
     # other ranks get the resumed weights when the model is wrapped, which broadcasts rank 0's.
     if trainer.accelerator.is_main_process:
-        continue_from_head(
-            trainer.model, ours.sync_root, adapter=bool(ours.lora_r)
-        )  # the publisher logs the step it continues at
+        # the publisher logs the step it continues at
+        continue_from_head(trainer.model, ours.sync_root, adapter=bool(ours.lora_r), trust=ours.own_keys())
     # the rollout worker's sampling seeds follow TRL's --seed: with the seeded games, runs are reproducible
     # up to the timing of the asynchronous pipeline (which weights answer which request)
     stamp_rollouts(

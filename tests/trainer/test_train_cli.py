@@ -7,10 +7,15 @@ from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from deltasync.sync.signing import SigningKey
+from deltasync.sync.subscriber import SyncError
 from deltasync.trl import RolloutCounters, rollouts_ahead, step_info
 from deltasync.trl.rollout import REWARD_SQ, VERSION_KNOWN
-from trainer.train import GracefulStop, failure_line, main, parse_args, pinned_revision
+from tests.deltasync.sync.test_signing import Trainer, forge_step
+from tests.helpers import SHAPES, assert_bitwise_equal
+from trainer.train import GracefulStop, continue_from_head, failure_line, main, parse_args, pinned_revision
 
 REQUIRED = ["--sync_root", "root", "--inference_url", "http://infer", "--env_url", "http://env"]
 
@@ -78,6 +83,47 @@ def test_quantization_names_a_recipe_the_publisher_gets(capsys):
     assert "invalid choice: 'fp8'" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="^--quantization and --lora_r: a LoRA root is never quantized$"):
         parse_args([*REQUIRED, "--quantization", "fp8_per_channel", "--lora_r", "8"])
+
+
+def test_signing_keys_reach_the_publisher_and_the_trainer_resumes_only_from_its_own_heads(tmp_path):
+    """--signing_key and --previous_signing_key go into PublisherConfig; a trainer that signs continues from
+    a head its keys signed, never from a bucket writer's (whose weights it would otherwise train and sign)."""
+    paths, publics = [], []
+    for name in ("trainer", "next"):
+        key = SigningKey.generate()
+        key.save(tmp_path / f"{name}.key")
+        paths.append(str(tmp_path / f"{name}.key"))
+        publics.append(key.public)
+    ours = parse_args([*REQUIRED, "--signing_key", paths[0]])[0]
+    config = ours.publisher_config()
+    assert (config.signing_key, config.previous_signing_key) == (paths[0], None)
+    rotated = parse_args([*REQUIRED, "--signing_key", paths[1], "--previous_signing_key", paths[0]])[0]
+    assert rotated.publisher_config().previous_signing_key == paths[0]
+    assert rotated.own_keys().keys == (publics[1], publics[0])
+    assert parse_args(REQUIRED)[0].publisher_config().signing_key is None
+    assert parse_args(REQUIRED)[0].own_keys().keys == ()
+    with pytest.raises(SystemExit, match="^--previous_signing_key rotates to a --signing_key: give both$"):
+        parse_args([*REQUIRED, "--previous_signing_key", paths[0]])
+
+    class Model:  # what continue_from_head reads of a model: its parameters by name
+        def __init__(self):
+            self.params = {n: torch.nn.Parameter(torch.zeros(s)) for n, s in SHAPES.items()}
+
+        def named_parameters(self):
+            return iter(self.params.items())
+
+    trainer = Trainer(tmp_path / "root", paths[0])
+    for step in range(2):
+        trainer.step(step)
+    model = Model()
+    continue_from_head(model, str(tmp_path / "root"), adapter=False, trust=ours.own_keys())
+    assert_bitwise_equal({n: p.data.bfloat16() for n, p in model.params.items()}, trainer.states[1])
+    forge_step(tmp_path / "root", trainer, SigningKey.generate())
+    model = Model()
+    with pytest.raises(SyncError, match="a key this replica does not trust"):
+        continue_from_head(model, str(tmp_path / "root"), adapter=False, trust=ours.own_keys())
+    assert all(not p.data.any() for p in model.params.values())
+    trainer.publisher.close()
 
 
 def test_a_failure_is_named_by_its_root_cause():
