@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from deltasync.sync.signing import SigningKey
 from tests.helpers import REPO
 from trainer import deploy
 
@@ -132,7 +133,9 @@ def test_space_host():
 def test_deploy_through_the_hub_client(fake_hub, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("API_TOKEN", API_TOKEN)
     monkeypatch.setenv("SPACE_HF_TOKEN", SPACE_TOKEN)
+    key = tmp_path / "trainer.key"  # created by the first deploy, reused by the second
     argv = ["--namespace", "alice", "--private", "--hardware", "a10g-small", "--model", "org/policy"]
+    argv += ["--signing-key", str(key)]
     deploy.main(argv)
     # A second deploy reuses what exists and mirrors the bundles: a file gone from a bundle leaves the Space.
     fake_hub.spaces["alice/deltasync-env"].files["stray.txt"] = b"left by hand"
@@ -140,11 +143,19 @@ def test_deploy_through_the_hub_client(fake_hub, tmp_path, capsys, monkeypatch):
     printed = capsys.readouterr()
 
     assert "alice/deltasync" in fake_hub.buckets
+    public = SigningKey.load(key).public
+    assert (tmp_path / "trainer.key.pub").read_text() == public + "\n"
+    assert printed.out.count(f"New signing key: {key} (private: keep it with the trainer)") == 1
+    assert (
+        f"--signing_key {key}" in printed.out
+        and "Signed steps: the inference Space serves only" in printed.out
+    )
+    assert "PRIVATE KEY" not in printed.out + printed.err
     sync_root = {"SYNC_ROOT": "hf://buckets/alice/deltasync"}
     want = {
         "inference": (
             "docker",
-            {**sync_root, "MODEL": "org/policy"},
+            {**sync_root, "MODEL": "org/policy", "TRUSTED_KEYS": public},
             {"HF_TOKEN": SPACE_TOKEN, "API_TOKEN": API_TOKEN},
         ),
         "env": ("docker", {}, {}),
@@ -162,6 +173,12 @@ def test_deploy_through_the_hub_client(fake_hub, tmp_path, capsys, monkeypatch):
     for token in (API_TOKEN, SPACE_TOKEN, fake_hub.token):
         assert token not in printed.out + printed.err
         assert not any(token in request for request in fake_hub.requests)
+
+
+def test_a_signing_key_that_is_no_key_stops_the_deploy_with_one_line(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a key")
+    with pytest.raises(SystemExit, match="^--signing-key: .*notes.txt: not a private key file"):
+        deploy.main(["--namespace", "alice", "--signing-key", str(tmp_path / "notes.txt")])
 
 
 def test_deploy_without_a_token(monkeypatch):

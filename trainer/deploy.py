@@ -2,6 +2,7 @@
 
     python -m trainer.deploy --namespace NS [--private] [--hardware l4x1] [--model Qwen/Qwen3-0.6B]
     python -m trainer.deploy --namespace NS --dry-run DIR      # write the bundles to DIR, contact nothing
+    python -m trainer.deploy --namespace NS --signing-key trainer.key   # signed steps (below)
 
 Creates (or reuses) the bucket `NS/<bucket>` and three Docker Spaces: `NS/<prefix>-inference` (vLLM on a
 GPU), `NS/<prefix>-env` (Wordle, CPU) and `NS/<prefix>-dashboard` (CPU); uploads each Space's bundle (its
@@ -9,6 +10,11 @@ folder under `spaces/`, the apps' shared `appkit` package, and the deltasync whe
 dashboard Spaces), sets the Space variables
 (SYNC_ROOT, MODEL) and secrets, requests the inference Space's GPU, and prints the URLs and the trainer
 command. Re-running updates everything in place; files dropped from a bundle leave its Space too.
+
+--signing-key FILE: signed steps. The key pair is created if FILE does not exist (as `deltasync keygen`:
+FILE readable by its owner only, FILE.pub the public line); the inference Space's TRUSTED_KEYS is set to its
+public key, and the trainer command printed signs with it (--signing_key FILE). Keep FILE with the trainer:
+whoever holds it can publish steps the replicas serve.
 
 Tokens, read from the environment and never printed or logged:
     HF_TOKEN        authenticates this deploy (else the login cache of `hf auth login`); write access to NS
@@ -34,6 +40,8 @@ from pathlib import Path
 
 import yaml
 from huggingface_hub import HfApi, SpaceHardware, get_token
+
+from deltasync.sync.signing import SigningKey, short
 
 REPO = Path(__file__).resolve().parents[1]
 APPS = ("inference", "env", "dashboard")
@@ -72,6 +80,7 @@ class Plan:
     model: str
     private: bool
     spaces: tuple[SpacePlan, ...]
+    signing_key: str | None = None  # the trainer's private key file (its public key is TRUSTED_KEYS)
 
     @property
     def sync_root(self) -> str:
@@ -84,7 +93,8 @@ class Plan:
         """The local trainer run that feeds this deployment."""
         argv = ["python", "-m", "trainer", "--sync_root", self.sync_root]
         argv += ["--inference_url", self.space("inference").url, "--env_url", self.space("env").url]
-        return shlex.join([*argv, "--model", self.model])
+        argv += ["--model", self.model]
+        return shlex.join([*argv, *(["--signing_key", self.signing_key] if self.signing_key else [])])
 
 
 def space_host(repo_id: str) -> str:
@@ -111,8 +121,10 @@ def make_plan(
     hardware: str = DEFAULT_HARDWARE,
     private: bool = False,
     api_token: bool = False,
+    signing: tuple[str, str] | None = None,
 ) -> Plan:
-    """What to create for `namespace`. `api_token`: whether the inference Space gets an API_TOKEN secret."""
+    """What to create for `namespace`. `api_token`: whether the inference Space gets an API_TOKEN secret;
+    `signing`: the trainer's private key file and its public key, which the inference Space trusts."""
     bucket_id = f"{namespace}/{bucket}"
     sync_root = f"hf://buckets/{bucket_id}"
     sdk = {app: front_matter(REPO / "spaces" / app / "README.md")["sdk"] for app in APPS}
@@ -121,7 +133,7 @@ def make_plan(
             "inference",
             f"{namespace}/{prefix}-inference",
             sdk["inference"],
-            {"SYNC_ROOT": sync_root, "MODEL": model},
+            {"SYNC_ROOT": sync_root, "MODEL": model, **({"TRUSTED_KEYS": signing[1]} if signing else {})},
             ("HF_TOKEN", "API_TOKEN") if api_token else ("HF_TOKEN",),
             hardware,
         ),
@@ -134,7 +146,21 @@ def make_plan(
             ("HF_TOKEN",),
         ),
     )
-    return Plan(namespace, bucket_id, model, private, spaces)
+    return Plan(namespace, bucket_id, model, private, spaces, signing[0] if signing else None)
+
+
+def signing_key(path: str) -> tuple[str, str]:
+    """The key file `path` and its public key: the key read if the file exists, else a new pair written (as
+    `deltasync keygen`: `path` for its owner only, `path`.pub), said in a line. ValueError for a file that
+    holds no private key."""
+    if Path(path).exists():
+        return path, SigningKey.load(path).public
+    key = SigningKey.generate()
+    key.save(path)
+    print(
+        f"New signing key: {path} (private: keep it with the trainer), public key in {path}.pub", flush=True
+    )
+    return path, key.public
 
 
 def build_bundle(app: str, dest: Path) -> Path:
@@ -236,6 +262,13 @@ def report(plan: Plan, endpoint: str, dry_run: Path | None) -> str:
             "The Spaces are private: their hosts answer only requests that carry an HF token, and the",
             "trainer sends none to them. Make the inference and env Spaces public (or add a proxy) to train.",
         ]
+    if plan.signing_key:
+        trusted = plan.space("inference").variables["TRUSTED_KEYS"]
+        lines += [
+            "",
+            f"Signed steps: the inference Space serves only what {short(trusted)} signs (TRUSTED_KEYS);",
+            f"the trainer signs with {plan.signing_key}: keep it secret (its holder can publish weights).",
+        ]
     if "API_TOKEN" in plan.space("inference").secrets:
         lines += [
             "",
@@ -263,6 +296,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the inference Space's hardware: l4x1, a10g-small, l40sx1, a100-large, ... (default: l4x1)",
     )
     parser.add_argument("--private", action="store_true", help="make the bucket and the Spaces private")
+    parser.add_argument(
+        "--signing-key",
+        metavar="FILE",
+        help="sign the run: the trainer's private key file, created (with FILE.pub) if it does not exist; "
+        "the inference Space trusts only its public key (TRUSTED_KEYS)",
+    )
     parser.add_argument("--dry-run", type=Path, metavar="DIR", help="write the bundles to DIR and stop")
     return parser.parse_args(argv)
 
@@ -270,6 +309,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     api_token = os.environ.get("API_TOKEN") or None
+    try:
+        signing = signing_key(args.signing_key) if args.signing_key else None
+    except (OSError, ValueError) as e:
+        sys.exit(f"--signing-key: {e}")
     plan = make_plan(
         args.namespace,
         args.bucket,
@@ -278,6 +321,7 @@ def main(argv: list[str] | None = None) -> None:
         args.hardware,
         args.private,
         api_token is not None,
+        signing,
     )
     api = HfApi()
     if args.dry_run is not None:
