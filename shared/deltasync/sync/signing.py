@@ -134,11 +134,10 @@ class SigningKey:
         pem = self._private.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(pem)
         public = Path(f"{path}.pub")
-        public.write_text(self.public + "\n")
+        for where, data, mode in ((public, self.public.encode() + b"\n", 0o644), (path, pem, 0o600)):
+            with os.fdopen(os.open(where, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
+                f.write(data)
         return public
 
     def sign(self, data: bytes, context: bytes) -> bytes:

@@ -44,7 +44,6 @@ from deltasync.codec.header import read_info, schema_hash
 from deltasync.errors import AnchorError, PatchError, Refused, SyncError
 from deltasync.storage import RateLimited, Storage, TooLargeError, TransientStorageError, open_storage, retry
 from deltasync.sync.protocol import (
-    HEAD_PATH,
     RUN_PATH,
     Entry,
     Head,
@@ -333,7 +332,7 @@ class Subscriber:
         except ManifestError as e:
             if self.trust.keys:
                 self._report_untrusted(data, str(e))
-            raise SyncError(f"refused {self.storage.url}: {e}") from None
+            raise SyncError(f"refused the head of {self.storage.url}: {e}") from None
         served = self.applier.quantization if isinstance(self.applier, FileApplier) else None
         if self.run is not None and self.run.quantization != served:
             raise SyncError(
@@ -345,7 +344,7 @@ class Subscriber:
         if self.head is not None and (head.epoch, head.step) < (self.head.epoch, self.head.step):
             if self.trust.keys:  # signed, yet older than one seen: a replayed head (or a stale read)
                 raise SyncError(
-                    f"refused {self.storage.url}: {HEAD_PATH}: step {head.step} (epoch {head.epoch}) is "
+                    f"refused the head of {self.storage.url}: step {head.step} (epoch {head.epoch}) is "
                     f"older than step {self.head.step} (epoch {self.head.epoch}): a replayed head"
                 )
             return self.head  # older than one seen: a stale read, or a fenced writer's late write
