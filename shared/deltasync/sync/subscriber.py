@@ -322,6 +322,7 @@ class Subscriber:
         """The head: one bounded read per poll, parsed only when its bytes changed; never one older (by writer
         epoch, then step) than the newest seen, so a replica never goes backwards. With trusted keys, only a
         head the run's key signed, of the newest run seen."""
+        data = None
         try:
             data = self._retry(lambda: read_head_bytes(self.storage))
             if self.run is None:
@@ -330,7 +331,7 @@ class Subscriber:
         except FileNotFoundError:
             raise SyncError(f"no run in {self.storage.url} yet") from None
         except ManifestError as e:
-            if self.trust.keys:
+            if self.trust.keys and data is not None:
                 self._report_untrusted(data, str(e))
             raise SyncError(f"refused the head of {self.storage.url}: {e}") from None
         served = self.applier.quantization if isinstance(self.applier, FileApplier) else None
