@@ -256,3 +256,19 @@ def test_trusted_keys_that_are_no_keys_stop_with_one_line():
     with pytest.raises(SystemExit, match="^DELTASYNC_LORA_TRUSTED_KEYS: 'ed25519:bm90' is not a public key"):
         trust_setting("ed25519:bm90")
     assert isinstance(trust_setting(""), Trust)
+
+
+def test_the_plugin_registers_a_resolver_trusting_the_keys_of_its_environment(tmp_path, monkeypatch):
+    """What a stock server (and the inference Space, which sets the variables) gets: the resolver the
+    `vllm.general_plugins` entry point registers trusts DELTASYNC_LORA_TRUSTED_KEYS."""
+    from vllm.lora.resolver import LoRAResolverRegistry
+
+    from deltasync.vllm.lora import RESOLVER, register_resolver
+
+    key = SigningKey.generate()
+    monkeypatch.setattr(LoRAResolverRegistry, "resolvers", {})  # this test's registry, restored after
+    monkeypatch.setenv("DELTASYNC_LORA_ROOT", str(tmp_path))
+    monkeypatch.setenv("DELTASYNC_LORA_TRUSTED_KEYS", key.public)
+    register_resolver("r1")
+    resolver = LoRAResolverRegistry.get_resolver(RESOLVER)
+    assert resolver.reader.trust.keys == (key.public,) and resolver.replica == "r1"
