@@ -551,8 +551,10 @@ class Publisher:
         self.claim.check_live()
         self._head_bytes.add(data)  # if the read-back fails transiently, a retry finds this head
         # Also under this writer's epoch, which only it writes: a fenced writer's late write to latest.json
-        # cannot hide it from readers (deltasync.sync.protocol.read_head_bytes).
-        self.storage.write_many([(epoch_head_path(self.claim.epoch), data), (HEAD_PATH, data)])
+        # cannot hide it from readers (deltasync.sync.protocol.read_head_bytes). latest.json first: where a
+        # backend writes file by file, readers see the step one request sooner (readers of a head of the
+        # lease's epoch never look for the epoch's own).
+        self.storage.write_many([(HEAD_PATH, data), (epoch_head_path(self.claim.epoch), data)])
         confirmed = self._background.submit(self.claim.confirm)  # beside the read-back: one latency
         try:
             current = self._current_head()
