@@ -5,8 +5,8 @@ Import this module inside the functions that use it, never at module level: numb
 inference Space before vLLM starts. vLLM's CPU worker, forked from the app (which imports shared.*), scans
 every loaded module for Triton kernels at start-up and crashes on llvmlite's function wrappers.
 
-The loops work on blocks of BLOCK elements and 64-bit masks (bit i: element start + i), built by branch-free
-passes the compiler vectorizes; only blocks that hold changes are looked at element by element.
+The loops work on blocks of BLOCK elements and 64-bit masks (bit i: element start + i), each built by one
+vector compare (`_ne_mask`, `_ge_mask`); only blocks that hold changes are looked at element by element.
 
 Compact classes: class c of an element is how many of the three magnitude limits its old bit pattern reaches
 (see deltasync.codec.compact). A rank is a position counted among the elements of one class.
@@ -18,6 +18,9 @@ import math
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 from deltasync.codec.symbols import ANS_SCALE, CLASS_COST_BITS, MAX_CLASSES, MAX_RICE, Q_SYMBOLS, V_SYMBOLS
 
@@ -33,6 +36,64 @@ def _popcount(x):
     x = (x & np.uint64(0x3333333333333333)) + ((x >> np.uint64(2)) & np.uint64(0x3333333333333333))
     x = (x + (x >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
     return np.int64((x * np.uint64(0x0101010101010101)) >> np.uint64(56))
+
+
+def _block_lanes(context, builder, array_type, array, start):
+    """The BLOCK int16 elements array[start:start + BLOCK] as one LLVM vector."""
+    data = context.make_array(array_type)(context, builder, array).data
+    vector = ir.VectorType(ir.IntType(16), BLOCK)
+    return builder.load(builder.bitcast(builder.gep(data, [start]), vector.as_pointer()), align=2)
+
+
+def _flat_int16(t) -> bool:
+    return isinstance(t, types.Array) and t.ndim == 1 and t.layout == "C" and t.dtype == types.int16
+
+
+# A whole block's mask as one vector compare, which LLVM lowers to a few instructions (vpcmpw into a mask
+# register with AVX-512, compares and a pack with AVX2): its loop vectorizer turns `mask |= (cond) << i` into
+# 64-bit lanes of shifts instead. Per 4M elements in cache: the three class masks 0.94 -> 0.22 ms, the
+# comparison's 0.34 -> 0.24 ms. Loads are unaligned (align 2); the caller keeps start + BLOCK in the array.
+
+
+@intrinsic
+def _ne_mask(typingctx, a, b, start):
+    """Bit i: a[start + i] != b[start + i], i < BLOCK (flat int16 arrays)."""
+    if not (_flat_int16(a) and _flat_int16(b) and isinstance(start, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        x = _block_lanes(context, builder, signature.args[0], args[0], args[2])
+        y = _block_lanes(context, builder, signature.args[1], args[1], args[2])
+        return builder.bitcast(builder.icmp_unsigned("!=", x, y), ir.IntType(BLOCK))
+
+    return types.uint64(a, b, start), codegen
+
+
+@intrinsic
+def _ge_mask(typingctx, a, start, limit):
+    """Bit i: a[start + i] & 0x7FFF >= limit, i < BLOCK (a flat int16 array; 0 <= limit <= 2^15)."""
+    if not (_flat_int16(a) and isinstance(start, types.Integer) and isinstance(limit, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        lanes = ir.VectorType(ir.IntType(16), BLOCK)
+        x = builder.and_(
+            _block_lanes(context, builder, signature.args[0], args[0], args[1]),
+            ir.Constant(lanes, [0x7FFF] * BLOCK),
+        )
+        one = builder.insert_element(
+            ir.Constant(lanes, ir.Undefined),
+            builder.trunc(args[2], ir.IntType(16)) if signature.args[2].bitwidth > 16 else args[2],
+            ir.Constant(ir.IntType(32), 0),
+        )
+        splat = builder.shuffle_vector(
+            one,
+            ir.Constant(lanes, ir.Undefined),
+            ir.Constant(ir.VectorType(ir.IntType(32), BLOCK), [0] * BLOCK),
+        )
+        return builder.bitcast(builder.icmp_unsigned(">=", x, splat), ir.IntType(BLOCK))
+
+    return types.uint64(a, start, limit), codegen
 
 
 @_inline
@@ -53,9 +114,8 @@ def changed_positions(old_bits, new_bits, seed, r1, offset):
     total = 0
     for b in range(masks.size):
         start, mask = b * BLOCK, np.uint64(0)
-        if start + BLOCK <= n:  # a constant trip count lets the compiler vectorize
-            for i in range(BLOCK):
-                mask |= np.uint64(old_bits[start + i] != new_bits[start + i]) << np.uint64(i)
+        if start + BLOCK <= n:
+            mask = _ne_mask(old_bits, new_bits, start)
         else:
             for i in range(n - start):
                 mask |= np.uint64(old_bits[start + i] != new_bits[start + i]) << np.uint64(i)
@@ -242,12 +302,12 @@ def _block_classes(old_bits, limits, start):
     count = min(BLOCK, old_bits.size - start)
     l0, l1, l2 = limits[0], limits[1], limits[2]
     m0 = m1 = m2 = np.uint64(0)  # elements reaching limit 0, 1, 2
-    if count == BLOCK:  # a constant trip count lets the compiler vectorize
-        for i in range(BLOCK):
-            m = np.int32(old_bits[start + i]) & 0x7FFF
-            m0 |= np.uint64(m >= l0) << np.uint64(i)
-            m1 |= np.uint64(m >= l1) << np.uint64(i)
-            m2 |= np.uint64(m >= l2) << np.uint64(i)
+    if count == BLOCK:
+        m0, m1, m2 = (
+            _ge_mask(old_bits, start, l0),
+            _ge_mask(old_bits, start, l1),
+            _ge_mask(old_bits, start, l2),
+        )
         valid = ~np.uint64(0)
     else:
         for i in range(count):
@@ -261,23 +321,32 @@ def _block_classes(old_bits, limits, start):
 
 @_jit
 def _ranks(old_bits, limits, idx):
-    """Class, in-class rank and old pattern at each sorted position in `idx`, and each class's size."""
+    """Class, in-class rank and old pattern at each sorted position in `idx`, and each class's size.
+
+    Led by the changes: each counts the blocks up to its own (a loop that mostly runs once), which mispredicts
+    less than a walk over blocks asking each whether it holds changes (0.66 against 1.29 ms a 4M chunk)."""
     k = idx.size
     cls, ranks, old = np.empty(k, np.int64), np.empty(k, np.int64), np.empty(k, np.int64)
-    before = np.zeros(MAX_CLASSES, np.int64)  # per class, elements before the block
-    j = 0
-    for b in range((old_bits.size + BLOCK - 1) // BLOCK):  # (a range with a step compiles slower)
-        start = b * BLOCK
-        classes = _block_classes(old_bits, limits, start)
-        while j < k and idx[j] < start + BLOCK:
+    counted = np.zeros(MAX_CLASSES, np.int64)  # per class, elements of the blocks before block b
+    classes = np.empty(
+        MAX_CLASSES, np.uint64
+    )  # block b - 1's class masks: an array, indexed without branches
+    b = 0
+    for j in range(k + 1):
+        last = idx[j] // BLOCK if j < k else (old_bits.size + BLOCK - 1) // BLOCK - 1
+        while b <= last:
+            classes[0], classes[1], classes[2], classes[3] = _block_classes(old_bits, limits, b * BLOCK)
+            for c in range(MAX_CLASSES):
+                counted[c] += _popcount(classes[c])
+            b += 1
+        if j < k:
             old[j] = old_bits[idx[j]]
-            cls[j] = _class(old[j], limits)
-            below = (_ONE << np.uint64(idx[j] - start)) - _ONE
-            ranks[j] = before[cls[j]] + _popcount(classes[cls[j]] & below)
-            j += 1
-        for c in range(MAX_CLASSES):
-            before[c] += _popcount(classes[c])
-    return cls, ranks, before, old
+            c = _class(old[j], limits)
+            cls[j] = c
+            ranks[j] = counted[c] - _popcount(
+                classes[c] & ~((_ONE << np.uint64(idx[j] & (BLOCK - 1))) - _ONE)
+            )
+    return cls, ranks, counted, old
 
 
 @_jit

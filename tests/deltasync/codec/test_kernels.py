@@ -134,3 +134,45 @@ def test_ans_encode_matches_the_coder_in_plain_integers(counts, skew, seed):
     tables = models.tables()
     words, _ = kernels.ans_encode(starts, rice, q, r, v.astype(np.int64), tables.freq, tables.cum)
     assert words.tolist() == ans_words(starts, q, v, tables.freq, tables.cum)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    numel=st.integers(1, 300),
+    bounds=st.lists(st.integers(0, 255), max_size=MAX_CLASSES - 1, unique=True),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_block_class_masks_hold_each_elements_class(numel, bounds, seed):
+    """The vector compares of whole blocks and the loop of a short last block, against numpy."""
+    rng = np.random.default_rng(seed)
+    b = rng.integers(-(1 << 15), 1 << 15, size=numel, dtype=np.int16)
+    b[rng.random(numel) < 0.2] = rng.choice(np.array([0, -1, 0x7FFF, -0x8000, 0x7F80], np.int16))  # edges
+    limits = compact._limits(sorted(bounds))
+    classes = ((b.astype(np.int64) & 0x7FFF)[:, None] >= limits).sum(1)
+    for start in range(0, numel, kernels.BLOCK):
+        masks = kernels._block_classes(b, limits, start)
+        for i in range(min(kernels.BLOCK, numel - start)):
+            assert [(int(m) >> i) & 1 for m in masks] == [
+                int(classes[start + i] == c) for c in range(MAX_CLASSES)
+            ]
+        assert all(int(m) >> (numel - start) == 0 for m in masks if numel - start < kernels.BLOCK)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    numel=st.integers(1, 3_000),
+    density=st.sampled_from([0.0, 0.01, 0.3, 1.0]),
+    bounds=st.lists(st.integers(100, 130), min_size=1, max_size=MAX_CLASSES - 1, unique=True),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_ranks_count_each_changes_class_before_it(numel, density, bounds, seed):
+    rng = np.random.default_rng(seed)
+    b = ((rng.standard_normal(numel) * 0.02).astype(np.float32).view(np.int32) >> 16).astype(np.int16)
+    idx = np.flatnonzero(rng.random(numel) < density)
+    limits = compact._limits(sorted(bounds))
+    classes = ((b.astype(np.int64) & 0x7FFF)[:, None] >= limits).sum(1)
+    cls, ranks, sizes, old = kernels._ranks(b, limits, idx)
+    in_class = classes[None, :] == np.arange(MAX_CLASSES)[:, None]  # (class, element)
+    assert np.array_equal(cls, classes[idx]) and np.array_equal(old, b[idx])
+    assert np.array_equal(ranks, (np.cumsum(in_class, 1) - in_class)[classes[idx], idx])
+    assert np.array_equal(sizes, in_class.sum(1))
