@@ -3,25 +3,31 @@
     python -m bench.apply                  # Qwen3-0.6B-shaped random model on this machine's vLLM
     python -m bench.apply --preset tiny    # the tests' tiny Qwen3 (a quick check of the bench itself)
     python -m bench.apply --tp 2           # tensor parallel: one rank per core (the whole machine's cores)
+    python -m bench.apply --quantization fp8_per_channel --paths direct   # a quantized replica (apply only)
 
 The server path exactly (spaces/inference/app.py): one AsyncLLM with the deltasync weight-transfer backend,
 placed as the tests place it (`trainer.processes.placement()`: vLLM's worker on its own cores, this process
 on the others), and the follower's EngineApplier writing synthetic steps through the engine client's
 weight-update methods. Two tables:
 
-1. Apply, per density and write path, while two request streams keep generating: "stage", the update
-   that has the workers read the compact patch file, decode and check it against the weights they hold
-   and plan the writes,
-   outside the pause (each worker is busy with it between two forward steps); "update", the engine's start,
+1. Apply, per density and write path, while --apply-streams request streams (default 2) keep generating:
+   "stage", the update that has the workers read the compact patch file, decode and check it against the
+   weights they hold and plan the writes, outside the pause (each worker is busy with it between two forward
+   steps: its calls wait for the step under way to end); "update", the engine's start,
    update and finish calls inside the pause (the writes and the RPC round trips); "paused", the whole window
    generation was paused (from the engine's pause acknowledgement to its resume acknowledgement); "floor",
    measured in the same run as the worker writes (generation paused, on the server's cores): a plain indexed
    copy of the same values into same-size bf16 tensors. Each step is read back in the worker and checked
-   against the expected fingerprint. Medians over --repeat steps.
+   against the expected fingerprint. Medians over --repeat steps. With --quantization, vLLM serves the
+   recipe (quantizing the anchor at load) and each step is a quantized root's two files, as its publisher
+   writes them (deltasync.quant.root): the bf16 patch of the tensors the recipe leaves alone and the
+   quantized delta of the rest; the read-back is of codes, scales and the bf16 rest; "floor" stays the plain
+   bf16 copy of the step's values.
 2. Throughput: --streams concurrent long generations while a step of --step-density lands every --every
    seconds, with KV_ON_UPDATE=keep, with recompute, and with no updates, in --rounds windows of --seconds
    each, the three taking turns. Generated tokens per
-   second (tokens recomputed after a preemption are not counted), and vLLM's preemption count.
+   second (tokens recomputed after a preemption are not counted), and vLLM's preemption count. Not with
+   --quantization.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -45,6 +52,8 @@ from bench import load_space_app
 from deltasync.codec.changes import TensorChanges
 from deltasync.codec.fingerprint import state_fingerprint
 from deltasync.codec.patch import Patch, encode, fingerprint_after, read_entries, read_info
+from deltasync.quant.recipe import RECIPES
+from deltasync.quant.root import QuantizedRoot
 from deltasync.sync.anchor import write_anchor
 from deltasync.vllm import compat
 from deltasync.vllm.follower import AsyncEngine, EngineApplier
@@ -68,16 +77,71 @@ def qwen3_06b_shaped(folder: Path) -> Path:
 
 
 def random_changes(state: dict[str, torch.Tensor], density: float, seed: int) -> dict[str, TensorChanges]:
-    """`density` of each tensor's elements, at random sorted positions, moved by about 1%."""
+    """`density` of each tensor's elements, at random sorted positions, moved by about 1%: those whose bf16
+    value moves (a patch never carries a value unchanged, and the compact codec fails on a tensor of none)."""
     g = torch.Generator().manual_seed(seed)
     changes = {}
     for name, t in state.items():
         k = max(1, round(density * t.numel()))
         idx = torch.randint(t.numel(), (k,), generator=g).unique()
-        old = t.view(-1)[idx].float()
-        new = old * (1 + 0.01 * torch.randn(idx.numel(), generator=g))
-        changes[name] = TensorChanges(idx, new.bfloat16())
+        old = t.view(-1)[idx]
+        new = (old.float() * (1 + 0.01 * torch.randn(idx.numel(), generator=g))).bfloat16()
+        moved = new != old
+        if moved.any():
+            changes[name] = TensorChanges(idx[moved], new[moved])
     return changes
+
+
+class After(Mapping[str, torch.Tensor]):
+    """`state` with `changes` applied, one tensor at a time as it is read (a copy of the whole of a 0.6B
+    model beside `state` would double this process's memory)."""
+
+    def __init__(self, state: dict[str, torch.Tensor], changes: dict[str, TensorChanges]) -> None:
+        self.state, self.changes = state, changes
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t, ch = self.state[name], self.changes.get(name)
+        if ch is None:
+            return t
+        t = t.clone()
+        t.view(-1)[ch.indices] = ch.values
+        return t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.state)
+
+    def __len__(self) -> int:
+        return len(self.state)
+
+
+class Steps:
+    """Each step's files as a root publishes them and the fingerprints the replica goes from and to: a bf16
+    patch, or with `quantization` a quantized root's two files (its publisher's deltasync.quant.root)."""
+
+    def __init__(self, state: dict[str, torch.Tensor], quantization: str | None) -> None:
+        self.bf16 = state_fingerprint(state)  # of the bf16 state the trainer holds
+        self.quant = (
+            QuantizedRoot(quantization, {n: t.shape for n, t in state.items()}) if quantization else None
+        )
+        if self.quant:
+            self.quant.commit(self.quant.start(state))
+
+    @property
+    def fingerprint(self) -> int:
+        """What the replica holds: on a quantized root, its codes', scales' and bf16 rest's fingerprint."""
+        return self.quant.held.fingerprint if self.quant and self.quant.held else self.bf16
+
+    def next(self, state: dict[str, torch.Tensor], changes: dict[str, TensorChanges], step: int):
+        """(files, base, fingerprint) of `step`, `changes` to `state` (which the caller then writes)."""
+        base, after = self.fingerprint, fingerprint_after(self.bf16, state, changes)
+        numel = sum(t.numel() for t in state.values())
+        patch = Patch(step, step - 1, numel, self.bf16, after, changes)
+        self.bf16 = after
+        if self.quant is None:
+            return [encode(patch, state)], base, after
+        rest, quantized, held = self.quant.delta(patch, state, After(state, changes), "compact", None)
+        self.quant.commit(held)
+        return [rest, quantized], base, held.fingerprint
 
 
 def indexed_copy_s(state: dict[str, torch.Tensor], changes: dict[str, TensorChanges]) -> float:
@@ -117,21 +181,20 @@ async def floor_s(engine, cpus, state, changes) -> float:
         await engine.resume_generation()
 
 
-async def apply_table(engine, applier, cpus, state, densities, paths, repeat) -> list[dict]:
+async def apply_table(engine, applier, cpus, state, steps, densities, paths, repeat) -> list[dict]:
     numel = sum(t.numel() for t in state.values())
-    fp = state_fingerprint(state)
     rows, step = [], 0
     for density in densities:
         for path in paths:
-            await asyncio.to_thread(applier.use_write, path)
+            if path != applier.write:
+                await asyncio.to_thread(applier.use_write, path)
             samples = []
             for _ in range(repeat):
                 step += 1
                 changes = random_changes(state, density, step)
-                base, fp = fp, fingerprint_after(fp, state, changes)
+                parts, base, fp = steps.next(state, changes, step)
                 changed = sum(len(c) for c in changes.values())
-                data = encode(Patch(step, step - 1, numel, base, fp, changes), state)
-                await asyncio.to_thread(applier.patch_bytes, [data], step, base, fp)
+                await asyncio.to_thread(applier.patch_bytes, parts, step, base, fp)
                 floor = await floor_s(engine, cpus, state, changes)  # writes the changes into `state`
                 readback = await asyncio.to_thread(applier.fingerprint)
                 assert readback == fp, f"readback after step {step}"
@@ -141,7 +204,7 @@ async def apply_table(engine, applier, cpus, state, densities, paths, repeat) ->
                     {
                         "changed": changed,
                         "share": changed / numel,
-                        "patch MB": len(data) / 1e6,
+                        "patch MB": sum(map(len, parts)) / 1e6,
                         "stage ms": 1e3 * w["stage_s"],
                         "update ms": 1e3 * w["update_s"],
                         "paused ms": 1e3 * w["pause_s"],
@@ -247,23 +310,26 @@ async def server_bench(model: Path, a, cpus) -> tuple[list[dict], list[dict]]:
         replica_id="bench",
         engine_args=shlex.join(["--skip-tokenizer-init", *a.engine_args.split()]),
     )
-    args = inference.server_args(cfg)
+    args = inference.server_args(cfg, quantization=a.quantization)
     async with compat.engine_client(args) as engine:
         cpus.pin_self()  # the engine's processes stay on the server's cores, as the app's do
-        applier = await asyncio.to_thread(EngineApplier, AsyncEngine(engine, asyncio.get_running_loop()), "-")
+        client = AsyncEngine(engine, asyncio.get_running_loop())
+        applier = await asyncio.to_thread(EngineApplier, client, "-", quantization=a.quantization)
         state = {n: t.clone() for n, t in load_file(model / "model.safetensors").items()}  # paged in
-        fp = state_fingerprint(state)
+        steps = Steps(state, a.quantization)
         with tempfile.TemporaryDirectory(prefix="deltasync-bench-") as tmp:
-            files = [f for f, _ in write_anchor(state, 0, fp, Path(tmp))]
-            await asyncio.to_thread(applier.load_files, files, 0, fp)
-        assert await asyncio.to_thread(applier.fingerprint) == fp, "anchor readback"
-        stop, tokens = asyncio.Event(), [0, 0]
-        streams = [asyncio.create_task(generate(engine, s, 32, tokens, stop)) for s in range(2)]
+            files = [f for f, _ in write_anchor(state, 0, steps.bf16, Path(tmp))]
+            await asyncio.to_thread(applier.load_files, files, 0, steps.fingerprint)
+        assert await asyncio.to_thread(applier.fingerprint) == steps.fingerprint, "anchor readback"
+        stop, tokens = asyncio.Event(), [0] * a.apply_streams
+        streams = [asyncio.create_task(generate(engine, s, 32, tokens, stop)) for s in range(a.apply_streams)]
         await asyncio.sleep(2.0)
-        apply_rows = await apply_table(engine, applier, cpus, state, a.densities, a.paths, a.repeat)
+        apply_rows = await apply_table(engine, applier, cpus, state, steps, a.densities, a.paths, a.repeat)
         stop.set()
         await asyncio.gather(*streams)
         print(f"requests completed across the updates: {sum(tokens) // 32}, none failed", file=sys.stderr)
+        if a.quantization:  # its steps would need a quantized pool of steps and undos: apply only
+            return apply_rows, []
         throughput_rows = await throughput_table(engine, applier, state, a, inference.preemptions)
     return apply_rows, throughput_rows
 
@@ -291,6 +357,7 @@ def main() -> None:
     ap.add_argument("--densities", type=float, nargs="+", default=[1e-3, 1e-2, 3e-2])
     ap.add_argument("--paths", nargs="+", choices=["direct", "vllm"], default=["direct", "vllm"])
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--apply-streams", type=int, default=2, help="generations running while steps apply")
     ap.add_argument("--streams", type=int, default=4, help="concurrent long generations (throughput)")
     ap.add_argument("--long-tokens", type=int, default=1024, help="tokens per long generation")
     ap.add_argument("--seconds", type=float, default=15.0, help="throughput window (one policy, one round)")
@@ -299,7 +366,10 @@ def main() -> None:
     ap.add_argument("--step-density", type=float, default=1e-2, help="share changed per step (throughput)")
     ap.add_argument("--engine-args", default="--enforce-eager --max-model-len 2048 --max-num-seqs 8")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one core each (default 1)")
+    ap.add_argument("--quantization", choices=list(RECIPES), help="serve a quantized root (the apply table)")
     a = ap.parse_args()
+    if a.quantization and "vllm" in a.paths:
+        ap.error("--quantization writes in place only (vLLM's loader requantizes): --paths direct")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C: the engine's processes too
     cpus = placement()
     os.environ |= cpus.server_env()  # vLLM's worker binds its threads to the server's cores
@@ -313,8 +383,9 @@ def main() -> None:
         model = build_tiny_model(Path(tmp)) if a.preset == "tiny" else qwen3_06b_shaped(Path(tmp))
         os.sched_setaffinity(0, cpus.server)  # the engine's processes start here
         apply_rows, throughput_rows = asyncio.run(server_bench(model, a, cpus))
-    print_table(apply_rows)
-    print_table(throughput_rows)
+    for rows in (apply_rows, throughput_rows):
+        if rows:
+            print_table(rows)
 
 
 if __name__ == "__main__":
