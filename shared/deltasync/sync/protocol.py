@@ -30,6 +30,8 @@ import math
 import re
 import reprlib
 from collections.abc import Mapping
+from concurrent import futures
+from concurrent.futures import Executor
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
@@ -170,15 +172,18 @@ def read_head(storage: Storage) -> Head:
     return Head.from_json(read_head_bytes(storage))
 
 
-def read_head_bytes(storage: Storage) -> bytes:
+def read_head_bytes(storage: Storage, beside: Executor | None = None) -> bytes:
     """The current head's bytes: `heads/latest.json`, unless the writer lease names a newer epoch whose own
     head exists (a fenced writer's late write replaced latest.json after the writer that fenced it stopped
-    writing): then that one. FileNotFoundError if there is no head."""
-    data = read_manifest(storage, HEAD_PATH)
+    writing): then that one. FileNotFoundError if there is no head. `beside`: where the lease is read while
+    the head is (one request's latency for both; a poller keeps one thread for it)."""
+    lease = beside.submit(_lease_epoch, storage) if beside else None
     try:
-        lease_epoch = _epoch(read_manifest(storage, WRITER_PATH))
-    except FileNotFoundError:
-        lease_epoch = None
+        data = read_manifest(storage, HEAD_PATH)
+    finally:
+        if lease is not None:
+            futures.wait([lease])
+    lease_epoch = lease.result() if lease else _lease_epoch(storage)
     head_epoch = _epoch(data)
     if lease_epoch is None or head_epoch is None or lease_epoch <= head_epoch:
         return data
@@ -191,6 +196,13 @@ def read_head_bytes(storage: Storage) -> bytes:
             if newest is not None:
                 break
     return newest or data
+
+
+def _lease_epoch(storage: Storage) -> int | None:
+    try:
+        return _epoch(read_manifest(storage, WRITER_PATH))
+    except FileNotFoundError:
+        return None
 
 
 def _head_of(storage: Storage, epoch: int) -> bytes | None:

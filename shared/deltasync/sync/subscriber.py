@@ -33,7 +33,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -232,6 +232,8 @@ class Subscriber:
         self.head: Head | None = None
         self._head_data: bytes | None = None  # what `head` was parsed from: an unchanged poll parses nothing
         self._untrusted: bytes | None = None  # the last head refused for its signature (reported once)
+        # Reads the writer lease while a poll reads the head (one thread: its HTTP client is kept).
+        self._beside = ThreadPoolExecutor(1, thread_name_prefix="deltasync-lease-read")
         self.decodes = not isinstance(applier, FileApplier)  # else the target decodes: no shadow here
         self.state: dict[str, torch.Tensor] | None = None  # bf16 shadow of the target, HF names
         self.step: int | None = None  # the step the target holds, verified; None: unknown
@@ -324,7 +326,7 @@ class Subscriber:
         head the run's key signed, of the newest run seen."""
         data = None
         try:
-            data = self._retry(lambda: read_head_bytes(self.storage))
+            data = self._retry(lambda: read_head_bytes(self.storage, self._beside))
             if self.run is None:
                 self.run = self._read_run()
             head = self.head if data == self._head_data and self.head else self._parse_head(data)

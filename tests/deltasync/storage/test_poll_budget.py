@@ -33,8 +33,9 @@ def test_deltasync_follow_polls_within_its_poll_budget(fake_hub, monkeypatch):
             pass
 
     class Subscriber:
-        def __init__(self, storage, applier, **kwargs):
+        def __init__(self, storage, applier, trust=None, **kwargs):
             followed.append(storage)
+            self.trust = trust
 
         def follow(self, stop, interval, on_applied):
             pass
