@@ -559,7 +559,15 @@ def main(argv: list[str] | None = None) -> int:
 
             model = get_peft_model(model, lora)
         schema = schema_of(model, adapter=lora is not None)
-        check_or_exit(ours.sync_root, schema, served, ours.inference_url, ours.env_url, lora_rank=ours.lora_r)
+        check_or_exit(
+            ours.sync_root,
+            schema,
+            served,
+            ours.inference_url,
+            ours.env_url,
+            lora_rank=ours.lora_r,
+            quantization=ours.quantization,
+        )
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     stop = GracefulStop()
     stop.install()

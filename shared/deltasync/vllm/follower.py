@@ -249,8 +249,7 @@ class EngineApplier(FileApplier):
         self.stuck = False
         self.tmp = Path(tempfile.mkdtemp(prefix="deltasync-follow-"))
         try:
-            quantized = {"quantization": quantization} if quantization else {}
-            self.engine.init({"root": root, "write": write, **quantized})
+            self._init()
             self.paths = self._read_paths()  # how the workers write each tensor (Layout.paths)
         except BaseException:
             self.close()
@@ -326,8 +325,13 @@ class EngineApplier(FileApplier):
 
     def use_write(self, write: WritePath) -> None:
         """Switch the engine's write path (its layout is kept)."""
-        self.engine.init({"root": self.root, "write": write})
         self.write = write
+        self._init()
+
+    def _init(self) -> None:
+        """Initialise the engine for this root, write path and recipe (again after a server restart)."""
+        quantized = {"quantization": self.quantization} if self.quantization else {}
+        self.engine.init({"root": self.root, "write": self.write, **quantized})
 
     def _paused(self, infos: list[dict], version: str | None = None, pause: bool = True) -> float:
         """Pause, run the updates, finish (setting `version`) and resume; the seconds generation was paused.
@@ -354,7 +358,7 @@ class EngineApplier(FileApplier):
             self.stuck |= written > 0 or "torn" in report
             self._close_refused_update()
             if compat.NOT_INITIALIZED in str(e):  # a server restarted on its own weights: the next try works
-                self.engine.init({"root": self.root, "write": self.write})
+                self._init()
             if pause and not self.stuck:
                 self.engine.resume()
             elif self.stuck:

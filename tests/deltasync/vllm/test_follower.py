@@ -44,9 +44,11 @@ class FakeEngine:
         self.refuse: str | None = None
         self.tear: str | None = None
         self.initialized = False
+        self.inits: list[dict] = []
 
     def init(self, init_info):
         self.calls.append("init")
+        self.inits.append(init_info)
         self.initialized = True
 
     def restart(self):
@@ -201,6 +203,21 @@ def test_a_server_that_restarted_is_initialized_again_and_reloaded(followed):
     subscriber.sync()  # from the anchor: the restarted server holds its model folder's weights
     assert "update anchor" in engine.calls and not engine.paused
     assert_bitwise_equal(engine.state, states[-1])
+
+
+def test_a_quantized_replica_is_initialized_with_its_recipe_every_time(tmp_path):
+    """The workers refuse an init without the recipe on a quantized server: a new write path and a restarted
+    server's re-init name it too."""
+    engine = FakeEngine()
+    applier = EngineApplier(engine, str(tmp_path / "root"), quantization="fp8_per_channel")
+    applier.use_write("loader")
+    engine.restart()
+    with pytest.raises(WriteRefused, match="not initialized"):
+        applier._paused([{"kind": "anchor"}])
+    assert len(engine.inits) == 3
+    assert all(i["quantization"] == "fp8_per_channel" for i in engine.inits)
+    assert [i["write"] for i in engine.inits] == ["direct", "loader", "loader"]
+    applier.close()
 
 
 def test_read_back_reports_what_the_workers_hold(followed):
