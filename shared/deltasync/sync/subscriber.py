@@ -328,7 +328,7 @@ class Subscriber:
         try:
             data = self._retry(lambda: read_head_bytes(self.storage, self._beside))
             if self.run is None:
-                self.run = self._read_run()
+                self.run = self.read_run()
             head = self.head if data == self._head_data and self.head else self._parse_head(data)
         except FileNotFoundError:
             raise SyncError(f"no run in {self.storage.url} yet") from None
@@ -346,15 +346,14 @@ class Subscriber:
             )
         if self.head is not None and (head.epoch, head.step) < (self.head.epoch, self.head.step):
             if self.trust.keys:  # signed, yet older than one seen: a replayed head (or a stale read)
-                raise SyncError(
-                    f"refused the head of {self.storage.url}: step {head.step} (epoch {head.epoch}) is "
-                    f"older than step {self.head.step} (epoch {self.head.epoch}): a replayed head"
-                )
+                replayed = f"step {head.step} (epoch {head.epoch}) is older than step {self.head.step} "
+                replayed += f"(epoch {self.head.epoch}): a replayed head"
+                raise SyncError(f"refused the head of {self.storage.url}: {replayed}")
             return self.head  # older than one seen: a stale read, or a fenced writer's late write
         self.head, self._head_data = head, data
         return head
 
-    def _read_run(self) -> RunInfo:
+    def read_run(self) -> RunInfo:
         return self.trust.run(self._retry(lambda: read_manifest(self.storage, RUN_PATH)))
 
     def _parse_head(self, data: bytes) -> Head:
@@ -366,7 +365,7 @@ class Subscriber:
         except ManifestError:
             if not self.trust.keys:
                 raise
-        run = self._read_run()
+        run = self.read_run()
         head = self.trust.head(data, run)
         held, new = self.run.signing, run.signing
         assert held is not None and new is not None  # Trust.run refuses unsigned runs
@@ -769,7 +768,9 @@ class Subscriber:
         )
 
     def _report_untrusted(self, data: bytes, error: str) -> None:
-        """A head refused for its signature, in telemetry once per head (the dashboard lists refusals)."""
+        """A head refused for its signature, in telemetry once per head (the dashboard lists refusals), as a
+        record of the step it names, which the real step of that number replaces once applied. (A replayed
+        head names a step applied before: it is said in the status alone, never over that step's record.)"""
         if self.replica is None or data == self._untrusted:
             return
         self._untrusted = data

@@ -46,7 +46,7 @@ from deltasync import telemetry
 from deltasync.codec.fingerprint import format_fingerprint
 from deltasync.errors import EXPECTED, Refused  # Refused: why a name resolves to nothing (one line)
 from deltasync.storage import TransientStorageError, redact
-from deltasync.sync.protocol import RUN_PATH, RunInfo, adapter_name, read_manifest
+from deltasync.sync.protocol import RunInfo, adapter_name
 from deltasync.sync.signing import Trust, parse_keys
 from deltasync.sync.subscriber import Applied, Subscriber, SyncError
 
@@ -131,7 +131,7 @@ class DeltasyncLoRAResolver(LoRAResolver):
         trust accepts it (with keys: signed by them)."""
         if self.reader.run is None:
             try:
-                self.reader.run = self.reader.trust.run(read_manifest(self.reader.storage, RUN_PATH))
+                self.reader.run = self.reader.read_run()
             except FileNotFoundError:
                 raise Refused(f"no run in {self.where} yet") from None
         return self.reader.run
