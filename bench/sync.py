@@ -2,6 +2,7 @@
 
     python -m bench.sync [--layers 2] [--steps 8] [--bandwidth-mb 100] [--latency-ms 50]
     python -m bench.sync --model qwen3-1.7b [--layers 28] [--steps 3]
+    python -m bench.sync --signed 3      # the link row unsigned vs signed (docs/protocol.md), taking turns
 
 A Qwen3-0.6B-shaped model (real shapes, N(0, 0.02) weights, fp32 master weights) takes Adam-like steps that
 change ~1% of its bf16 elements. Each step is published and waited for until every subscriber has applied it
@@ -45,6 +46,7 @@ from safetensors.torch import load, save
 from bench.codec import QWEN3, qwen3_shapes
 from deltasync.storage import LocalStorage, Storage
 from deltasync.sync.publisher import Publisher, PublisherConfig
+from deltasync.sync.signing import SigningKey, Trust
 from deltasync.sync.subscriber import Subscriber, TensorsApplier
 
 
@@ -108,11 +110,16 @@ def trajectory(layers: int, steps: int, lr: float, model: str = "qwen3-0.6b"):
         yield master
 
 
-def run_ours(root: Path, links: bool, subscribers: int, encoding: str, args) -> list[dict]:
-    """Publishes args.steps deltas after an anchor; one row per delta step."""
+def run_ours(
+    root: Path, links: bool, subscribers: int, encoding: str, args, key: Path | None = None
+) -> list[dict]:
+    """Publishes args.steps deltas after an anchor; one row per delta step. `key`: a signing key file (the
+    subscribers trust its public key)."""
     storage = LocalStorage(root)
     client = (lambda: Link(storage, args.bandwidth, args.latency)) if links else (lambda: storage)
-    publisher = Publisher(client(), model="qwen3-0.6b-shapes", config=PublisherConfig(encoding=encoding))
+    config = PublisherConfig(encoding=encoding, signing_key=str(key) if key else None)
+    trust = Trust([SigningKey.load(key).public] if key else [])
+    publisher = Publisher(client(), model="qwen3-0.6b-shapes", config=config)
     followers, stop = [], threading.Event()
     rows = []
     for step, master in enumerate(trajectory(args.layers, args.steps, args.lr)):
@@ -127,7 +134,9 @@ def run_ours(root: Path, links: bool, subscribers: int, encoding: str, args) -> 
             publisher.flush()
             for i in range(subscribers):
                 target = {n: torch.empty(w.shape, dtype=torch.bfloat16) for n, w in master.items()}
-                sub = Subscriber(client(), TensorsApplier(target), replica=f"bench-{i}", verify_every=1 << 30)
+                sub = Subscriber(
+                    client(), TensorsApplier(target), replica=f"bench-{i}", verify_every=1 << 30, trust=trust
+                )
                 sub.sync()
                 followers.append(sub)
             for sub in followers:
@@ -137,8 +146,8 @@ def run_ours(root: Path, links: bool, subscribers: int, encoding: str, args) -> 
         while not all(s.step == step for s in followers):
             time.sleep(0.002)
         done = [next(a for a in s.history if a.step == step) for s in followers]
+        publisher.flush()  # its head read back (subscribers may apply before), and the step's telemetry
         entry = publisher.head.entry(step, "delta")
-        publisher.flush()  # the step's telemetry (else sent with the next step's data)
         record = json.loads((root / f"telemetry/trainer/step-{step:08d}.json").read_text())
         rows.append(
             {
@@ -280,8 +289,8 @@ def run_model(args) -> None:
                 blocked_s = time.perf_counter() - start
                 commands.put((step, threads))
                 r = reports.get()
+                publisher.flush()  # its head read back (replicas may apply first), its telemetry
                 entry = publisher.head.entry(step, "delta")
-                publisher.flush()  # the step's telemetry (else sent with the next step's data)
                 record = json.loads((Path(tmp) / f"telemetry/trainer/step-{step:08d}.json").read_text())
                 cells = [step, threads, f"{entry.changed / numel:.2%}", megabytes(entry.bytes)]
                 cells += [f"{blocked_s * 1e3:.0f} ms", f"{record['encode_s']:.2f} s", f"{r['apply_s']:.2f} s"]
@@ -332,6 +341,32 @@ def run_model(args) -> None:
         print("| " + " | ".join(map(str, cells)) + " |", flush=True)
 
 
+def compare_signed(args, link: str) -> None:
+    """The link row (compact, 1 subscriber) unsigned and signed, taking turns: medians per round, and the
+    signed / unsigned ratio of end to end over all rounds."""
+    print(f"{link}, compact, 1 subscriber: medians of {args.steps} delta steps per run, the two taking turns")
+    print("| round | end to end: unsigned | signed | signed / unsigned | encode: unsigned | signed |")
+    print("|---" * 6 + "|")
+    e2e: dict[bool, list[float]] = {False: [], True: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        key = Path(tmp) / "trainer.key"
+        SigningKey.generate().save(key)
+        for round_ in range(1, args.signed + 1):
+            med = {}
+            for signed in (False, True):
+                rows = run_ours(
+                    Path(tmp) / f"root-{round_}-{signed}", True, 1, "compact", args, key if signed else None
+                )
+                med[signed] = {k: statistics.median(r[k] for r in rows) for k in ("e2e_s", "encode_s")}
+                e2e[signed].append(med[signed]["e2e_s"])
+            ratio = med[True]["e2e_s"] / med[False]["e2e_s"]
+            cells = [round_, f"{med[False]['e2e_s']:.3f} s", f"{med[True]['e2e_s']:.3f} s", f"{ratio:.3f}"]
+            cells += [f"{med[False]['encode_s']:.3f} s", f"{med[True]['encode_s']:.3f} s"]
+            print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+    overall = statistics.median(e2e[True]) / statistics.median(e2e[False])
+    print(f"signed / unsigned, end to end, median over rounds: {overall:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(QWEN3), help="a whole model's shapes, see above")
@@ -342,6 +377,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2.5e-7, help="Adam-like step size (~1%% of bf16 change)")
     parser.add_argument("--bandwidth-mb", type=float, default=100)
     parser.add_argument("--latency-ms", type=float, default=50)
+    parser.add_argument(
+        "--signed",
+        type=int,
+        metavar="ROUNDS",
+        help="instead: the link row unsigned and signed (issue 46), taking turns ROUNDS times",
+    )
     args = parser.parse_args()
     args.bandwidth, args.latency = args.bandwidth_mb * 1e6, args.latency_ms / 1e3
     if args.model:
@@ -353,6 +394,8 @@ def main() -> None:
     numel = sum(torch.Size(s).numel() for s in qwen3_shapes(args.layers).values())
     link = f"link {args.bandwidth_mb:g} MB/s, {args.latency_ms:g} ms"
     print(f"Qwen3-0.6B shapes, {args.layers} layers: {numel / 1e6:.0f}M parameters, {2 * numel / 1e6:.0f} MB")
+    if args.signed:
+        return compare_signed(args, link)
     print(
         "| storage | encoding | subscribers | density | payload | caller blocked / bf16 copy "
         "| end to end: ours | dense | dense / ours | bytes moved: ours | dense | dense / ours "
