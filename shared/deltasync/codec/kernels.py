@@ -25,6 +25,7 @@ from numba.extending import intrinsic
 from deltasync.codec.symbols import ANS_SCALE, CLASS_COST_BITS, MAX_CLASSES, MAX_RICE, Q_SYMBOLS, V_SYMBOLS
 
 BLOCK = 64
+PIECE = 1 << 12  # blocks change detection reads twice while they stay in cache (512 kB of each array)
 _jit = numba.njit(nogil=True, cache=True)
 _inline = numba.njit(nogil=True, cache=True, inline="always")  # helpers of hot loops: keeps them vectorizable
 _ONE = np.uint64(1)
@@ -108,32 +109,42 @@ def _lowest_bit(x):
 @_jit
 def changed_positions(old_bits, new_bits, seed, r1, offset):
     """Positions (ascending) where two int16 pattern arrays differ, the new patterns there, and how the
-    changes move the fingerprint (the arrays being elements offset.. of the tensor whose seed is `seed`)."""
+    changes move the fingerprint (the arrays being elements offset.. of the tensor whose seed is `seed`).
+
+    In pieces of PIECE blocks, each read for its masks and then for its changes while it is still in cache:
+    a pass over all elements and then one over their changes read memory twice (87 against 63 ms for the
+    bench.sync step's 187M elements on one thread)."""
     n = old_bits.size
-    masks = np.empty((n + BLOCK - 1) // BLOCK, np.uint64)
-    total = 0
-    for b in range(masks.size):
-        start, mask = b * BLOCK, np.uint64(0)
-        if start + BLOCK <= n:
-            mask = _ne_mask(old_bits, new_bits, start)
-        else:
-            for i in range(n - start):
-                mask |= np.uint64(old_bits[start + i] != new_bits[start + i]) << np.uint64(i)
-        masks[b] = mask
-        total += _popcount(mask)
-    positions, values = np.empty(total, np.int64), np.empty(total, np.int16)
+    blocks = (n + BLOCK - 1) // BLOCK
+    masks = np.empty(min(PIECE, blocks), np.uint64)
+    positions, values = np.empty(max(1024, n >> 5), np.int64), np.empty(max(1024, n >> 5), np.int16)
     shift, row, row_weight, moved = _row_shift(r1), ~np.uint64(0), np.uint64(0), np.uint64(0)
     j = 0
-    for b in range(masks.size):
-        mask = masks[b]
-        while mask:
-            p = b * BLOCK + _lowest_bit(mask)
-            positions[j], values[j] = p, new_bits[p]
-            w, row, row_weight = _weight(seed, r1, shift, np.uint64(offset + p), row, row_weight)
-            moved += np.uint64(np.int64(new_bits[p]) - np.int64(old_bits[p])) * w
-            mask &= mask - _ONE
-            j += 1
-    return positions, values, moved
+    for first in range(0, blocks, PIECE):
+        last, total = min(first + PIECE, blocks), j
+        for b in range(first, last):
+            start, mask = b * BLOCK, np.uint64(0)
+            if start + BLOCK <= n:
+                mask = _ne_mask(old_bits, new_bits, start)
+            else:
+                for i in range(n - start):
+                    mask |= np.uint64(old_bits[start + i] != new_bits[start + i]) << np.uint64(i)
+            masks[b - first] = mask
+            total += _popcount(mask)
+        if total > positions.size:  # (rarely: the first guess holds 1 change in 32)
+            grown = max(total, 2 * positions.size)
+            positions = np.concatenate((positions[:j], np.empty(grown - j, np.int64)))
+            values = np.concatenate((values[:j], np.empty(grown - j, np.int16)))
+        for b in range(first, last):
+            mask = masks[b - first]
+            while mask:
+                p = b * BLOCK + _lowest_bit(mask)
+                positions[j], values[j] = p, new_bits[p]
+                w, row, row_weight = _weight(seed, r1, shift, np.uint64(offset + p), row, row_weight)
+                moved += np.uint64(np.int64(new_bits[p]) - np.int64(old_bits[p])) * w
+                mask &= mask - _ONE
+                j += 1
+    return positions[:j], values[:j], moved
 
 
 @_jit

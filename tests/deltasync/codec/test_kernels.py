@@ -2,6 +2,7 @@
 decoding, and the rANS coder's words."""
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -44,6 +45,19 @@ def test_changed_positions_finds_the_changes_and_their_fingerprint_move(numel, c
     expected = np.flatnonzero(b[lo:hi] != new[lo:hi])
     assert np.array_equal(idx, expected)
     assert np.array_equal(values, new[lo:hi][expected])
+    assert int(moved) == moved_by("w", b, new)
+
+
+@pytest.mark.parametrize("density", [0.001, 0.3])
+def test_changed_positions_across_pieces_and_a_grown_output(density):
+    """Spans of several pieces (kernels.PIECE blocks) and more changes than the first guess holds."""
+    rng = np.random.default_rng(7)
+    numel = 2 * kernels.PIECE * kernels.BLOCK + 1000
+    b = rng.integers(-(1 << 15), 1 << 15, size=numel, dtype=np.int16)
+    new = changed_copy(rng, b, 0, numel, density)
+    idx, values, moved = kernels.changed_positions(b, new, fingerprint.seed("w"), fingerprint.R1, 0)
+    expected = np.flatnonzero(b != new)
+    assert np.array_equal(idx, expected) and np.array_equal(values, new[expected])
     assert int(moved) == moved_by("w", b, new)
 
 
