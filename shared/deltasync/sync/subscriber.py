@@ -769,22 +769,26 @@ class Subscriber:
 
     def _report_untrusted(self, data: bytes, error: str) -> None:
         """A head refused for its signature, in telemetry once per head (the dashboard lists refusals), as a
-        record of the step it names, which the real step of that number replaces once applied. (A replayed
-        head names a step applied before: it is said in the status alone, never over that step's record.)"""
+        record of the step it names if that is past the step held (the real step of that number replaces it
+        once applied); any other (a replay, or no head at all) is said in the status alone, never over an
+        applied step's record."""
         if self.replica is None or data == self._untrusted:
             return
         self._untrusted = data
         try:
-            step, published_at = (lambda h: (h.step, h.entries[-1].published_at))(Head.from_json(data))
+            step = Head.from_json(data).step
         except ManifestError:
-            step, published_at = 0, time.time()
+            return
+        if self.step is not None and step <= self.step:
+            return
+        now = time.time()  # the head's own times are a forger's to choose
         self._write_record(
             telemetry.ReplicaRecord(
                 replica=self.replica,
                 step=step,
                 kind="head",
-                published_at=published_at,
-                applied_at=time.time(),
+                published_at=now,
+                applied_at=now,
                 download_s=0.0,
                 apply_s=0.0,
                 verified=False,

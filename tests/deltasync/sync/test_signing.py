@@ -165,9 +165,10 @@ def test_a_changed_file_under_an_untouched_signed_head_is_refused_before_any_wri
 
 def test_a_replayed_older_head_is_refused(tmp_path, keys):
     trainer = Trainer(tmp_path, keys[0][0])
-    subscriber, target = replica(tmp_path, keys[0][1])
+    subscriber, target = replica(tmp_path, keys[0][1], name="r1")
     trainer.step(0)
     trainer.step(1)
+    subscriber.sync()
     old_head = (tmp_path / HEAD_PATH).read_bytes()
     for step in (2, 3):
         trainer.step(step)
@@ -176,6 +177,8 @@ def test_a_replayed_older_head_is_refused(tmp_path, keys):
     with pytest.raises(SyncError, match="step 1 .* is older than step 3 .*: a replayed head"):
         subscriber.sync()
     assert holds(subscriber, target, trainer.states[3], 3)
+    record = json.loads((tmp_path / "telemetry/replicas/r1/step-00000001.json").read_bytes())
+    assert record["verified"] and record["kind"] == "delta"  # the step's record, not overwritten
     trainer.publisher.close()
 
 
