@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deltasync.codec.symbols import ANS_SCALE, MAX_CLASSES, MAX_RICE, Q_SYMBOLS, V_SYMBOLS
-from deltasync.errors import CompactDecodeError
+from deltasync.errors import CompactDecodeError, PatchError
 
 CHUNK = 1 << 22  # elements per chunk: ~40k changes at 1%, headers of a few bytes
 MAX_CHUNK = 1 << 31  # raw escapes hold 32-bit quotients
@@ -122,6 +122,8 @@ def to_symbols(old_bits: np.ndarray, idx: np.ndarray, new_bits: np.ndarray) -> S
     bounds, position_bits = kernels.choose_bounds(*kernels.exponent_histograms(old_bits, idx))
     bounds = bounds.tolist()
     starts, rice, q, r, v, q_hist, v_hist = kernels.encode_symbols(old_bits, _limits(bounds), idx, new_bits)
+    if not v.all():  # a value step of 0, which no symbol codes: make_patch never makes such a change
+        raise PatchError("a change whose new bf16 pattern equals the old one: not a change, cannot be coded")
     return Symbols(bounds, starts, rice, q, r, v, q_hist, v_hist, position_bits + 1.5 * idx.size)
 
 

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from deltasync.codec import fingerprint
 from deltasync.codec import patch as patches
 from deltasync.codec.bf16 import bits
-from deltasync.codec.changes import SchemaError, apply_changes
+from deltasync.codec.changes import SchemaError, TensorChanges, apply_changes
+from deltasync.errors import PatchError
 from tests.helpers import assert_bitwise_equal, bf16_from_bits, random_state, step_state, window_parts
 
 ENCODINGS = patches.ENCODINGS
@@ -376,3 +377,11 @@ def test_a_local_failure_while_reading_entries_is_no_fault_of_the_patch(case, mo
     monkeypatch.setattr(patches, "load_safetensors", out_of_memory)
     with pytest.raises(MemoryError):
         patches.decode(data["compact"], old)
+
+
+def test_a_change_to_the_value_it_already_has_is_refused_in_one_line():
+    """make_patch never makes one; a hand-made one gets a clear error, not a crash in the coder."""
+    old = {"w": torch.ones(1000, dtype=torch.bfloat16)}
+    same = TensorChanges(torch.arange(0, 64, 2), torch.ones(32, dtype=torch.bfloat16))
+    with pytest.raises(PatchError, match="new bf16 pattern equals the old one"):
+        patches.encode(patches.Patch(1, 0, 1000, 0, 0, {"w": same}), old, "compact")
