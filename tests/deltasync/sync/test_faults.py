@@ -195,7 +195,7 @@ def test_head_and_deltas_over_their_size_are_refused_before_reading(tmp_path):
     replica = Subscriber(storage)
     with pytest.raises(SyncError, match="refused the head.*more than"):
         replica.sync()
-    assert protocol.HEAD_PATH not in storage.copied  # refused before a byte was copied (the lease: read beside)
+    assert protocol.HEAD_PATH not in storage.copied  # refused before a byte was copied (the lease is read)
     head_path.write_bytes(good_head)
     replica.sync(1)
     with open(delta, "r+b") as f:
