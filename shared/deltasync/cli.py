@@ -211,12 +211,8 @@ def cmd_keygen(args: argparse.Namespace) -> dict:
     over an existing file. The private key is never printed."""
     from deltasync.sync.signing import SigningKey
 
-    public = Path(f"{args.out}.pub")
-    for path in (args.out, public):
-        if path.exists() or path.is_symlink():
-            raise FileExistsError(f"{path} exists: keygen never replaces a key (move it, or pass --out)")
     key = SigningKey.generate()
-    key.save(args.out)
+    public = key.save(args.out)  # refused, before a byte is written, where either file exists
     return {"public_key": key.public, "private_key_file": str(args.out), "public_key_file": str(public)}
 
 

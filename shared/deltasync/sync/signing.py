@@ -129,14 +129,17 @@ class SigningKey:
         return cls(private)
 
     def save(self, path: str | Path) -> Path:
-        """Write the private key to `path` (owner read/write only; never over an existing file) and the
-        public key line to `path`.pub; returns the latter."""
+        """Write the private key to `path` (owner read/write only) and the public key line to `path`.pub;
+        returns the latter. FileExistsError, before anything is written, if either exists."""
         pem = self._private.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
-        public = Path(f"{path}.pub")
-        for where, data, mode in ((public, self.public.encode() + b"\n", 0o644), (path, pem, 0o600)):
-            with os.fdopen(os.open(where, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
+        private, public = Path(path), Path(f"{path}.pub")
+        for file in (private, public):  # both checked first: never half a pair
+            if file.exists() or file.is_symlink():
+                raise FileExistsError(f"{file} exists: keygen never replaces a key (move it, or pass --out)")
+        for file, data, mode in ((public, self.public.encode() + b"\n", 0o644), (private, pem, 0o600)):
+            with os.fdopen(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
                 f.write(data)
         return public
 
