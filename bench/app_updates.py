@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -70,6 +71,12 @@ async def window(url: str, model: str, args, publish) -> float:
     return tokens / (time.time() - start), updates
 
 
+def weights(url: str) -> dict:
+    """The app's sync status (GET /weights)."""
+    with urllib.request.urlopen(f"{url}/weights", timeout=10) as r:
+        return json.loads(r.read())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--streams", type=int, default=8)
@@ -113,12 +120,9 @@ def main() -> None:
             deadline = time.time() + 300
             while True:
                 try:
-                    status = json.loads(
-                        subprocess.run(["curl", "-s", f"{url}/weights"], capture_output=True).stdout
-                    )
-                    if status.get("step") == 0:
+                    if weights(url).get("step") == 0:
                         break
-                except ValueError:
+                except (OSError, ValueError):  # not listening yet
                     pass
                 if time.time() > deadline or app.poll() is not None:
                     raise SystemExit("the app did not start")
@@ -134,7 +138,7 @@ def main() -> None:
                 (quiet, _), (busy, updates) = runs[False], runs[True]
                 ratios.append(busy / quiet)
                 print(f"| {r} | {quiet:.0f} | {updates} | {busy:.0f} | **{busy / quiet:.2f}x** |", flush=True)
-            status = json.loads(subprocess.run(["curl", "-s", f"{url}/weights"], capture_output=True).stdout)
+            status = weights(url)
             print(
                 f"median {statistics.median(ratios):.2f}x; the app at step {status.get('step')}, "
                 f"head {status.get('head_step')}, last error {status.get('last_error')}"
