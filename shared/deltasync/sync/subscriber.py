@@ -354,6 +354,7 @@ class Subscriber:
         return head
 
     def read_run(self) -> RunInfo:
+        """The root's run.json as `trust` accepts it (ManifestError otherwise; FileNotFoundError if none)."""
         return self.trust.run(self._retry(lambda: read_manifest(self.storage, RUN_PATH)))
 
     def _parse_head(self, data: bytes) -> Head:
