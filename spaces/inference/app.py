@@ -610,6 +610,9 @@ async def serve(cfg: Settings) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Our loggers' own level: building vLLM's app imports model_hosting_container_standards, which sets the
+    # root logger to ERROR, and every line after it (each applied step, each refusal) would be lost.
+    logging.getLogger("deltasync").setLevel(logging.INFO)
     cfg = from_env(Settings)
     log.info("starting %s", cfg)  # the repr leaves out API_TOKEN; HF_TOKEN is never read here
     # SIGTERM (docker stop, systemd, kill) stops like Ctrl-C: KeyboardInterrupt unwinds serve(), and leaving

@@ -11,6 +11,7 @@ CPU engine would otherwise slow this process ~5x, and an update would land whene
 
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -199,6 +200,8 @@ class TestFollowingServer:
         applied = [a for a in server.status()["recent"] if a["step"] > 0]
         assert [a["step"] for a in applied] == list(range(1, 21))
         assert all(a["pause_s"] < a["apply_s"] for a in applied)
+        logged = re.findall(r"deltasync\.vllm\.follower: step (\d+) applied \(delta\)", server.log.read_text())
+        assert set(range(1, 21)) <= set(map(int, logged))  # the Space's log says each step
         for step in range(21):
             record = run.replica_record("replica-a", step)
             assert record.verified and record.pause_s is not None and record.lag_steps == 0
@@ -258,6 +261,7 @@ class TestFollowingServer:
         assert response.status_code == 200 and response.headers["x-weight-version"] == str(good)
         record = run.replica_record("replica-a", bad)
         assert not record.verified and record.error
+        assert re.search(r"WARNING deltasync\.[\w.]+: sync: .*refused", server.log.read_text())  # in its log
         step = run.step()
         while not run.head().entry(step, "anchor"):  # deltas based on the refused one cannot apply
             time.sleep(0.3)
