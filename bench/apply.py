@@ -13,7 +13,7 @@ weight-update methods. Two tables:
 1. Apply, per density and write path, while --apply-streams request streams (default 2) keep generating:
    "stage", the update that has the workers read the compact patch file, decode and check it against the
    weights they hold and plan the writes, outside the pause (each worker is busy with it between two forward
-   steps: its calls wait for the step under way to end); "update", the engine's start,
+   steps: its calls wait for the step under way to end); "update", the engine's
    update and finish calls inside the pause (the writes and the RPC round trips); "paused", the whole window
    generation was paused (from the engine's pause acknowledgement to its resume acknowledgement); "floor",
    measured in the same run as the worker writes (generation paused, on the server's cores): a plain indexed

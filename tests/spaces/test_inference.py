@@ -200,7 +200,7 @@ class TestFollowingServer:
         applied = [a for a in server.status()["recent"] if a["step"] > 0]
         assert [a["step"] for a in applied] == list(range(1, 21))
         assert all(a["pause_s"] < a["apply_s"] for a in applied)
-        logged = re.findall(r"deltasync\.vllm\.follower: step (\d+) applied \(delta\)", server.log.read_text())
+        logged = re.findall(r"follower: step (\d+) applied \(delta\)", server.log.read_text())
         assert set(range(1, 21)) <= set(map(int, logged))  # the Space's log says each step
         for step in range(21):
             record = run.replica_record("replica-a", step)

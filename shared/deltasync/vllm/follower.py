@@ -4,9 +4,11 @@ The subscriber polls the root, downloads each step once and checks its files' he
 `EngineApplier` hands the files (their local paths) to the server's workers through vLLM's weight-update
 protocol. Each worker decodes them against the weights it holds, checks that the ranks together reach the
 promised fingerprint, and writes in place, with generation paused (`keep`: running requests freeze where
-they are) only around the writes (a delta is decoded and planned, `stage`, while generation runs):
+they are) only around the writes (a delta is decoded and planned, `stage`, while generation runs), in one
+update session:
 
-    pause(keep) -> start_weight_update -> update_weights(files) -> finish_weight_update(step) -> resume
+    start_weight_update -> update_weights(stage) -> pause(keep) -> update_weights(files)
+        -> finish_weight_update(step) -> resume
 
 The follower decodes nothing and keeps no copy of the weights: its memory is the patch bytes and the
 interpreter.
@@ -61,7 +63,7 @@ class Engine(Protocol):
     def pause(self) -> None: ...
     def start(self) -> None: ...
     def update(self, update_info: dict[str, Any]) -> None: ...
-    def finish(self, version: str) -> None: ...
+    def finish(self, version: str | None) -> None: ...  # None: the weights keep their version
     def resume(self) -> None: ...
     def recompute_running(self) -> None: ...
 
@@ -141,7 +143,7 @@ class HttpEngine:
     def update(self, update_info: dict[str, Any]) -> None:
         self._post("/update_weights", {"update_info": update_info})
 
-    def finish(self, version: str) -> None:
+    def finish(self, version: str | None) -> None:
         self._post("/finish_weight_update", {"weight_version": version})
 
     def resume(self) -> None:
@@ -206,7 +208,7 @@ class AsyncEngine:
 
         self._run(self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info)))
 
-    def finish(self, version: str) -> None:
+    def finish(self, version: str | None) -> None:
         self._run(self.engine.finish_weight_update(version))
 
     def resume(self) -> None:
@@ -238,7 +240,7 @@ class EngineApplier(FileApplier):
     ):
         self.engine, self.root, self.write, self.kv_on_update = engine, root, write, kv_on_update
         self.quantization = quantization
-        self.in_flight, self.update_s = in_flight, 0.0
+        self.in_flight, self.update_s, self.stage_s = in_flight, 0.0, 0.0
         self.paused_with: int | None = None
         self.step: int | None = None  # the step last written
         self.anchor_step: int | None = None
@@ -282,16 +284,10 @@ class EngineApplier(FileApplier):
         try:
             for data, path in zip(parts, files, strict=True):
                 path.write_bytes(data)
-            start = time.perf_counter()
-            self._paused([{**info, "kind": "stage"}], pause=False)
-            stage_s = time.perf_counter() - start
-            pause_s = self._write(info, "delta", sum(map(len, parts)))
+            return self._write(info, "delta", sum(map(len, parts)), stage={**info, "kind": "stage"})
         finally:
             for path in files:
                 path.unlink(missing_ok=True)
-        assert self.last_write is not None
-        self.last_write["stage_s"] = stage_s
-        return pause_s
 
     def fingerprint(self) -> int:
         """The fingerprint of the weights the workers hold, read back from their memory."""
@@ -333,21 +329,30 @@ class EngineApplier(FileApplier):
         quantized = {"quantization": self.quantization} if self.quantization else {}
         self.engine.init({"root": self.root, "write": self.write, **quantized})
 
-    def _paused(self, infos: list[dict], version: str | None = None, pause: bool = True) -> float:
-        """Pause, run the updates, finish (setting `version`) and resume; the seconds generation was paused.
-        A refused update resumes generation on the unchanged weights, unless the workers hold part of a
-        write: then generation stays paused until an anchor loads (`stuck`)."""
-        if pause:
-            self.engine.pause()
+    def _paused(
+        self, infos: list[dict], version: str | None = None, pause: bool = True, stage: dict | None = None
+    ) -> float:
+        """One update session: start, `stage` (checked and planned while generation goes on), pause, the
+        updates, finish (labelling the weights `version`; None keeps their label) and resume; the seconds
+        generation was paused (`pause` False: a read, the seconds it took). A refused update resumes
+        generation on the unchanged weights, unless the workers hold part of a write: then generation stays
+        paused until an anchor loads (`stuck`). Each call to the engine waits for the forward step under way:
+        one session, not one for the stage and one for the writes."""
         start = time.perf_counter()
-        self.paused_with = self.in_flight() if self.in_flight and pause else None
-        written = 0
+        self.paused_with, paused, written = None, False, 0
         try:
             self.engine.start()
+            if stage is not None:
+                self.engine.update(stage)
+                self.stage_s = time.perf_counter() - start
+            if pause:
+                self.engine.pause()
+                start, paused = time.perf_counter(), True
+                self.paused_with = self.in_flight() if self.in_flight else None
             for info in infos:
                 self.engine.update(info)
                 written += 1
-            self.engine.finish(version or self.version)
+            self.engine.finish(version)
             self.update_s = time.perf_counter() - start
             if pause and self.kv_on_update == "recompute":
                 self.engine.recompute_running()
@@ -359,7 +364,7 @@ class EngineApplier(FileApplier):
             self._close_refused_update()
             if compat.NOT_INITIALIZED in str(e):  # a server restarted on its own weights: the next try works
                 self._init()
-            if pause and not self.stuck:
+            if paused and not self.stuck:
                 self.engine.resume()
             elif self.stuck:
                 log.warning("generation stays paused until an anchor loads: %s", e)
@@ -371,7 +376,7 @@ class EngineApplier(FileApplier):
         except BaseException:
             self.stuck = True  # the call itself failed: the workers may hold part of the write
             raise
-        if pause:
+        if paused:
             self.engine.resume()
         return time.perf_counter() - start
 
@@ -379,7 +384,7 @@ class EngineApplier(FileApplier):
         """Close the update on the ranks that did not report the refusal (compat.reports_errors); the rank
         that did has closed it already and refuses this, as a single rank does."""
         try:
-            self.engine.finish(self.version)
+            self.engine.finish(None)
         except WriteRefused as e:
             if not compat.update_not_open(str(e)):
                 raise
@@ -401,9 +406,9 @@ class EngineApplier(FileApplier):
             raise WriteRefused(f"the server's workers wrote a malformed report: {text[:80]!r}")
         return answer
 
-    def _write(self, info: dict, kind: str, nbytes: int) -> float:
+    def _write(self, info: dict, kind: str, nbytes: int, stage: dict | None = None) -> float:
         step = info["step"]
-        pause_s = self._paused([info], str(step))
+        pause_s = self._paused([info], str(step), stage=stage)
         self.version, self.step, self.stuck = str(step), step, False
         self.last_write = {
             "step": step,
@@ -412,9 +417,11 @@ class EngineApplier(FileApplier):
             "write": self.write,
             "kv_on_update": self.kv_on_update,
             "requests_in_flight": self.paused_with,  # running when generation paused
-            "update_s": self.update_s,  # start, update and finish: the workers' write and its round trips
+            "update_s": self.update_s,  # update and finish: the workers' write and its round trips
             "pause_s": pause_s,
         }
+        if stage is not None:
+            self.last_write["stage_s"] = self.stage_s  # decoded, checked and planned before the pause
         return pause_s
 
 

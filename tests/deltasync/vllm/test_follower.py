@@ -108,7 +108,8 @@ class FakeEngine:
         self.calls.append("finish")
         if not self.active:
             raise WriteRefused("finish_weight_update called without a matching start_weight_update.")
-        self.active, self.version = False, version
+        self.active = False
+        self.version = self.version if version is None else version  # None: the label stays, as in vLLM
 
     def recompute_running(self):
         self.calls.append("recompute")
@@ -129,9 +130,9 @@ def test_each_step_is_one_paused_update_then_a_read_back(followed):
     subscriber.sync()
     assert_bitwise_equal(engine.state, states[-1])
     assert engine.version == "2" and applier.version == "2" and not engine.paused and not engine.active
-    delta = ["start", "update stage", "finish", "pause", "start", "update delta", "finish", "resume"]
+    delta = ["start", "update stage", "pause", "update delta", "finish", "resume"]
     delta += ["start", "update fingerprint", "finish"]
-    # Checked and read back while generation goes on; paused for the writes only.
+    # One update session: checked, then paused for the writes only; read back while generation goes on.
     assert engine.calls[-len(delta) :] == delta
     assert applier.readback["step"] == 2 and applier.last_write["kind"] == "delta"
     assert applier.last_write["bytes"] > 0 and applier.last_write["pause_s"] >= 0
@@ -182,7 +183,7 @@ def test_a_write_left_in_part_keeps_generation_paused_until_an_anchor_loads(foll
     with pytest.raises(SyncError, match="CUDA out of memory"):
         subscriber.sync()
     # Mixed weights, still labelled step 1: no request may run on them.
-    assert engine.calls[-4:] == ["pause", "start", "update delta", "finish"] and "resume" not in engine.calls
+    assert engine.calls[-3:] == ["pause", "update delta", "finish"] and "resume" not in engine.calls
     assert engine.paused and applier.stuck and engine.version == "1"
     engine.tear = None
     engine.calls.clear()
