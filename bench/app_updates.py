@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 
 from deltasync import telemetry
 from deltasync.sync.publisher import Publisher, PublisherConfig
-from trainer.processes import free_port, serving, start_process, stop_process, wait_healthy
+from trainer.processes import free_port, log_tail, serving, start_process, stop_process, wait_healthy
 
 REPO = Path(__file__).resolve().parent.parent
 REPLICA = "bench"
@@ -107,7 +107,8 @@ def replica(kind: str, model: Path, root: Path, core: int, streams: int, logs: P
             env = {"MODEL": str(model), "SYNC_ROOT": str(root), "REPLICA_ID": REPLICA}
             app = [sys.executable, "spaces/inference/app.py"]
             env["ENGINE_ARGS"] = " ".join(engine_args)
-            url = stack.enter_context(serving(app, logs / "app.log", env, 600, cwd=REPO, cpus=[core]))
+            log = logs / "app.log"
+            url = stack.enter_context(serving(app, log, env, 600, cwd=REPO, cpus=[core]))
             in_flight: Callable[[str], int] = app_in_flight
         else:
             url = f"http://127.0.0.1:{free_port()}"
@@ -120,14 +121,15 @@ def replica(kind: str, model: Path, root: Path, core: int, streams: int, logs: P
             stack.callback(stop_process, vllm, 30)
             wait_healthy(vllm, f"{url}/health", logs / "vllm.log", 600)
             follow = [sys.executable, "-m", "deltasync.cli", "follow", str(root), "--vllm-url", url]
-            follower = start_process([*follow, "--replica", REPLICA], logs / "follow.log", None, REPO, [core])
+            log = logs / "follow.log"
+            follower = start_process([*follow, "--replica", REPLICA], log, None, REPO, [core])
             stack.callback(stop_process, follower, 30)
             in_flight = vllm_in_flight
         first = root / telemetry.REPLICAS_DIR / REPLICA / "step-00000000.json"
         deadline = time.time() + 300
         while not first.exists():
             if time.time() > deadline:
-                raise SystemExit(f"the replica applied no step in 300 s: its logs are in {logs}")
+                raise SystemExit(f"no step applied in 300 s; the end of the replica's log:\n{log_tail(log)}")
             time.sleep(1)
         yield url, in_flight
 
