@@ -100,7 +100,8 @@ def vllm_in_flight(url: str) -> int:
 
 @contextmanager
 def replica(kind: str, model: Path, root: Path, core: int, streams: int, logs: Path) -> Iterator[tuple]:
-    """The replica on `core`, at the root's first step: (its URL, how many requests it is answering)."""
+    """The replica on `core`, at the root's first step: (its URL, how many requests it is answering, its
+    log)."""
     engine_args = ["--enforce-eager", "--max-model-len", "8192", "--max-num-seqs", str(streams)]
     with ExitStack() as stack:
         if kind == "app":
@@ -125,13 +126,21 @@ def replica(kind: str, model: Path, root: Path, core: int, streams: int, logs: P
             follower = start_process([*follow, "--replica", REPLICA], log, None, REPO, [core])
             stack.callback(stop_process, follower, 30)
             in_flight = vllm_in_flight
-        first = root / telemetry.REPLICAS_DIR / REPLICA / "step-00000000.json"
-        deadline = time.time() + 300
-        while not first.exists():
-            if time.time() > deadline:
-                raise SystemExit(f"no step applied in 300 s; the end of the replica's log:\n{log_tail(log)}")
-            time.sleep(1)
-        yield url, in_flight
+        wait_for_step(root, 0, log)
+        yield url, in_flight, log
+
+
+def wait_for_step(root: Path, step: int, log: Path, timeout_s: float = 300) -> None:
+    """Until the replica's telemetry record of `step` is written; SystemExit with the end of its `log`
+    (whose temporary folder goes with the run) when it is not within `timeout_s`."""
+    record = root / telemetry.REPLICAS_DIR / REPLICA / f"step-{step:08d}.json"
+    deadline = time.time() + timeout_s
+    while not record.exists():
+        if time.time() > deadline:
+            raise SystemExit(
+                f"no step {step} from the replica in {timeout_s:g} s; its log ends:\n{log_tail(log)}"
+            )
+        time.sleep(0.2)
 
 
 def applied(root: Path) -> list[telemetry.ReplicaRecord]:
@@ -188,11 +197,12 @@ def main() -> None:
             publisher.publish(params)
 
         try:
-            with replica(args.replica, model, root, core, args.streams, Path(tmp)) as (url, in_flight):
+            with replica(args.replica, model, root, core, args.streams, Path(tmp)) as (url, in_flight, log):
                 print(f"{args.replica} on core {core}, this process on {own}: {args.streams} streams")
                 ratios = rounds(url, in_flight, str(model), args, publish)
-                time.sleep(3)  # the last step's record
-                records, head = applied(root), publisher.head
+                head = publisher.head
+                wait_for_step(root, head.step if head else 0, log)
+                records = applied(root)
         finally:
             publisher.close()
         mean, spread = statistics.mean(ratios), 2 * statistics.stdev(ratios) / len(ratios) ** 0.5
